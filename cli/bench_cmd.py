@@ -1,0 +1,80 @@
+"""`brisk bench`: prompt-processing and generation speed, like llama-bench."""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import common as c
+from .main import app
+
+
+def _list(value: str, cast=str) -> list:
+    from ..core.errors import BriskError
+
+    try:
+        return [cast(v.strip()) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise BriskError(f"bad list {value!r}") from None
+
+
+@app.command()
+def bench(
+    model_pos: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="Model (default: embedded SmolLM2)."),
+    model: Optional[str] = c.ModelArg,
+    n_prompt: str = typer.Option("512", "-p", "--n-prompt", help="Prompt lengths to time (comma list; 0 skips)."),
+    n_gen: str = typer.Option("128", "-n", "--n-gen", help="Generated token counts to time (comma list; 0 skips)."),
+    reps: int = typer.Option(5, "-r", "--repetitions", help="Timed repetitions after a warm-up.", min=1),
+    device: str = typer.Option("auto", "--device", help="Comma list of devices."),
+    dtype: str = typer.Option("auto", "--dtype", help="Comma list of dtypes, one row each."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: torch's)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+    as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV."),
+):
+    """Measure prompt processing (pp) and token generation (tg) speed, first-token time and memory.
+
+    Each tok/s is the median over -r runs ± half their range; GB/s is model bytes x tg tok/s.
+    """
+    import torch
+
+    from ..core import benchmark
+    from ..core.engine import LLM
+
+    with c.user_errors():
+        from ..core.errors import BriskError
+
+        if model and model_pos:
+            raise BriskError("model given twice (positional and --model)")
+        if threads:
+            torch.set_num_threads(threads)
+        rows = []
+        pps, tgs = _list(n_prompt, int), _list(n_gen, int)
+        for dev in _list(device):
+            for dt in _list(dtype):
+                llm = LLM.load(model or model_pos, device=dev, dtype=dt,
+                               ctx=max(pps + tgs + [16]) + 1)
+                for p in pps:
+                    rows += benchmark.run(llm, p, 0, reps)
+                for n in tgs:
+                    rows += benchmark.run(llm, 0, n, reps)
+                del llm
+    if as_json:
+        print(json.dumps([r.to_dict() for r in rows], indent=1))
+    elif as_csv:
+        w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0].to_dict()) if rows else [])
+        w.writeheader()
+        for r in rows:
+            w.writerow(r.to_dict())
+    else:
+        t = Table(title=f"brisk bench · {torch.get_num_threads()} threads")
+        for col in ("model", "device", "dtype", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB"):
+            t.add_column(col, justify="right" if col not in ("model", "device", "dtype", "test") else "left")
+        for r in rows:
+            t.add_row(r.model, r.device, r.dtype, r.test, f"{r.tok_s:.1f} ± {r.spread:.1f}", f"{r.ttft_s:.3f}",
+                      f"{r.model_bytes / 1e6:.0f}", f"{r.gb_s:.1f}", f"{r.peak_mem_bytes / 1e6:.0f}")
+        Console().print(t)

@@ -1,0 +1,126 @@
+"""`brisk chat`: a terminal conversation that keeps the KV cache across turns."""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from . import common as c
+from .main import app
+
+HELP = ("/reset  forget the conversation · /system TEXT  set the system message · /save FILE · "
+        "/load FILE · /stats · /exit (or Ctrl-D). Ctrl-C stops an answer.")
+
+
+@app.command()
+def chat(
+    model_pos: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="Model (default: embedded SmolLM2)."),
+    model: Optional[str] = c.ModelArg,
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="System message."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per answer.", min=1),
+    temperature: Optional[float] = c.TempOpt,
+    top_k: Optional[int] = c.TopKOpt,
+    top_p: Optional[float] = c.TopPOpt,
+    min_p: Optional[float] = c.MinPOpt,
+    repetition_penalty: float = c.RepOpt,
+    seed: Optional[int] = c.SeedOpt,
+    stop: Optional[List[str]] = c.StopOpt,
+    device: str = c.DeviceOpt,
+    dtype: str = c.DtypeOpt,
+    ctx: Optional[int] = c.CtxOpt,
+):
+    """Chat with a model in the terminal, using its own chat template.
+
+    Reads lines from stdin when it is not a terminal (one user turn per line).
+    """
+    from ..core.chat import Chat
+    from ..core.errors import BriskError
+
+    interactive = sys.stdin.isatty()
+    out = Console(highlight=False, soft_wrap=True)
+    with c.user_errors():
+        if model and model_pos:
+            raise BriskError("model given twice (positional and --model)")
+        c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        llm = c.load_llm(model or model_pos, device, dtype, ctx)
+        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
+    if interactive:
+        out.print(f"[bold]{llm.name}[/bold] on {llm.device} ({str(llm.dtype).removeprefix('torch.')}), "
+                  f"context {llm.ctx}. {HELP}", style="dim")
+    while True:
+        try:
+            line = input(">>> ") if interactive else sys.stdin.readline()
+        except EOFError:
+            line = ""
+        except KeyboardInterrupt:
+            out.print()
+            continue
+        if line == "" and not interactive or (interactive and line is None):
+            break  # EOF
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            if not _command(line, conv, out):
+                break
+            continue
+        try:
+            with c.user_errors():
+                answer = conv.send(line)
+                try:
+                    for piece in answer:
+                        out.print(piece, end="", markup=False)
+                except KeyboardInterrupt:
+                    answer.close()
+                    out.print(" [interrupted]", style="dim", end="")
+        except typer.Exit:
+            continue  # the error was printed; the session goes on
+        out.print()
+        if conv.last_dropped:
+            out.print(f"(dropped the {conv.last_dropped} oldest turn(s) to fit the context)", style="dim")
+
+
+def _command(line: str, conv, out: Console) -> bool:
+    """Run a /command; False means leave the session."""
+    from ..core.errors import BriskError
+
+    cmd, _, arg = line.partition(" ")
+    arg = arg.strip()
+    try:
+        if cmd in ("/exit", "/quit", "/bye"):
+            return False
+        elif cmd == "/reset":
+            conv.reset()
+            out.print("(conversation cleared)", style="dim")
+        elif cmd == "/system":
+            conv.set_system(arg)
+            out.print(f"(system message {'set' if arg else 'cleared'})", style="dim")
+        elif cmd == "/save":
+            if not arg:
+                raise BriskError("/save needs a file name")
+            conv.save(arg)
+            out.print(f"(saved {len(conv.messages)} messages to {arg})", style="dim")
+        elif cmd == "/load":
+            if not arg:
+                raise BriskError("/load needs a file name")
+            conv.load(arg)
+            out.print(f"(loaded {len(conv.messages)} messages from {arg})", style="dim")
+        elif cmd == "/stats":
+            r = conv.session.last
+            t = conv.totals
+            msg = (f"turns {t['turns']} · prompt tokens {t['prompt_tokens']} · prefilled {t['prefilled_tokens']} "
+                   f"· generated {t['generated_tokens']} · cached {conv.session.cache.length}/{conv.session.cache.max_len}")
+            if r is not None:
+                msg += (f"\nlast answer: {len(r.tokens)} tokens, prefill {r.prefilled_tokens} tokens at "
+                        f"{r.prefill_tps:.1f} tok/s, decode {r.decode_tps:.1f} tok/s, first token {r.ttft_s:.2f} s")
+            out.print(msg, style="dim", markup=False)
+        elif cmd in ("/help", "/?"):
+            out.print(HELP, style="dim")
+        else:
+            raise BriskError(f"unknown command {cmd}; {HELP}")
+    except BriskError as e:
+        out.print(f"error: {e}", style="red", markup=False)
+    return True

@@ -1,0 +1,62 @@
+"""Options and helpers shared by the subcommands."""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from ..core.errors import BriskError
+
+err_console = Console(stderr=True, highlight=False)
+
+ModelArg = typer.Option(None, "--model", "-m", help="Model: HF folder, hub id, .gguf file (default: embedded SmolLM2).")
+DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fastest on CPU)")
+CtxOpt = typer.Option(None, "--ctx", help="Context length to allocate (default: min(4096, model's)).", min=16)
+TempOpt = typer.Option(None, "--temperature", "-t", help="0 = greedy. Default: the model's generation config, else 0.8.")
+TopKOpt = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off). Default 40.")
+TopPOpt = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off). Default 0.95.")
+MinPOpt = typer.Option(None, "--min-p", help="Drop tokens below min-p x the top probability (0 = off). Default 0.05.")
+RepOpt = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeats (1 = off).")
+SeedOpt = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output.")
+MaxTokOpt = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate.", min=1)
+StopOpt = typer.Option(None, "--stop", help="Stop when this text appears (repeatable); it is not printed.")
+
+
+@contextlib.contextmanager
+def user_errors():
+    """BriskError -> 'error: ...' on stderr and exit 1, never a traceback."""
+    try:
+        yield
+    except BriskError as e:
+        err_console.print(f"[red]error:[/red] {e}", soft_wrap=True, markup=True) if sys.stderr.isatty() \
+            else print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed):
+    """Flags override the model's generation_config.json, which overrides brisk's defaults."""
+    from ..core.sampling import SamplingParams
+
+    gen = llm.checkpoint.generation if llm is not None else {}
+    d = SamplingParams()
+    pick = lambda flag, key, default: flag if flag is not None else gen.get(key, default)  # noqa: E731
+    if llm is not None and gen.get("do_sample") is False and temperature is None:
+        temperature = 0.0
+    return SamplingParams(
+        temperature=float(pick(temperature, "temperature", d.temperature)),
+        top_k=int(pick(top_k, "top_k", d.top_k)), top_p=float(pick(top_p, "top_p", d.top_p)),
+        min_p=float(pick(min_p, "min_p", d.min_p)), repetition_penalty=float(repetition_penalty),
+        seed=seed).validate()
+
+
+def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], quiet: bool = False):
+    from ..core.engine import LLM
+
+    if quiet or not sys.stderr.isatty():
+        return LLM.load(model, device=device, dtype=dtype, ctx=ctx)
+    with err_console.status(f"loading {model or 'default model'}…", spinner="dots"):
+        return LLM.load(model, device=device, dtype=dtype, ctx=ctx)

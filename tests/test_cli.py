@@ -1,0 +1,158 @@
+"""The command line, through Typer's runner and as a real subprocess; bad inputs fail cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from brisk.cli.main import app
+
+runner = CliRunner()
+BRISK = [sys.executable, "-c", "from brisk.cli.main import run; run()"]
+
+
+def brisk(*args, input=None, timeout=300):
+    return subprocess.run(BRISK + list(args), input=input, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def assert_clean_error(r, *words):
+    assert r.returncode != 0
+    err = r.stderr.strip()
+    assert "Traceback" not in r.stderr + r.stdout
+    assert len(err.splitlines()) == 1, err
+    for w in words:
+        assert w.lower() in err.lower(), err
+
+
+def test_version_and_help():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("brisk ")
+    for cmd in ("generate", "chat", "bench"):
+        r = runner.invoke(app, [cmd, "--help"])
+        assert r.exit_code == 0 and "--device" in r.output
+
+
+def test_generate_runner_json(tiny_llama_dir):
+    r = runner.invoke(app, ["generate", str(tiny_llama_dir), "hello", "--temperature", "0", "-n", "6", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["generated_tokens"] <= 6 and out["prompt_tokens"] > 0
+    assert {"text", "decode_tok_s", "prefill_tok_s", "ttft_s"} <= out.keys()
+
+
+def test_generate_stdin_and_file(tiny_llama_dir, tmp_path):
+    a = brisk("generate", str(tiny_llama_dir), "--temperature", "0", "-n", "5", "--raw", input="The fox")
+    f = tmp_path / "p.txt"
+    f.write_text("The fox")
+    b = brisk("generate", "-m", str(tiny_llama_dir), "--file", str(f), "--temperature", "0", "-n", "5", "--raw")
+    c = brisk("generate", str(tiny_llama_dir), "The fox", "--temperature", "0", "-n", "5", "--raw")
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr + b.stderr + c.stderr
+    assert a.stdout == b.stdout == c.stdout and a.stdout.strip()
+
+
+@pytest.mark.slow
+def test_generate_default_model_subprocess():
+    r = brisk("generate", "What is the capital of France?", "--temperature", "0", "-n", "20")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_chat_piped_with_commands(tiny_llama_dir, tmp_path):
+    save = tmp_path / "conv.json"
+    lines = f"hello\n/stats\nagain\n/save {save}\n/reset\n/stats\n/bogus\n"
+    r = brisk("chat", str(tiny_llama_dir), "--temperature", "0", "-n", "5", input=lines)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    saved = json.loads(save.read_text())
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert "prefilled" in r.stdout and "unknown command" in r.stdout
+
+
+def test_bench_json(tiny_llama_dir):
+    r = runner.invoke(app, ["bench", str(tiny_llama_dir), "-p", "16", "-n", "8", "-r", "2", "--json",
+                            "--dtype", "float32,bfloat16"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert [(x["dtype"], x["test"]) for x in rows] == [("float32", "pp16"), ("float32", "tg8"),
+                                                         ("bfloat16", "pp16"), ("bfloat16", "tg8")]
+    assert all(x["tok_s"] > 0 and x["model_bytes"] > 0 for x in rows)
+    r = runner.invoke(app, ["bench", str(tiny_llama_dir), "-p", "8", "-n", "4", "-r", "1", "--csv"])
+    assert r.exit_code == 0 and r.stdout.startswith("model,")
+
+
+# ------------------------------------------------------------------ bad inputs
+
+def test_missing_path():
+    assert_clean_error(brisk("generate", "-m", "/no/such/model.gguf", "hi"), "no such file")
+
+
+def test_truncated_safetensors(tiny_llama_dir, tmp_path):
+    bad = tmp_path / "trunc"
+    shutil.copytree(tiny_llama_dir, bad)
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    assert_clean_error(brisk("generate", str(bad), "hi"), "safetensors")
+
+
+def test_corrupt_gguf_header(tiny_gguf_path, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    data = bytearray(tiny_gguf_path.read_bytes()[:4096])
+    data[8:16] = b"\xff" * 8  # absurd tensor count
+    bad.write_bytes(bytes(data))
+    assert_clean_error(brisk("generate", str(bad), "hi"), "gguf")
+    notgguf = tmp_path / "x.gguf"
+    notgguf.write_bytes(b"hello world, not a model")
+    assert_clean_error(brisk("generate", str(notgguf), "hi"), "gguf")
+
+
+def test_unknown_architecture(tiny_llama_dir, tmp_path):
+    bad = tmp_path / "arch"
+    shutil.copytree(tiny_llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "mamba", ["MambaForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(brisk("generate", str(bad), "hi"), "unsupported architecture", "llama", "gemma3")
+
+
+def test_empty_prompt(tiny_llama_dir):
+    assert_clean_error(brisk("generate", str(tiny_llama_dir), "   "), "empty")
+
+
+def test_prompt_over_context(tiny_llama_dir):
+    r = brisk("generate", str(tiny_llama_dir), "fox " * 300, "--raw", "--ctx", "64")
+    assert_clean_error(r, "context")
+
+
+@pytest.mark.parametrize("flags,word", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top-p"),
+                                        (["--min-p", "2"], "min-p"), (["--top-k", "-5"], "top-k")])
+def test_invalid_sampling_values(tiny_llama_dir, flags, word):
+    assert_clean_error(brisk("generate", str(tiny_llama_dir), "hi", *flags), word)
+
+
+def test_bad_device_and_dtype(tiny_llama_dir):
+    assert_clean_error(brisk("generate", str(tiny_llama_dir), "hi", "--dtype", "float8"), "dtype")
+    if not __import__("torch").cuda.is_available():
+        assert_clean_error(brisk("generate", str(tiny_llama_dir), "hi", "--device", "cuda"), "cuda")
+
+
+def test_pickle_weights_are_not_unpickled(tiny_llama_dir, tmp_path):
+    bad = tmp_path / "pickle"
+    bad.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_dir / f, bad / f)
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path}/pwned",))
+
+    (bad / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Evil()}))
+    assert_clean_error(brisk("generate", str(bad), "hi"), "refused")
+    assert not (tmp_path / "pwned").exists()

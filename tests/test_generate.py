@@ -1,0 +1,147 @@
+"""Generation behaviour: greedy answers, sampling, seeds, stop strings, chat cache reuse."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from brisk.core import GREEDY, LLM, BriskError, Chat, SamplingParams, Session
+from brisk.core.generate import StopMatcher
+from brisk.core.sampling import probabilities
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
+
+
+@pytest.mark.slow
+def test_smollm2_knows_the_capital_of_france(smollm2):
+    res = smollm2.generate("What is the capital of France?", GREEDY, max_tokens=24)
+    assert "Paris" in res.text
+    assert res.finish_reason in ("eos", "length")
+
+
+def test_streamed_text_equals_decoded_tokens(tiny):
+    s = Session(tiny)
+    pieces = list(s.stream(tiny.prompt_ids("hello", raw=True), GREEDY, max_tokens=20))
+    assert "".join(pieces) == s.last.text == tiny.tokenizer.decode(s.last.tokens, skip_special=True)
+
+
+def test_greedy_matches_argmax_of_full_recomputation(tiny):
+    ids = tiny.prompt_ids("The quick brown fox", raw=True)
+    s = Session(tiny)
+    list(s.stream(ids, GREEDY, max_tokens=12))
+    seq = list(ids)
+    for tok in s.last.tokens:
+        assert int(tiny.logits(seq)[-1].argmax()) == tok
+        seq.append(tok)
+
+
+def test_same_seed_same_output_different_seed_differs(tiny):
+    p = tiny.prompt_ids("Paris is", raw=True)
+    runs = [Session(tiny) for _ in range(3)]
+    outs = []
+    for s, seed in zip(runs, (7, 7, 8)):
+        list(s.stream(p, SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed), 30))
+        outs.append(s.last.tokens)
+    assert outs[0] == outs[1]
+    assert outs[0] != outs[2]
+
+
+def test_probabilities_truncation():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    full = torch.softmax(logits, -1)
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0))
+    assert torch.allclose(p[:2], full[:2] / full[:2].sum()) and p[2:].sum() == 0
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=0, top_p=0.7, min_p=0.0))
+    assert (p > 0).sum() == 2  # 0.64 < 0.7, so the second token is needed too
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.3))
+    assert (p > 0).sum() == 2  # e^-1 = 0.37 >= 0.3, e^-2 < 0.3
+    hot = probabilities(logits, SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0))
+    assert torch.allclose(hot, torch.softmax(logits / 0.5, -1))
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1.0),
+                                 dict(top_k=-3), dict(repetition_penalty=0)])
+def test_invalid_sampling_values_are_refused(bad):
+    with pytest.raises(BriskError):
+        SamplingParams(**bad).validate()
+
+
+def test_stop_matcher_never_leaks_a_stop_string():
+    m = StopMatcher(["STOP", "\n\n"])
+    out, stopped = "", False
+    for piece in ["hello S", "TO", "P after"]:
+        text, stopped = m.feed(piece)
+        out += text
+        if stopped:
+            break
+    assert stopped and out == "hello "
+    m = StopMatcher(["STOP"])
+    assert m.feed("ST") == ("", False) and m.feed("ay") == ("STay", False)
+
+
+def test_generation_stops_at_stop_string(tiny):
+    p = tiny.prompt_ids("The", raw=True)
+    s = Session(tiny)
+    full = "".join(s.stream(p, GREEDY, max_tokens=30))
+    assert len(full) > 6
+    stop = full[3:6]
+    s2 = Session(tiny)
+    cut = "".join(s2.stream(p, GREEDY, max_tokens=30, stop=[stop]))
+    assert cut == full[:full.index(stop)] and s2.last.finish_reason == "stop"
+
+
+def test_prompt_over_context_is_refused(tiny_llama_dir):
+    llm = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32", ctx=32)
+    with pytest.raises(BriskError, match="context"):
+        list(Session(llm).stream(list(range(3, 40)), GREEDY, 4))
+    with pytest.raises(BriskError, match="empty"):
+        llm.prompt_ids("   ")
+
+
+def test_max_tokens_respected(tiny):
+    s = Session(tiny)
+    list(s.stream(tiny.prompt_ids("a", raw=True), GREEDY, max_tokens=5))
+    assert len(s.last.tokens) <= 5
+
+
+def test_chat_second_turn_prefills_only_new_tokens(tiny):
+    chat = Chat(tiny, sampling=GREEDY, max_tokens=8)
+    first = "".join(chat.send("hello there"))
+    r1 = chat.session.last
+    assert r1.prefilled_tokens == r1.prompt_tokens
+    cached_before = chat.session.cache.length
+    "".join(chat.send("and again"))
+    r2 = chat.session.last
+    # The whole first exchange was reused: only the tokens after it were run.
+    assert r2.prompt_tokens > r1.prompt_tokens + len(r1.tokens)
+    assert r2.prefilled_tokens < r2.prompt_tokens - cached_before + 4
+    assert r2.prefilled_tokens <= r2.prompt_tokens - r1.prompt_tokens
+    # and the answer is what a fresh session would give for the same conversation
+    fresh = Session(tiny)
+    ids = tiny.tokenizer.encode(tiny.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first},
+         {"role": "user", "content": "and again"}]), add_special=False)
+    list(fresh.stream(ids, GREEDY, 8))
+    assert fresh.last.tokens == r2.tokens
+
+
+def test_chat_drops_oldest_turns_to_fit(tiny_llama_dir):
+    llm = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32", ctx=96)
+    chat = Chat(llm, sampling=GREEDY, max_tokens=8)
+    for i in range(8):
+        "".join(chat.send(f"turn {i} the quick brown fox jumps"))
+    assert chat.dropped > 0 and chat.messages[-2]["content"].startswith("turn 7")
+
+
+def test_chat_save_load_roundtrip(tiny, tmp_path):
+    chat = Chat(tiny, system="be brief", sampling=GREEDY, max_tokens=4)
+    "".join(chat.send("hi"))
+    chat.save(tmp_path / "c.json")
+    other = Chat(tiny, sampling=GREEDY)
+    other.load(tmp_path / "c.json")
+    assert other.messages == chat.messages and other.system == "be brief"
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(BriskError):
+        other.load(tmp_path / "bad.json")
