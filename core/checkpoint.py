@@ -191,13 +191,31 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_cache_path(path: Path) -> Path:
+def _gguf_cache_dir(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:24]
-    return CACHE_DIR / "gguf" / f"{key}.safetensors"
+    return CACHE_DIR / "gguf" / key
 
 
 def load_gguf(name: str, path: Path) -> Checkpoint:
+    """Dequantize a GGUF once; later loads read the converted copy (safetensors, memory-mapped,
+    tokenizer.json) and never parse the GGUF again: that is what makes a warm start fast."""
+    from .tokenizer import Tokenizer
+
+    cached = _gguf_cache_dir(path)
+    if (cached / "brisk.json").exists():
+        info = _read_json(cached / "brisk.json")
+        cfg = ModelConfig(**info["config"])
+        tensors = _load_safetensors(cached / "model.safetensors")
+        tok = Tokenizer.from_hf_folder(cached)
+    else:
+        cfg, tensors, tok = _convert_gguf(path)
+        _save_cache(cached, cfg, tensors, tok)
+    extra = {"rope_freqs": tensors.pop("rope_freqs")} if "rope_freqs" in tensors else {}
+    return Checkpoint(name, "gguf", path, cfg, tensors, tok, {}, extra)
+
+
+def _convert_gguf(path: Path):
     from .gguf_file import load_tensor, open_gguf, read_metadata
     from .tokenizer import Tokenizer
 
@@ -206,42 +224,42 @@ def load_gguf(name: str, path: Path) -> Checkpoint:
     arch = meta.get("general.architecture", "")
     tok = Tokenizer.from_gguf_metadata(meta)
     cfg = config_mod.from_gguf_metadata(meta, tok.vocab_size)
-    cached = _gguf_cache_path(path)
-    tensors = _load_safetensors(cached) if cached.exists() else None
-    if tensors is None:
-        tensors = {}
-        for t in reader.tensors:
-            hf = gguf_to_hf_name(t.name, arch)
-            if hf is None:
-                if t.name == "rope_freqs.weight":
-                    tensors["rope_freqs"] = load_tensor(t)
-                continue
-            w = load_tensor(t)
-            if arch != "gemma3" and hf.endswith(("q_proj.weight", "q_proj.bias")):
-                w = _unpermute(w, cfg.n_heads)
-            elif arch != "gemma3" and hf.endswith(("k_proj.weight", "k_proj.bias")):
-                w = _unpermute(w, cfg.n_kv_heads)
-            if arch == "gemma3" and hf.endswith("norm.weight"):
-                w = w - 1.0  # llama.cpp bakes Gemma's (1 + w) into the stored norm weights
-            tensors[hf] = w
-        _save_atomic(tensors, cached)
-    extra = {"rope_freqs": tensors.pop("rope_freqs")} if "rope_freqs" in tensors else {}
+    tensors = {}
+    for t in reader.tensors:
+        hf = gguf_to_hf_name(t.name, arch)
+        if hf is None:
+            if t.name == "rope_freqs.weight":
+                tensors["rope_freqs"] = load_tensor(t)
+            continue
+        w = load_tensor(t)
+        if arch != "gemma3" and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute(w, cfg.n_heads)
+        elif arch != "gemma3" and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute(w, cfg.n_kv_heads)
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp bakes Gemma's (1 + w) into the stored norm weights
+        tensors[hf] = w
     if "lm_head.weight" not in tensors:
         cfg.tie_embeddings = True
-    return Checkpoint(name, "gguf", path, cfg, tensors, tok, {}, extra)
+    return cfg, tensors, tok
 
 
-def _save_atomic(tensors: dict[str, torch.Tensor], dest: Path) -> None:
-    """Cache converted weights; a failure here only costs speed next time."""
+def _save_cache(dest: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tok) -> None:
+    """Write the converted model to a temporary sibling, then rename: never half a cache.
+    A failure here (read-only home, full disk) only costs speed next time."""
+    import shutil
+
     from safetensors.torch import save_file
 
+    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_suffix(f".tmp{os.getpid()}")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        tok.save(tmp)
+        (tmp / "brisk.json").write_text(json.dumps({"config": cfg.to_dict()}))
         os.replace(tmp, dest)
     except OSError:
-        pass
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_checkpoint(name: str | None) -> Checkpoint:

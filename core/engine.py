@@ -117,4 +117,4 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
         net.rope_factors = ckpt.extra["rope_freqs"]
     if cfg.tie_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
-    return net.eval()
+    return net.eval().requires_grad_(False)

@@ -21,7 +21,8 @@ class Linear(nn.Linear):
     _np = (None, None)  # (weight, its NumPy view), made on first use: weights load after init
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2] == 1 and x.dim() == 3 and x.shape[0] == 1 and blas.usable(self.weight):
+        if x.shape[-2] == 1 and x.dim() == 3 and x.shape[0] == 1 and blas.usable(self.weight) \
+                and not x.requires_grad:
             if self._np[0] is not self.weight:  # object.__setattr__: not a registered parameter
                 object.__setattr__(self, "_np", (self.weight, self.weight.detach().numpy()))
             y = blas.gemv(x, self._np[1])

@@ -12,13 +12,20 @@ def _hf_model(path):
 
     if path.is_file():  # transformers dequantizes GGUF weights itself: an independent reader
         return tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                       torch_dtype=torch.float32).eval()
-    return tf.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+                                                       dtype=torch.float32).eval()
+    return tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def _hf_greedy(hf, ids: list[int], steps: int) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
-    return out[0, len(ids):].tolist()
+    """HF's own cached greedy loop, EOS included (generate() would stop or mask it)."""
+    out, past, x = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(steps):
+            r = hf(x, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            out.append(int(r.logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+    return out
 
 
 def _brisk_greedy(llm, ids: list[int], steps: int) -> list[int]:

@@ -1,0 +1,298 @@
+"""Text <-> token ids, chat templates and streaming decode, over a HF `tokenizers.Tokenizer`.
+
+The model's own tokenizer is the reference: a GGUF's vocabulary is rebuilt by gguf_tokenizer.py,
+a HF folder's tokenizer.json is used as it is. BOS is added here rather than by the
+tokenizer.json's post-processor, so both sources follow one rule.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from pathlib import Path
+
+import tokenizers
+
+from .errors import BriskError
+
+# Spellings of special tokens that end a turn: generation stops on them too, as llama.cpp does,
+# because chat models end an answer with these rather than with their EOS token.
+_END_OF_TURN = {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+                "<|endoftext|>", "<|end_of_text|>", "<|return|>", "<EOT>"}
+_BRISK_EOS_KEY = "brisk_eos_token_ids"  # extra tokenizer_config.json key written by save()
+
+
+class Tokenizer:
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int | None = None,
+                 eos_id: int | None = None, eos_ids=(), add_bos: bool = False,
+                 chat_template: str | None = None):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.add_bos = bool(add_bos) and bos_id is not None
+        self.chat_template = chat_template or None
+        self.bos_token = backend.id_to_token(bos_id) if bos_id is not None else None
+        self.eos_token = backend.id_to_token(eos_id) if eos_id is not None else None
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        # ids that decode(skip_special=True) drops: the added tokens flagged special
+        specials = {i: t.content for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self.special_ids = set(specials)
+        # ids that end generation: EOS, the extra ones given, and end-of-turn special tokens
+        self.eos_ids: set[int] = {i for i in (eos_id, *eos_ids) if i is not None}
+        self.eos_ids |= {i for i, text in specials.items() if text in _END_OF_TURN}
+        self._template = None  # compiled lazily: most runs never render one
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
+        from .gguf_tokenizer import build_tokenizer
+
+        backend = build_tokenizer(meta)
+        n_tokens = len(meta["tokenizer.ggml.tokens"])
+
+        def token_id(key):
+            i = meta.get(key)
+            return i if isinstance(i, int) and 0 <= i < n_tokens else None
+
+        eos_ids = {token_id(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")}
+        # llama.cpp's default: SentencePiece vocabularies want BOS, byte-level BPE ones do not
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+        return cls(backend, bos_id=token_id("tokenizer.ggml.bos_token_id"),
+                   eos_id=token_id("tokenizer.ggml.eos_token_id"), eos_ids=eos_ids,
+                   add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
+        """A HF model/tokenizer folder (also what save() writes)."""
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise BriskError(f"{path}: no tokenizer.json (brisk needs the 'fast' tokenizer file; "
+                             "re-save the tokenizer with transformers to create it)")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tj))
+        except Exception as e:
+            raise BriskError(f"{tj}: unreadable tokenizer ({e})") from None
+        cfg = _read_json(path / "tokenizer_config.json")
+        smap = _read_json(path / "special_tokens_map.json")
+        gen = _read_json(path / "generation_config.json")
+
+        def token_id(name):
+            text = _token_text(cfg.get(name)) or _token_text(smap.get(name))
+            return backend.token_to_id(text) if text else None
+
+        bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
+        if bos_id is None and isinstance(gen.get("bos_token_id"), int):
+            bos_id = gen["bos_token_id"]
+        extra = gen.get("eos_token_id", [])
+        eos_ids = set(extra if isinstance(extra, list) else [extra]) | set(cfg.get(_BRISK_EOS_KEY, []))
+        if eos_id is None and eos_ids:
+            eos_id = min(eos_ids)
+        add_bos = cfg.get("add_bos_token")
+        if not isinstance(add_bos, bool):
+            # No flag: transformers then goes by the tokenizer.json post-processor. An EOS the
+            # post-processor may append is ignored: a prompt to continue must not end with one.
+            with_special = backend.encode("", add_special_tokens=True).ids
+            add_bos = bos_id is not None and with_special[:1] == [bos_id]
+        return cls(backend, bos_id=bos_id, eos_id=eos_id, eos_ids=eos_ids, add_bos=add_bos,
+                   chat_template=_chat_template(path, cfg))
+
+    def save(self, folder: str | Path) -> None:
+        """Write a HF-style tokenizer folder that from_hf_folder() loads back, faster than a
+        GGUF vocabulary is rebuilt: a cache for big SentencePiece vocabularies (Gemma 3:
+        1.8 s to build, 0.5 s to reload). Saving itself takes a few seconds there."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        data = json.loads(self.backend.to_str())
+        model = data.get("model", {})
+        merges = model.get("merges")
+        if (model.get("type") == "BPE" and merges and isinstance(merges[0], list)
+                and model.get("dropout") is None and not model.get("continuing_subword_prefix")
+                and not model.get("end_of_word_suffix")):
+            # Loading time is mostly merges: keep only those that can fire (Gemma: 513k ->
+            # 236k), written as "a b" strings, which tokenizers parses faster than pairs.
+            merges = _useful_merges([tuple(m) for m in merges])
+            if not any(" " in a or " " in b for a, b in merges):
+                merges = [f"{a} {b}" for a, b in merges]
+            model["merges"] = merges
+        (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+               "add_bos_token": self.add_bos, _BRISK_EOS_KEY: sorted(self.eos_ids)}
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=1),
+                                                     encoding="utf-8")
+        jinja = folder / "chat_template.jinja"
+        if self.chat_template:
+            jinja.write_text(self.chat_template, encoding="utf-8")
+        elif jinja.exists():
+            jinja.unlink()
+
+    # ---- text <-> ids --------------------------------------------------------------------
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # One BOS, even when the text already starts with the BOS token text (a doubled BOS
+        # hurts generation; transformers would add a second one here).
+        if add_special and self.add_bos and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    # ---- chat ------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation; encode it with add_special=False."""
+        import jinja2
+
+        if self.chat_template is None:
+            raise BriskError("model has no chat template; use --raw")
+        try:
+            if self._template is None:
+                self._template = _jinja_env().from_string(self.chat_template)
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                tools=None, documents=None)
+        except jinja2.TemplateError as e:
+            raise BriskError(f"chat template: {e}") from None
+
+    # ---- comparing two tokenizers (e.g. a draft model's) ----------------------------------
+    def vocab_fingerprint(self) -> tuple[int, str]:
+        """(vocab size, sha256 of the token->id map and BOS/EOS): equal means interchangeable."""
+        vocab = sorted(self.backend.get_vocab(with_added_tokens=True).items())
+        h = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode())
+        h.update(json.dumps([self.bos_id, sorted(self.eos_ids)]).encode())
+        return self.vocab_size, h.hexdigest()
+
+    def describe_difference(self, other: Tokenizer) -> str | None:
+        """None when the two agree (every token's id, BOS, EOS), else the first difference."""
+        if self.vocab_size != other.vocab_size:
+            return f"vocabulary sizes differ: {self.vocab_size} vs {other.vocab_size}"
+        a, b = self.backend, other.backend
+        for i in range(self.vocab_size):
+            ta, tb = a.id_to_token(i), b.id_to_token(i)
+            if ta != tb:
+                return f"token {i} differs: {ta!r} vs {tb!r}"
+        if self.bos_id != other.bos_id:
+            return f"BOS token differs: {self.bos_token!r} vs {other.bos_token!r}"
+        if self.eos_ids != other.eos_ids:
+            return f"EOS token ids differ: {sorted(self.eos_ids)} vs {sorted(other.eos_ids)}"
+        return None
+
+
+class IncrementalDecoder:
+    """Turns a stream of generated ids into text pieces whose concatenation is decode(ids).
+
+    Each push decodes only a short window: the ids of the last piece handed out (context) plus
+    those after it, and returns what the new ids add to the context's text. While that ends in
+    U+FFFD (a character still missing bytes: byte-fallback <0xNN> tokens, or byte-level BPE
+    tokens that cut a character) nothing is handed out. Starting the window at the last piece
+    boundary makes the tokenizer's own rules (SentencePiece's leading-space strip, byte
+    grouping) act the same in the window as in the full decode.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        self._tok = tokenizer
+        self._skip = tokenizer.special_ids if skip_special else set()
+        self._ids: list[int] = []   # the window
+        self._context = 0           # ids[:context] were already handed out
+        self._context_text = ""
+
+    def push(self, token_id: int) -> str:
+        if token_id in self._skip:  # skipping specials = decoding as if they were absent
+            return ""
+        self._ids.append(token_id)
+        text = self._tok.decode(self._ids, skip_special=False)
+        if text.endswith("\ufffd") or not text.startswith(self._context_text):
+            return ""
+        new = text[len(self._context_text):]
+        if new:  # the ids just handed out become the next context
+            self._ids = self._ids[self._context:]
+            self._context = len(self._ids)
+            self._context_text = self._tok.decode(self._ids, skip_special=False)
+        return new
+
+    def flush(self) -> str:
+        text = self._tok.decode(self._ids, skip_special=False)
+        new = text[len(self._context_text):] if text.startswith(self._context_text) else text
+        self._ids, self._context, self._context_text = [], 0, ""
+        return new
+
+
+# ---- helpers -------------------------------------------------------------------------------
+def _useful_merges(merges: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The BPE merges that can ever be applied, in their order.
+
+    Where a token t forms inside a longer word, the symbols inside its span merged exactly as
+    when t is encoded alone (nothing outside can touch them without stopping t from forming),
+    so t always comes from the pair that forms it alone. The other pairs giving t never fire,
+    and BPE without them splits every text the same way.
+    """
+    rank = {m: i for i, m in enumerate(merges)}
+    useful = set()
+    for token in {a + b for a, b in merges}:
+        symbols, last = list(token), None
+        while len(symbols) > 1:  # plain BPE: lowest rank first, leftmost on a tie
+            best, at = None, -1
+            for i in range(len(symbols) - 1):
+                r = rank.get((symbols[i], symbols[i + 1]))
+                if r is not None and (best is None or r < best):
+                    best, at = r, i
+            if best is None:
+                break
+            last = (symbols[at], symbols[at + 1])
+            symbols[at:at + 2] = [last[0] + last[1]]
+        if len(symbols) == 1:
+            useful.add(last)
+    return [m for m in merges if m in useful]
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BriskError(f"{path}: unreadable JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _chat_template(path: Path, cfg: dict) -> str | None:
+    jinja = path / "chat_template.jinja"  # where transformers 5 saves it
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = cfg.get("chat_template") or _read_json(path / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+def _jinja_env():
+    """Jinja set up the way transformers renders chat templates."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # unlike jinja's own tojson: no HTML escaping, unicode kept
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
