@@ -75,7 +75,7 @@ def chat(
                         out.print(piece, end="", markup=False)
                 except KeyboardInterrupt:
                     answer.close()
-                    out.print(" [interrupted]", style="dim", end="")
+                    out.print(" [interrupted]", style="dim", end="", markup=False)
         except typer.Exit:
             continue  # the error was printed; the session goes on
         out.print()

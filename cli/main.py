@@ -6,6 +6,10 @@ import sys
 
 import typer
 
+# OpenMP threads that spin after each parallel region steal the core that NumPy's BLAS needs
+# during CPU decoding (measured: ~5% slower decode, ~15% slower prefill when active).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 app = typer.Typer(
     name="brisk",
     help="Run and quantize language models locally, fast.\n\n"

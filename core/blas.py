@@ -1,35 +1,54 @@
-"""Single-token matmuls on the CPU through NumPy's BLAS.
+"""Single-row float32 matmuls (decode steps) on the CPU through NumPy's OpenBLAS.
 
-Decoding multiplies each weight matrix by one vector, so its speed is memory bandwidth. PyTorch's
-CPU build uses MKL, whose sgemv reaches about 13 GB/s on the AMD EPYC machines we run on, while
-the OpenBLAS that NumPy ships reaches about 22 GB/s on the same matrices (bench/RESULTS.md). The
-two thread pools must not both spin, so decode runs torch's own ops on one thread.
+A decode step multiplies each weight matrix by one vector, so its speed is memory bandwidth.
+PyTorch's CPU wheel uses MKL, whose sgemv reaches about 13 GB/s on the AMD EPYC machines we
+measured; the OpenBLAS that NumPy ships reaches 18-22 GB/s on the same matrices. Prefill
+(many rows) stays with torch, whose sgemm is as fast and whose threads also run attention.
+
+OpenBLAS runs on the calling thread only, by default: its worker threads spin-wait, and on a
+busy machine (or beside torch's OpenMP pool) a worker that does not get a core stalls every
+call: decode fell from 25 to 1.4 tok/s on our 2-core CI machine with another process running.
+BRISK_BLAS_THREADS=2 (or more) trades that robustness for speed on an otherwise idle machine.
+BRISK_BLAS=0 turns this path off.
 """
 from __future__ import annotations
 
-import contextlib
+import ctypes
+import os
 
 import numpy as np
 import torch
 
+ENABLED = os.environ.get("BRISK_BLAS", "1") != "0"
+_threads_set = False
 
-def usable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+def usable(t: torch.Tensor) -> bool:
+    return ENABLED and t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def _set_openblas_threads(n: int) -> bool:
+    """OpenBLAS has no Python API for this; find NumPy's copy among the loaded libraries."""
+    try:
+        maps = open("/proc/self/maps").read()
+    except OSError:
+        return False
+    libs = {line.split()[-1] for line in maps.splitlines() if "openblas" in line and line.endswith(".so")}
+    for path in libs:
+        lib = ctypes.CDLL(path)
+        for sym in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                return True
+    return False
 
 
 def gemv(x: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
-    """x: [..., in] holding one row; weight_np: [out, in] (a view of the torch weight)."""
+    """x: [..., in] holding one row; weight_np: [out, in], a NumPy view of the torch weight."""
+    global _threads_set
+    if not _threads_set:
+        _set_openblas_threads(int(os.environ.get("BRISK_BLAS_THREADS", "1")))
+        _threads_set = True
     y = weight_np @ x.reshape(-1).numpy()
     return torch.from_numpy(y).view(*x.shape[:-1], -1)
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    old = torch.get_num_threads()
-    if n != old:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n != old:
-            torch.set_num_threads(old)

@@ -4,6 +4,7 @@ so HF state dicts load as they are.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -16,13 +17,12 @@ from .kv_cache import KVCache
 
 
 class Linear(nn.Linear):
-    """nn.Linear that sends single-row fp32 CPU inputs (decode steps) to NumPy's BLAS."""
+    """nn.Linear that sends single-row fp32 CPU inputs to NumPy's BLAS (see blas.py for why)."""
 
     _np = (None, None)  # (weight, its NumPy view), made on first use: weights load after init
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2] == 1 and x.dim() == 3 and x.shape[0] == 1 and blas.usable(self.weight) \
-                and not x.requires_grad:
+        if blas.usable(self.weight) and not x.requires_grad and x.numel() == x.shape[-1]:
             if self._np[0] is not self.weight:  # object.__setattr__: not a registered parameter
                 object.__setattr__(self, "_np", (self.weight, self.weight.detach().numpy()))
             y = blas.gemv(x, self._np[1])
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Written out: on the CPU this is fewer dispatches than F.rms_norm's decomposition.
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = xf * (xf * xf).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(self.eps).rsqrt_()
         if self.offset == 0.0:  # Llama casts back before scaling, Gemma after
             return self.weight * y.to(x.dtype)
         return (y * (self.offset + self.weight.float())).to(x.dtype)
@@ -60,14 +60,13 @@ def rope_tables(inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, tor
     t = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)  # rotate-half layout, as HF stores q/k
-    return emb.cos(), emb.sin()
+    # The first half of sin carries rotate-half's minus sign, so rope is roll + 2 mul + add.
+    return emb.cos(), torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; cos/sin: [T, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; cos/sin: [T, D]. rotate_half(x) = (-x2, x1) = roll(x) * (-1, +1).
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def decode_attention(q, k, v, scale):
@@ -159,7 +158,8 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # _weight skips the random init: on the meta device normal_() costs a second of imports.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
 
@@ -191,10 +191,9 @@ class Transformer(nn.Module):
                        max_len or self.max_len, w.dtype, w.device, batch)
 
     def decoding(self):
-        """Context for a run of single-token steps. On the CPU a step is tiny torch ops plus
-        BLAS calls with their own threads: one torch thread keeps two pools from spinning
-        against each other. (Switching per step costs more than it saves: switch per run.)"""
-        return blas.torch_threads(1 if blas.usable(self.lm_head.weight) else torch.get_num_threads())
+        """Context around a run of single-token steps: the place for per-run decode setup
+        (none is needed at present; the CPU matmul path is chosen per call, see blas.py)."""
+        return contextlib.nullcontext()
 
     def _masks(self, start: int, T: int, device):
         """Boolean [T, start+T] masks (full, sliding); None for single-token decode."""

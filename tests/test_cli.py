@@ -156,3 +156,44 @@ def test_pickle_weights_are_not_unpickled(tiny_llama_dir, tmp_path):
     (bad / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Evil()}))
     assert_clean_error(brisk("generate", str(bad), "hi"), "refused")
     assert not (tmp_path / "pwned").exists()
+
+
+def _fake_hub_cache(root: Path, repo: str, src: Path, revision: str = "main") -> None:
+    """The layout huggingface_hub writes: blobs are plain files here, which it accepts."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    base = root / "hub" / ("models--" + repo.replace("/", "--"))
+    shutil.copytree(src, base / "snapshots" / commit)
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / revision).write_text(commit)
+
+
+def test_hub_id_resolves_offline_from_cache(tiny_llama_dir, tmp_path):
+    _fake_hub_cache(tmp_path, "brisk-test/tiny-llama", tiny_llama_dir)
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    run = lambda *a: subprocess.run(BRISK + list(a), capture_output=True, text=True, env=env, timeout=300)  # noqa: E731
+    ok = run("generate", "brisk-test/tiny-llama", "The fox", "--raw", "--temperature", "0", "-n", "4")
+    direct = brisk("generate", str(tiny_llama_dir), "The fox", "--raw", "--temperature", "0", "-n", "4")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout == direct.stdout
+    assert run("generate", "brisk-test/tiny-llama@main", "The fox", "--raw", "-n", "2").returncode == 0
+    assert_clean_error(run("generate", "brisk-test/not-cached", "hi"), "not in the local hugging face cache")
+
+
+@pytest.mark.slow
+def test_chat_ctrl_c_interrupts_the_answer_not_the_session():
+    import signal
+    import time
+
+    p = subprocess.Popen(BRISK + ["chat", "-n", "4000", "--temperature", "0", "--stop", "@@@@"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "COLUMNS": "200"})
+    p.stdin.write(b"Write a very long story about a dragon, in ten chapters.\n")
+    p.stdin.flush()
+    first = os.read(p.stdout.fileno(), 1)  # the answer has started streaming (unbuffered read)
+    time.sleep(1)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(b"/stats\n", timeout=120)
+    out = (first + out).decode()
+    assert p.returncode == 0, err
+    assert "[interrupted]" in out and "turns 1" in out
+    assert b"Traceback" not in err
