@@ -69,6 +69,9 @@ def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards
         cfg = tf.LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = tf.LlamaForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=16)
+        model = tf.MistralForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
         model = tf.Qwen2ForCausalLM(cfg)
@@ -99,6 +102,11 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=1, shards=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=3)
 
 
 @pytest.fixture(scope="session")

@@ -51,10 +51,10 @@ def check_parity(path, ids, atol, steps=32):
     return llm
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_gemma3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir", "tiny_gemma3_dir"])
 def test_tiny_hf_checkpoints_match_transformers(fixture, request):
     path = request.getfixturevalue(fixture)
-    ids = list(range(3, 43))  # longer than Gemma's 8-token test window: exercises sliding layers
+    ids = list(range(3, 43))  # longer than the 8/16-token test windows: exercises sliding layers
     check_parity(path, ids, atol=1e-4)
 
 
