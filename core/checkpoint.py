@@ -216,11 +216,11 @@ def load_gguf(name: str, path: Path) -> Checkpoint:
 
 
 def _convert_gguf(path: Path):
-    from .gguf_file import load_tensor, open_gguf, read_metadata
+    from .gguf_file import GGUFFile
     from .tokenizer import Tokenizer
 
-    reader = open_gguf(path)
-    meta = read_metadata(reader)
+    reader = GGUFFile(path)
+    meta = reader.metadata
     arch = meta.get("general.architecture", "")
     tok = Tokenizer.from_gguf_metadata(meta)
     cfg = config_mod.from_gguf_metadata(meta, tok.vocab_size)
@@ -229,9 +229,9 @@ def _convert_gguf(path: Path):
         hf = gguf_to_hf_name(t.name, arch)
         if hf is None:
             if t.name == "rope_freqs.weight":
-                tensors["rope_freqs"] = load_tensor(t)
+                tensors["rope_freqs"] = reader.load(t)
             continue
-        w = load_tensor(t)
+        w = reader.load(t)
         if arch != "gemma3" and hf.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, cfg.n_heads)
         elif arch != "gemma3" and hf.endswith(("k_proj.weight", "k_proj.bias")):

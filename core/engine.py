@@ -26,10 +26,7 @@ class LLM:
         self.config = model.cfg
         self.device, self.dtype, self.ctx, self.load_info = device, dtype, ctx, load_info
         self.name = ckpt.name
-        eos = set(tokenizer.eos_ids)
-        gen_eos = ckpt.generation.get("eos_token_id")
-        eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        self.eos_ids = eos
+        self.eos_ids = set(tokenizer.eos_ids)  # includes generation_config.json's eos_token_id
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
