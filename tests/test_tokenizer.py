@@ -118,13 +118,6 @@ def _sentencepiece_reference(meta: dict):
 
 
 def _read_meta(name: str, path: Path) -> dict:
-    if name == "gemma3":
-        # gguf.GGUFReader (behind open_gguf) takes ~15 s on Gemma's 262k-entry arrays;
-        # transformers' reader gives the same values in under a second.
-        from transformers.integrations.gguf.reader import read_gguf_metadata
-
-        keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
-        return read_gguf_metadata(str(path), keys)[0]
     return read_metadata(open_gguf(path))
 
 
