@@ -33,6 +33,8 @@ def bench(
     device: str = typer.Option("auto", "--device", help="Comma list of devices."),
     dtype: str = typer.Option("auto", "--dtype", help="Comma list of dtypes, one row each."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: torch's)."),
+    draft: Optional[str] = c.DraftOpt,
+    draft_k: str = c.DraftKOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
     as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV."),
 ):
@@ -52,16 +54,23 @@ def bench(
             raise BriskError("model given twice (positional and --model)")
         if threads:
             torch.set_num_threads(threads)
+        c.check_draft(draft, draft_k)
         rows = []
         pps, tgs = _list(n_prompt, int), _list(n_gen, int)
         for dev in _list(device):
             for dt in _list(dtype):
                 llm = LLM.load(model or model_pos, device=dev, dtype=dt,
-                               ctx=max(pps + tgs + [16]) + 1)
+                               ctx=max(pps + tgs + [16]) + 1 + (128 if draft else 0))  # --draft: room for its prompt
                 for p in pps:
                     rows += benchmark.run(llm, p, 0, reps)
                 for n in tgs:
                     rows += benchmark.run(llm, 0, n, reps)
+                if draft:  # plain and speculative decoding of real text, one pair of rows per -n
+                    from ..core.speculative import bench_rows
+
+                    speculator = c.load_speculator(llm, draft, draft_k, quiet=True)
+                    for n in tgs:
+                        rows += bench_rows(llm, speculator, n, reps) if n else []
                 del llm
     if as_json:
         print(json.dumps([r.to_dict() for r in rows], indent=1))

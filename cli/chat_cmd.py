@@ -27,6 +27,8 @@ def chat(
     repetition_penalty: float = c.RepOpt,
     seed: Optional[int] = c.SeedOpt,
     stop: Optional[List[str]] = c.StopOpt,
+    draft: Optional[str] = c.DraftOpt,
+    draft_k: str = c.DraftKOpt,
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
     ctx: Optional[int] = c.CtxOpt,
@@ -44,9 +46,11 @@ def chat(
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        c.check_draft(draft, draft_k)
         llm = c.load_llm(model or model_pos, device, dtype, ctx)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
+        conv.session.speculator = c.load_speculator(llm, draft, draft_k)
     if interactive:
         out.print(f"[bold]{llm.name}[/bold] on {llm.device} ({str(llm.dtype).removeprefix('torch.')}), "
                   f"context {llm.ctx}. {HELP}", style="dim")
@@ -116,6 +120,11 @@ def _command(line: str, conv, out: Console) -> bool:
             if r is not None:
                 msg += (f"\nlast answer: {len(r.tokens)} tokens, prefill {r.prefilled_tokens} tokens at "
                         f"{r.prefill_tps:.1f} tok/s, decode {r.decode_tps:.1f} tok/s, first token {r.ttft_s:.2f} s")
+            if r is not None and r.spec:
+                sp = r.spec
+                msg += (f"\ndraft {sp['drafter']} (K {sp['k']}): {sp['accepted']}/{sp['drafted']} drafted tokens "
+                        f"accepted ({sp['acceptance_rate']:.0%}), {sp['mean_accepted']:.2f} per round "
+                        f"over {sp['rounds']} rounds")
             out.print(msg, style="dim", markup=False)
         elif cmd in ("/help", "/?"):
             out.print(HELP, style="dim")

@@ -24,6 +24,12 @@ RepOpt = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeats
 SeedOpt = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output.")
 MaxTokOpt = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate.", min=1)
 StopOpt = typer.Option(None, "--stop", help="Stop when this text appears (repeatable); it is not printed.")
+DraftOpt = typer.Option(None, "--draft", help="Speculative decoding. The draft: a smaller model with the same "
+                        "tokenizer, self:int8 | self:int4 (a quantized copy of the model), or ngram (continues text "
+                        "seen earlier in the prompt or answer: fast when the answer copies its input). "
+                        "Output is unchanged.")
+DraftKOpt = typer.Option("auto", "--draft-k", help="Tokens drafted per round: a number, or auto (adapts to how many "
+                         "get accepted and what a draft costs).")
 
 
 @contextlib.contextmanager
@@ -60,3 +66,34 @@ def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], 
         return LLM.load(model, device=device, dtype=dtype, ctx=ctx)
     with err_console.status(f"loading {model or 'default model'}…", spinner="dots"):
         return LLM.load(model, device=device, dtype=dtype, ctx=ctx)
+
+
+def check_draft(draft: Optional[str], draft_k: str):
+    """Fail fast on --draft-k (before any model loads)."""
+    if draft is None:
+        if draft_k not in (None, "auto"):
+            raise BriskError("--draft-k needs --draft")
+        return None
+    from ..core.speculative import parse_k
+
+    return parse_k(draft_k)
+
+
+def load_speculator(llm, draft: Optional[str], draft_k: str, quiet: bool = False):
+    """The Speculator for --draft, or None; its warnings become one 'warning:' line each on stderr."""
+    import warnings
+
+    if not draft:
+        return None
+    from ..core.speculative import make_speculator
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if quiet or not sys.stderr.isatty():
+            speculator = make_speculator(llm, draft, draft_k)
+        else:
+            with err_console.status(f"preparing the draft ({draft})…", spinner="dots"):
+                speculator = make_speculator(llm, draft, draft_k)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    return speculator

@@ -27,6 +27,8 @@ def generate(
     repetition_penalty: float = c.RepOpt,
     seed: Optional[int] = c.SeedOpt,
     stop: Optional[List[str]] = c.StopOpt,
+    draft: Optional[str] = c.DraftOpt,
+    draft_k: str = c.DraftKOpt,
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (chat-template models)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token counts, speeds) at the end."),
@@ -42,11 +44,13 @@ def generate(
     with c.user_errors():
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)  # fail fast
+        c.check_draft(draft, draft_k)
         llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json)
+        speculator = c.load_speculator(llm, draft, draft_k, quiet=as_json)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         from ..core.generate import Session
 
-        session = Session(llm)
+        session = Session(llm, speculator=speculator)
         ids = llm.prompt_ids(prompt, raw=raw, system=system)
         try:
             for piece in session.stream(ids, sampling, max_tokens, tuple(stop or ())):

@@ -21,6 +21,7 @@ class BenchRow:
     model_bytes: int
     gb_s: float  # bytes the step reads per second (weights for tg, approx.)
     peak_mem_bytes: int
+    acceptance: float | None = None  # speculative decoding rows: drafts accepted / drafted
 
     def to_dict(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}

@@ -28,6 +28,7 @@ class GenerationResult:
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    spec: dict | None = None  # speculative decoding's counters, when a drafter was used
 
     @property
     def prefill_tps(self) -> float:
@@ -43,7 +44,7 @@ class GenerationResult:
         return {"text": self.text, "prompt_tokens": self.prompt_tokens, "prefilled_tokens": self.prefilled_tokens,
                 "generated_tokens": len(self.tokens), "finish_reason": self.finish_reason,
                 "ttft_s": round(self.ttft_s, 4), "prefill_tok_s": round(self.prefill_tps, 2),
-                "decode_tok_s": round(self.decode_tps, 2)}
+                "decode_tok_s": round(self.decode_tps, 2), **({"spec": self.spec} if self.spec else {})}
 
 
 class StopMatcher:
@@ -83,8 +84,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Session:
-    def __init__(self, llm):
+    def __init__(self, llm, speculator=None):
         self.llm = llm
+        self.speculator = speculator  # a speculative.Speculator: drafts tokens, the model checks them
         self.cache = llm.new_cache()
         self.ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.last: GenerationResult | None = None
@@ -132,9 +134,11 @@ class Session:
         res.ttft_s = res.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         res.finish_reason = "length"
+        tokens = (self._tokens(token, sampler, seen, budget) if self.speculator is None
+                  else self.speculator.tokens(self, token, sampler, seen, budget))
         try:
             with model.decoding():
-                while True:
+                for token in tokens:
                     if token in eos:
                         res.finish_reason = "eos"
                         break
@@ -148,15 +152,11 @@ class Session:
                         break
                     if len(res.tokens) >= budget:
                         break
-                    logits = model(torch.tensor([[token]], device=dev), self.cache)[0, -1]
-                    self.ids.append(token)
-                    if penalize:
-                        seen = torch.cat([seen, torch.tensor([token], device=dev)])
-                    token = sampler(logits, seen)
         except GeneratorExit:  # the consumer stopped early (Ctrl-C in chat)
             res.finish_reason = "interrupted"
             raise
         finally:
+            tokens.close()  # leaves the cache holding exactly self.ids
             res.decode_s = time.perf_counter() - t1
         if res.finish_reason in ("eos", "length"):
             tail, _ = stopper.feed(decoder.flush())
@@ -164,3 +164,15 @@ class Session:
             if tail:
                 res.text += tail
                 yield tail
+
+    def _tokens(self, token: int, sampler: Sampler, seen: torch.Tensor | None, budget: int) -> Iterator[int]:
+        """Plain decoding as a stream of tokens. A token enters the cache only when the consumer
+        asks for the next one, so the cache never holds the last token handed out."""
+        model, dev = self.llm.model, self.llm.device
+        while True:
+            yield token
+            logits = model(torch.tensor([[token]], device=dev), self.cache)[0, -1]
+            self.ids.append(token)
+            if seen is not None:
+                seen = torch.cat([seen, torch.tensor([token], device=dev)])
+            token = sampler(logits, seen)

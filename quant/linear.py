@@ -1,0 +1,193 @@
+"""Weight-only quantized linear layers: int8 per output channel, int4 per group.
+
+Weights are stored quantized; activations stay floating point. On the CPU torch's packed kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) dequantize on the fly inside the matmul.
+Elsewhere (CUDA, a shape a kernel rejects) the layer dequantizes its weight and runs F.linear:
+slower, the same numbers up to rounding.
+
+Formats (the stored buffers, i.e. the state dict, are the portable form; kernel layouts are
+derived from them at build time and never saved):
+- int8: q int8 [N, K] in -127..127, one bf16 scale per output row: w = q * scale.
+- int4: q in 0..15 packed two per byte along K (even column in the low nibble), [N, K/2] uint8;
+  per group of `group_size` columns a bf16 scale and zero: w = (q - 8) * scale + zero.
+  That is the convention of torch's int4 kernel; "zero" is the value q = 8 stands for.
+Scales are rounded to bf16 before the weights are quantized against them, so the kernel (which
+takes bf16 scales) and the plain-torch fallback compute the same weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCALE_DTYPE = torch.bfloat16  # what the CPU kernels take; also the activations they take
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+# ---------------------------------------------------------------- int8
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: returns (q [N, K] int8, scales [N] bf16)."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10).to(SCALE_DTYPE)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (q.float() * scales.float()[:, None]).to(dtype)
+
+
+# ---------------------------------------------------------------- int4
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group of columns: returns (q [N, K] uint8 in 0..15, scales, zeros),
+    scales and zeros [N, K // group_size] bf16, with w ~ (q - 8) * scale + zero."""
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"in_features {K} is not a multiple of the group size {group_size}")
+    wg = w.float().reshape(N, K // group_size, group_size)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-10).to(SCALE_DTYPE)
+    zeros = (lo + 8 * scales.float()).to(SCALE_DTYPE)  # the middle code: lo + 8 steps
+    s, z = scales.float()[..., None], zeros.float()[..., None]
+    q = torch.round((wg - z) / s + 8).clamp(0, 15).to(torch.uint8)
+    return q.reshape(N, K), scales, zeros
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K/2] uint8, column 2i in the low nibble, 2i+1 in the high."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: [N, K/2] uint8 -> [N, K] uint8."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype=torch.float32) -> torch.Tensor:
+    q = unpack_int4(packed).float()
+    N, K = q.shape
+    w = (q.reshape(N, -1, group_size) - 8) * scales.float()[..., None] + zeros.float()[..., None]
+    return w.reshape(N, K).to(dtype)
+
+
+# ---------------------------------------------------------------- modules
+
+class QuantLinear(nn.Module):
+    """Shared plumbing: flatten to 2D, run the kernel or the fallback, cast back, add the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.use_kernel = False  # set by subclasses once their kernel data is built
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.use_kernel and x.device.type == "cpu":
+            y = self._kernel(x2.to(SCALE_DTYPE))
+        else:
+            y = F.linear(x2, self.dequantize(x.dtype))
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantLinear):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.register_buffer("weight", weight)  # int8 [N, K]: the kernel takes it as it is
+        self.register_buffer("scales", scales)
+        self.use_kernel = weight.device.type == "cpu"
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> "Int8Linear":
+        q, scales = quantize_int8(linear.weight.detach())
+        return cls(q, scales, linear.bias)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return dequantize_int8(self.weight, self.scales, dtype)
+
+    def _kernel(self, x):
+        return torch._weight_int8pack_mm(x, self.weight, self.scales)
+
+
+class Int4Linear(QuantLinear):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1] * 2, weight.shape[0], bias)
+        self.group_size = group_size
+        self.register_buffer("weight", weight)  # uint8 [N, K/2], pack_int4's layout
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.use_kernel = weight.device.type == "cpu" and group_size in GROUP_SIZES and self.out_features % 32 == 0
+        if self.use_kernel:
+            # The kernel's own tiled layout, built from ours; a second copy of the 4-bit weights
+            # (half the size of an int8 copy), not part of the state dict.
+            q = unpack_int4(weight).to(torch.int32)
+            self.register_buffer("_packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
+            self.register_buffer("_scales_zeros", torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous(),
+                                 persistent=False)  # [K/group, N, 2], as the kernel wants
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int = 32) -> "Int4Linear":
+        q, scales, zeros = quantize_int4(linear.weight.detach(), group_size)
+        return cls(pack_int4(q), scales, zeros, group_size, linear.bias)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return dequantize_int4(self.weight, self.scales, self.zeros, self.group_size, dtype)
+
+    def _kernel(self, x):
+        return torch._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, self._scales_zeros)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}"
+
+
+# ---------------------------------------------------------------- whole models
+
+METHODS = ("int8", "int4")
+
+
+def quantize_linear(linear: nn.Linear, method: str, group_size: int = 32) -> nn.Module:
+    """The quantized replacement of one layer, or the layer itself where the method cannot apply."""
+    if method == "int8":
+        return Int8Linear.from_float(linear)
+    if method == "int4":
+        if linear.in_features % group_size:
+            return linear  # keep it float rather than pad: only odd-shaped heads hit this
+        return Int4Linear.from_float(linear, group_size)
+    raise ValueError(f"unknown quantization method {method!r}; use one of {', '.join(METHODS)}")
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 32, head: bool = False,
+                   skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+    """Replace the model's nn.Linear layers (in place) by quantized ones; returns the model.
+
+    Layers whose name starts with one of `skip` stay as they are unless `head` is true: the
+    output projection is the most sensitive layer, and with tied embeddings quantizing it makes a
+    second copy instead of shrinking one. Embeddings and norms are never touched.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; use one of {', '.join(METHODS)}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group size must be one of {GROUP_SIZES}, got {group_size}")
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and (head or not name.startswith(skip))]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with torch.no_grad():
+            setattr(parent, attr, quantize_linear(linear, method, group_size))
+    return model

@@ -1,0 +1,122 @@
+"""Weight-only quantized linears: accuracy per bit width, packing, kernel vs fallback, whole models."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from brisk.quant.linear import (Int4Linear, Int8Linear, dequantize_int4, pack_int4, quantize_int4, quantize_int8,
+                                quantize_model, unpack_int4)
+
+
+def rel_err(y, ref):
+    y, ref = y.detach().float(), ref.detach().float()
+    return float((y - ref).norm() / ref.norm())
+
+
+@pytest.fixture(scope="module")
+def layer():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 192, bias=True)
+    with torch.no_grad():
+        lin.bias.normal_(0, 0.1)
+    return lin
+
+
+def test_int8_close_to_float(layer):
+    x = torch.randn(2, 3, 256)
+    q = Int8Linear.from_float(layer)
+    assert q.weight.dtype == torch.int8 and q.use_kernel
+    # 8 bits per output channel: ~0.5% of the output; bf16 activations add ~0.3%
+    assert rel_err(q(x), layer(x)) < 0.015
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_close_to_float(layer, group_size):
+    x = torch.randn(5, 256)
+    q = Int4Linear.from_float(layer, group_size)
+    assert q.weight.shape == (192, 128) and q.weight.dtype == torch.uint8 and q.use_kernel
+    # 16 levels per group: each weight off by at most half a step, ~6-7% of the output here
+    assert rel_err(q(x), layer(x)) < 0.1
+
+
+def test_int4_error_within_half_a_step(layer):
+    w = layer.weight.detach()
+    q, scales, zeros = quantize_int4(w, 32)
+    assert int(q.max()) <= 15
+    back = dequantize_int4(pack_int4(q), scales, zeros, 32)
+    step = scales.float().repeat_interleave(32, dim=1)
+    assert bool(((back - w).abs() <= step / 2 + 1e-6).all())
+
+
+def test_int8_error_within_half_a_step(layer):
+    w = layer.weight.detach()
+    q, scales = quantize_int8(w)
+    back = q.float() * scales.float()[:, None]
+    assert bool(((back - w).abs() <= scales.float()[:, None] / 2 + 1e-6).all())
+
+
+def test_int4_pack_unpack_round_trip_exact():
+    q = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (48, 48) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 1]) << 4  # even column in the low nibble
+
+
+@pytest.mark.parametrize("make", [Int8Linear.from_float, lambda l: Int4Linear.from_float(l, 64)])
+def test_kernel_matches_dequantized_fallback(layer, make):
+    x = torch.randn(4, 256)
+    q = make(layer)
+    fast = q(x)
+    q.use_kernel = False  # what another device runs: dequantize, then F.linear
+    slow = q(x)
+    assert rel_err(fast, slow) < 0.005  # only the bf16 activations differ
+
+
+def test_odd_shapes_fall_back_or_stay_float():
+    torch.manual_seed(1)
+    odd_out = nn.Linear(64, 300, bias=False)  # 300 rows: not the int4 kernel's tiling
+    q = Int4Linear.from_float(odd_out, 32)
+    assert not q.use_kernel
+    x = torch.randn(3, 64)
+    assert rel_err(q(x), odd_out(x)) < 0.1
+    model = nn.Sequential(nn.Linear(48, 64))  # 48 columns: no whole group of 32
+    quantize_model(model, "int4", 32)
+    assert type(model[0]) is nn.Linear
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="method"):
+        quantize_model(nn.Sequential(nn.Linear(64, 64)), "int3")
+    with pytest.raises(ValueError, match="group size"):
+        quantize_model(nn.Sequential(nn.Linear(64, 64)), "int4", group_size=48)
+
+
+@pytest.mark.parametrize("method,tol", [("int8", 0.03), ("int4", 0.25)])
+def test_quantized_tiny_model_logits_close(tiny_llama_dir, method, tol):
+    from brisk.core import LLM
+    from brisk.core.model import Linear
+
+    llm = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
+    ids = llm.prompt_ids("The quick brown fox jumps over the lazy dog.", raw=True)
+    ref = llm.logits(ids)
+    embed = llm.model.model.embed_tokens.weight
+    quantize_model(llm.model, method, 32)
+    assert not any(isinstance(m, Linear) for n, m in llm.model.named_modules() if n != "lm_head")
+    assert isinstance(llm.model.lm_head, Linear)  # the head stays float by default
+    assert llm.model.model.embed_tokens.weight is embed
+    out = llm.logits(ids)
+    assert rel_err(out, ref) < tol
+    assert float((out.argmax(-1) == ref.argmax(-1)).float().mean()) >= (0.8 if method == "int8" else 0.6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_falls_back_to_dequantize(layer, dtype):
+    x = torch.randn(4, 256)
+    for q, tol in ((Int8Linear.from_float(layer), 0.015), (Int4Linear.from_float(layer, 32), 0.1)):
+        q = q.to("cuda")
+        y = q(x.to("cuda", dtype))
+        assert y.dtype == dtype and y.device.type == "cuda"
+        assert rel_err(y.cpu(), layer(x)) < tol + (0.01 if dtype == torch.bfloat16 else 0)
