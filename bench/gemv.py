@@ -3,23 +3,11 @@
 Weights are 30 layers' worth of distinct matrices (about 400 MB), so each product streams from
 DRAM as in real decoding. Run: .venv/bin/python bench/gemv.py
 """
-import statistics
-import time
-
-import numpy as np
 import torch
 
+from run import median_time as median_s  # bench/run.py, beside this script
+
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30
-
-
-def median_s(fn, reps=5):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main():
