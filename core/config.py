@@ -49,12 +49,6 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @property
-    def n_params(self) -> int:
-        attn = self.dim * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
-        mlp = 3 * self.dim * self.ffn_dim
-        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attn + mlp) + emb
 
 
 def _unsupported(name: str) -> BriskError:

@@ -26,9 +26,6 @@ class KVCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def advance(self, n: int) -> None:
-        self.length += n
-
     def truncate(self, length: int) -> None:
         """Forget everything from `length` on (rejected draft tokens, a rewritten chat turn)."""
         if not 0 <= length <= self.length:
