@@ -32,6 +32,8 @@ def bench(
     reps: int = typer.Option(5, "-r", "--repetitions", help="Timed repetitions after a warm-up.", min=1),
     device: str = typer.Option("auto", "--device", help="Comma list of devices."),
     dtype: str = typer.Option("auto", "--dtype", help="Comma list of dtypes, one row each."),
+    quantize: str = typer.Option("auto", "--quantize", "-q", help="Comma list, one row each: auto (as stored), "
+                                 "none (float), int8, int4, nf4."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: torch's)."),
     draft: Optional[str] = c.DraftOpt,
     draft_k: str = c.DraftKOpt,
@@ -58,9 +60,9 @@ def bench(
         rows = []
         pps, tgs = _list(n_prompt, int), _list(n_gen, int)
         for dev in _list(device):
-            for dt in _list(dtype):
-                llm = LLM.load(model or model_pos, device=dev, dtype=dt,
-                               ctx=max(pps + tgs + [16]) + 1 + (128 if draft else 0))  # --draft: room for its prompt
+            for dt, quant in [(d, q) for d in _list(dtype) for q in _list(quantize)]:
+                llm = c.load_llm(model or model_pos, dev, dt, max(pps + tgs + [16]) + 1 + (128 if draft else 0),
+                                 quiet=as_json or as_csv, quantize=quant)  # --draft: room for its prompt
                 for p in pps:
                     rows += benchmark.run(llm, p, 0, reps)
                 for n in tgs:
@@ -81,9 +83,9 @@ def bench(
             w.writerow(r.to_dict())
     else:
         t = Table(title=f"brisk bench · {torch.get_num_threads()} threads")
-        for col in ("model", "device", "dtype", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB"):
-            t.add_column(col, justify="right" if col not in ("model", "device", "dtype", "test") else "left")
+        for col in ("model", "device", "dtype", "quant", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB"):
+            t.add_column(col, justify="right" if col not in ("model", "device", "dtype", "quant", "test") else "left")
         for r in rows:
-            t.add_row(r.model, r.device, r.dtype, r.test, f"{r.tok_s:.1f} ± {r.spread:.1f}", f"{r.ttft_s:.3f}",
+            t.add_row(r.model, r.device, r.dtype, r.quant, r.test, f"{r.tok_s:.1f} ± {r.spread:.1f}", f"{r.ttft_s:.3f}",
                       f"{r.model_bytes / 1e6:.0f}", f"{r.gb_s:.1f}", f"{r.peak_mem_bytes / 1e6:.0f}")
         Console().print(t)

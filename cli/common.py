@@ -15,6 +15,9 @@ err_console = Console(stderr=True, highlight=False)
 ModelArg = typer.Option(None, "--model", "-m", help="Model: HF folder, hub id, .gguf file (default: embedded SmolLM2).")
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fastest on CPU)")
+QuantizeOpt = typer.Option("auto", "--quantize", "-q", help="auto: run the checkpoint as stored (a GGUF's Q4_0/Q4_1/Q8_0 "
+                           "weights stay quantized, other GGUF types are widened) | none: widen to --dtype | "
+                           "int8 | int4 | nf4: quantize float weights at load.")
 CtxOpt = typer.Option(None, "--ctx", help="Context length to allocate (default: min(4096, model's)).", min=16)
 TempOpt = typer.Option(None, "--temperature", "-t", help="0 = greedy. Default: the model's generation config, else 0.8.")
 TopKOpt = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off). Default 40.")
@@ -59,13 +62,25 @@ def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, s
         seed=seed).validate()
 
 
-def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], quiet: bool = False):
+def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], quiet: bool = False,
+             quantize: str = "auto"):
+    """LLM.load with a spinner on a terminal; the loader's warnings (e.g. a weight type without a
+    quantized kernel) become one 'warning:' line each."""
+    import warnings
+
     from ..core.engine import LLM
 
-    if quiet or not sys.stderr.isatty():
-        return LLM.load(model, device=device, dtype=dtype, ctx=ctx)
-    with err_console.status(f"loading {model or 'default model'}…", spinner="dots"):
-        return LLM.load(model, device=device, dtype=dtype, ctx=ctx)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if quiet or not sys.stderr.isatty():
+            llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize)
+        else:
+            with err_console.status(f"loading {model or 'default model'}…", spinner="dots"):
+                llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize)
+    for w in caught:
+        if not quiet and issubclass(w.category, UserWarning):  # not libraries' Resource/Deprecation noise
+            print(f"warning: {w.message}", file=sys.stderr)
+    return llm
 
 
 def check_draft(draft: Optional[str], draft_k: str):

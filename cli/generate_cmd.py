@@ -34,6 +34,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token counts, speeds) at the end."),
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
+    quantize: str = c.QuantizeOpt,
     ctx: Optional[int] = c.CtxOpt,
 ):
     """Generate text for one prompt, streamed to stdout.
@@ -45,7 +46,7 @@ def generate(
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)  # fail fast
         c.check_draft(draft, draft_k)
-        llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json)
+        llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize)
         speculator = c.load_speculator(llm, draft, draft_k, quiet=as_json)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         from ..core.generate import Session

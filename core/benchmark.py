@@ -21,6 +21,7 @@ class BenchRow:
     model_bytes: int
     gb_s: float  # bytes the step reads per second (weights for tg, approx.)
     peak_mem_bytes: int
+    quant: str = "none"  # the quantized layer kinds, e.g. "Int4Linear+Int8Linear"
     acceptance: float | None = None  # speculative decoding rows: drafts accepted / drafted
 
     def to_dict(self) -> dict:
@@ -69,7 +70,7 @@ def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
     rows = []
     model_bytes = llm.load_info.param_bytes
     common = dict(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
-                  model_bytes=model_bytes)
+                  model_bytes=model_bytes, quant=llm.quantization)
     if n_prompt:
         time_prefill(llm, min(n_prompt, 64), gen)  # warm-up
         speeds = [n_prompt / time_prefill(llm, n_prompt, gen) for _ in range(reps)]

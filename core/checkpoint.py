@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -34,6 +35,9 @@ class Checkpoint:
     tokenizer: Any  # brisk.core.tokenizer.Tokenizer
     generation: dict = field(default_factory=dict)  # generation_config.json (eos, sampling defaults)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. rope_freqs
+    # Layers that arrive quantized, by module name: GGUF blocks repacked at load (quant/gguf_blocks.py)
+    modules: dict[str, Any] = field(default_factory=dict)
+    quant_config: dict = field(default_factory=dict)  # config.json's quantization_config, if any
 
     @property
     def file_bytes(self) -> int:
@@ -154,7 +158,8 @@ def load_hf_folder(name: str, folder: Path) -> Checkpoint:
     cfg = config_mod.from_hf_config(cfg_json)
     tensors = {k.removeprefix("language_model."): v for k, v in load_hf_tensors(folder).items()}
     tok = Tokenizer.from_hf_folder(folder)
-    return Checkpoint(name, "hf", folder, cfg, tensors, tok, _read_json(folder / "generation_config.json"))
+    return Checkpoint(name, "hf", folder, cfg, tensors, tok, _read_json(folder / "generation_config.json"),
+                      quant_config=cfg_json.get("quantization_config") or {})
 
 
 # ---------------------------------------------------------------- GGUF
@@ -193,76 +198,190 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _gguf_cache_dir(path: Path) -> Path:
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v2".encode()).hexdigest()[:24]
     return CACHE_DIR / "gguf" / key
 
 
-def load_gguf(name: str, path: Path) -> Checkpoint:
-    """Dequantize a GGUF once; later loads read the converted copy (safetensors, memory-mapped,
-    tokenizer.json) and never parse the GGUF again: that is what makes a warm start fast."""
+def _convert_tensor(w: torch.Tensor, hf: str, arch: str, cfg: ModelConfig) -> torch.Tensor:
+    """GGUF conventions -> HF ones, for one float tensor."""
+    if arch != "gemma3" and hf.endswith(("q_proj.weight", "q_proj.bias")):
+        return _unpermute(w, cfg.n_heads)
+    if arch != "gemma3" and hf.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute(w, cfg.n_kv_heads)
+    if arch == "gemma3" and hf.endswith("norm.weight"):
+        return w - 1.0  # llama.cpp bakes Gemma's (1 + w) into the stored norm weights
+    return w
+
+
+def _row_order(hf: str, rows: int, arch: str, cfg: ModelConfig) -> torch.Tensor | None:
+    """The row permutation _unpermute applies, for quantized q/k weights (rows move whole)."""
+    if arch == "gemma3" or not hf.endswith(("q_proj.weight", "k_proj.weight")):
+        return None
+    heads = cfg.n_heads if hf.endswith("q_proj.weight") else cfg.n_kv_heads
+    return _unpermute(torch.arange(rows)[:, None], heads)[:, 0]
+
+
+def _gguf_header(path: Path):
+    """(config, tokenizer, tensor table, arch), from the cache when this file was seen before:
+    parsing a big vocabulary is the slow part of opening a GGUF."""
+    from .gguf_file import GGUFFile, TensorInfo
     from .tokenizer import Tokenizer
 
     cached = _gguf_cache_dir(path)
-    if (cached / "brisk.json").exists():
-        info = _read_json(cached / "brisk.json")
-        cfg = ModelConfig(**info["config"])
-        tensors = _load_safetensors(cached / "model.safetensors")
-        tok = Tokenizer.from_hf_folder(cached)
-    else:
-        cfg, tensors, tok = _convert_gguf(path)
-        _save_cache(cached, cfg, tensors, tok)
-    extra = {"rope_freqs": tensors.pop("rope_freqs")} if "rope_freqs" in tensors else {}
-    return Checkpoint(name, "gguf", path, cfg, tensors, tok, {}, extra)
-
-
-def _convert_gguf(path: Path):
-    from .gguf_file import GGUFFile
-    from .tokenizer import Tokenizer
-
+    info = _read_json(cached / "brisk.json") if (cached / "brisk.json").exists() else {}
+    if "tensors" in info:
+        table = [TensorInfo(n, tuple(shape), q, off, nb) for n, shape, q, off, nb in info["tensors"]]
+        return ModelConfig(**info["config"]), Tokenizer.from_hf_folder(cached), table, info["arch"]
     reader = GGUFFile(path)
     meta = reader.metadata
     arch = meta.get("general.architecture", "")
     tok = Tokenizer.from_gguf_metadata(meta)
     cfg = config_mod.from_gguf_metadata(meta, tok.vocab_size)
-    tensors = {}
-    for t in reader.tensors:
-        hf = gguf_to_hf_name(t.name, arch)
-        if hf is None:
-            if t.name == "rope_freqs.weight":
-                tensors["rope_freqs"] = reader.load(t)
-            continue
-        w = reader.load(t)
-        if arch != "gemma3" and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute(w, cfg.n_heads)
-        elif arch != "gemma3" and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute(w, cfg.n_kv_heads)
-        if arch == "gemma3" and hf.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp bakes Gemma's (1 + w) into the stored norm weights
-        tensors[hf] = w
-    if "lm_head.weight" not in tensors:
+    if not any(t.name == "output.weight" for t in reader.tensors):
         cfg.tie_embeddings = True
-    return cfg, tensors, tok
+    info = {"config": cfg.to_dict(), "arch": arch,
+            "tensors": [[t.name, list(t.shape), t.qtype, t.offset, t.nbytes] for t in reader.tensors]}
+    _save_cache(cached, info, tok)
+    return cfg, tok, reader.tensors, arch
 
 
-def _save_cache(dest: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tok) -> None:
-    """Write the converted model to a temporary sibling, then rename: never half a cache.
-    A failure here (read-only home, full disk) only costs speed next time."""
-    import shutil
+def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
+    """A GGUF checkpoint. With keep_quantized, Q4_0/Q4_1/Q8_0 weight matrices become quantized layers
+    straight from the file's blocks (quant/gguf_blocks.py); every other tensor is widened to float.
+    Float tensors of quantized types come from a converted copy cached beside the header (safetensors,
+    memory-mapped), so the slow dequantization happens once per file."""
+    import numpy as np
 
+    from ..quant import gguf_blocks
+    from .gguf_file import dequantize_tensor
+
+    cfg, tok, table, arch = _gguf_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    layers = _repacked_cache(path) if keep_quantized else None
+    modules, tensors, extra, need_cache, fresh, widened = {}, {}, {}, [], {}, set()
+    for t in table:
+        hf = gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight" else "rope_freqs"
+        if hf is None:
+            continue
+        layer = hf.removesuffix(".weight")
+        if layers is not None and layer in layers:
+            modules[layer] = layers[layer]
+        elif (keep_quantized and t.qtype in gguf_blocks.SUPPORTED and len(t.shape) == 2
+                and hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
+                and t.shape[1] % gguf_blocks.BLOCK == 0):
+            raw = data[t.offset:t.offset + t.nbytes]
+            order = _row_order(hf, t.shape[0], arch, cfg)
+            if order is not None:
+                raw = gguf_blocks.permute_rows(raw, t.shape[0], order)
+            modules[layer] = fresh[layer] = gguf_blocks.to_layer(raw, *t.shape, t.qtype)
+        elif t.qtype in (0, 1, 30):  # F32, F16, BF16: cheap to widen here
+            tensors[hf] = _convert_tensor(dequantize_tensor(data, t), hf, arch, cfg)
+        else:
+            need_cache.append(hf)
+            if keep_quantized and len(t.shape) == 2 and hf.endswith("_proj.weight"):
+                widened.add(t.qtype)
+    if widened:
+        import gguf
+
+        names = ", ".join(sorted(gguf.GGMLQuantizationType(q).name for q in widened))
+        warnings.warn(f"{names} weights have no quantized kernel in brisk yet: widened to float "
+                      "(Q4_0, Q4_1 and Q8_0 stay quantized)")
+    if fresh:
+        _save_repacked(path, fresh)
+    if need_cache:
+        floats = _float_cache(path, table, arch, cfg)
+        tensors.update({k: floats[k] for k in need_cache})
+    if "rope_freqs" in tensors:
+        extra["rope_freqs"] = tensors.pop("rope_freqs")
+    if "model.embed_tokens" in modules:
+        if not cfg.tie_embeddings:
+            # An untied quantized embedding table is only ever gathered from: widen it.
+            tensors["model.embed_tokens.weight"] = modules.pop("model.embed_tokens").dequantize()
+        else:
+            modules["lm_head"] = modules.pop("model.embed_tokens")
+    return Checkpoint(name, "gguf", path, cfg, tensors, tok, {}, extra, modules=modules)
+
+
+def _repacked_file(path: Path) -> Path:
+    return _gguf_cache_dir(path) / f"repacked-torch{torch.__version__.split('+')[0]}.safetensors"
+
+
+def _repacked_cache(path: Path) -> dict:
+    """Layers repacked by an earlier load of this file, by module name ({} if none)."""
+    from ..quant import gguf_blocks
+
+    file = _repacked_file(path)
+    if not file.exists():
+        return {}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            descs = json.loads(f.metadata()["layers"])
+        tensors = _load_safetensors(file)
+        return {name: gguf_blocks.restore_layer(name, tensors, d) for name, d in descs.items()}
+    except Exception:  # a stale or damaged cache is rebuilt, never trusted
+        return {}
+
+
+def _save_repacked(path: Path, layers: dict) -> None:
+    from ..quant import gguf_blocks
+
+    tensors, descs = {}, {}
+    for name, layer in layers.items():
+        data, descs[name] = gguf_blocks.layer_state(name, layer)
+        tensors.update(data)
+    _save_tensors(_repacked_file(path), tensors, {"layers": json.dumps(descs)})
+
+
+def _float_cache(path: Path, table, arch: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of the GGUF widened to float32 and converted to HF conventions, cached."""
+    import numpy as np
+
+    from .gguf_file import dequantize_tensor
+
+    file = _gguf_cache_dir(path) / "model.safetensors"
+    if file.exists():
+        return _load_safetensors(file)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for t in table:
+        hf = gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight" else "rope_freqs"
+        if hf is not None:
+            tensors[hf] = _convert_tensor(dequantize_tensor(data, t), hf, arch, cfg)
+    _save_tensors(file, tensors)
+    return tensors
+
+
+def _save_tensors(file: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+    """Write a cache file to a temporary sibling, then rename; a failure only costs speed next time."""
     from safetensors.torch import save_file
+
+    tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata)
+        os.replace(tmp, file)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_cache(dest: Path, info: dict, tok) -> None:
+    """Write the header's cache (config, tensor table, tokenizer files) to a temporary sibling, then
+    rename: never half a cache. A failure here (read-only home, full disk) only costs speed next time."""
+    import shutil
 
     tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
         tok.save(tmp)
-        (tmp / "brisk.json").write_text(json.dumps({"config": cfg.to_dict()}))
+        (tmp / "brisk.json").write_text(json.dumps(info))
         os.replace(tmp, dest)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_checkpoint(name: str | None) -> Checkpoint:
+def load_checkpoint(name: str | None, keep_quantized: bool = True) -> Checkpoint:
     display, path = resolve(name)
     if path.is_file():
         if path.suffix in (".safetensors", ".bin", ".pt"):
@@ -271,5 +390,5 @@ def load_checkpoint(name: str | None) -> Checkpoint:
             magic = f.read(4)
         if magic != b"GGUF":
             raise BriskError(f"{name}: not a GGUF file (bad magic {magic!r})")
-        return load_gguf(display, path)
+        return load_gguf(display, path, keep_quantized)
     return load_hf_folder(display, path)

@@ -10,6 +10,7 @@ from .checkpoint import Checkpoint, load_checkpoint
 from .device import pick_device, pick_dtype
 from .errors import BriskError
 from .model import Transformer
+from ..quant.linear import QuantEmbedding, QuantLinear, quantize_model
 
 
 @dataclass
@@ -26,22 +27,32 @@ class LLM:
         self.config = model.cfg
         self.device, self.dtype, self.ctx, self.load_info = device, dtype, ctx, load_info
         self.name = ckpt.name
+        self.quantization = describe_quantization(model)
         self.eos_ids = set(tokenizer.eos_ids)  # includes generation_config.json's eos_token_id
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
-             ctx: int | None = None) -> "LLM":
+             ctx: int | None = None, quantize: str = "auto") -> "LLM":
+        """quantize: "auto" runs a checkpoint as it is stored (a GGUF's Q4_0/Q4_1/Q8_0 weights stay
+        quantized, a GPTQ/AWQ/bitsandbytes checkpoint stays in its format, a float one stays float);
+        "none" widens everything to `dtype`; int8/int4/nf4 quantize float layers at load."""
+        if quantize not in QUANTIZE_CHOICES:
+            raise BriskError(f"--quantize {quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
         t0 = time.perf_counter()
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
-        ckpt = load_checkpoint(model)
+        ckpt = load_checkpoint(model, keep_quantized=quantize == "auto")
+        if ckpt.quant_config and quantize != "auto":
+            raise BriskError(f"{ckpt.name} is already quantized ({ckpt.quant_config.get('quant_method', '?')}); "
+                             "--quantize applies to float and GGUF checkpoints")
         net = build_model(ckpt, dev, dt)
+        if quantize in ("int8", "int4", "nf4"):
+            quantize_at_load(net, quantize)
         ctx = min(ctx or 4096, ckpt.config.max_seq_len)
         if ctx < 16:
             raise BriskError(f"--ctx {ctx}: too small")
         net.setup_rope(ctx, dev)
-        info = LoadInfo(time.perf_counter() - t0, sum(p.numel() * p.element_size() for p in net.parameters()),
-                        ckpt.file_bytes)
+        info = LoadInfo(time.perf_counter() - t0, model_bytes(net), ckpt.file_bytes)
         ckpt.tensors = {}  # the model owns the weights now
         return cls(net, ckpt.tokenizer, ckpt, dev, dt, ctx, info)
 
@@ -84,17 +95,26 @@ class LLM:
             pass
         return session.last
 
+QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "nf4")
+
+
 def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Build on the meta device, then hand each tensor over once (no second full copy)."""
+    """Build on the meta device, then hand each tensor over once (no second full copy).
+    Layers the checkpoint stores quantized (GGUF blocks, GPTQ/AWQ/bitsandbytes tensors) are put in
+    place as quantized modules first; the float rest loads as an ordinary state dict."""
     cfg = ckpt.config
     with torch.device("meta"):
         net = Transformer(cfg)
-    expected = set(net.state_dict().keys())
     tensors = ckpt.tensors
-    if cfg.tie_embeddings or "lm_head.weight" not in tensors:
-        if "model.embed_tokens.weight" not in tensors:
+    _place_quantized(net, ckpt)
+    if cfg.tie_embeddings or ("lm_head.weight" not in tensors and not isinstance(net.lm_head, QuantLinear)):
+        if isinstance(net.lm_head, QuantLinear):  # tied and quantized: look embeddings up in the head
+            net.model.embed_tokens = QuantEmbedding(net.lm_head, dtype)
+        elif "model.embed_tokens.weight" not in tensors:
             raise BriskError(f"{ckpt.name}: checkpoint has no embedding weights")
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        else:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    expected = {k for k, v in net.state_dict().items() if v.is_meta}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise BriskError(f"{ckpt.name}: checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
@@ -107,11 +127,58 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
             converted[key] = t.to(device=device, dtype=dtype)
         state[k] = converted[key]
     try:
-        net.load_state_dict(state, strict=True, assign=True)
+        net.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:
         raise BriskError(f"{ckpt.name}: weights do not match config.json ({str(e).splitlines()[-1].strip()})") from None
     if "rope_freqs" in ckpt.extra:
         net.rope_factors = ckpt.extra["rope_freqs"]
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and not isinstance(net.lm_head, QuantLinear):
         net.lm_head.weight = net.model.embed_tokens.weight
+    for m in net.modules():
+        if isinstance(m, QuantLinear):
+            m.to(device)
     return net.eval().requires_grad_(False)
+
+
+def _place_quantized(net: Transformer, ckpt: Checkpoint) -> None:
+    modules = dict(ckpt.modules)
+    if ckpt.quant_config:
+        from ..quant.formats import FormatError, load_quantized_linears
+
+        try:
+            load_quantized_linears(net, ckpt.tensors, ckpt.quant_config)
+        except FormatError as e:
+            raise BriskError(f"{ckpt.name}: {e}") from None
+    for name, layer in modules.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(net.get_submodule(parent) if parent else net, attr, layer)
+
+
+def quantize_at_load(net: Transformer, method: str) -> None:
+    """--quantize int8|int4|nf4 on a float model: replace its float linear layers in place."""
+    if method == "nf4":
+        from ..quant.bnb_format import NF4Linear
+
+        for name, m in list(net.named_modules()):
+            if type(m).__name__ == "Linear" and not name.startswith("lm_head"):
+                parent, _, attr = name.rpartition(".")
+                setattr(net.get_submodule(parent), attr, NF4Linear.from_float(m))
+        return
+    quantize_model(net, method, group_size=32)
+
+
+def model_bytes(net: torch.nn.Module) -> int:
+    """Bytes of weights held: parameters and persistent buffers (quantized codes, scales), each once."""
+    seen, total = set(), 0
+    for t in list(net.parameters()) + [b for _, b in net.named_buffers() if b is not None]:
+        if t.is_meta or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def describe_quantization(net: torch.nn.Module) -> str:
+    """A short word for tables: "none", or the quantized layer kinds, e.g. "Int4Linear"."""
+    kinds = sorted({type(m).__name__ for m in net.modules() if isinstance(m, QuantLinear)})
+    return "+".join(kinds) if kinds else "none"

@@ -118,23 +118,32 @@ class GGUFFile:
 
     def load(self, t: TensorInfo) -> torch.Tensor:
         """One tensor as float32 torch."""
-        import gguf
+        return dequantize_tensor(self.data, t)
 
-        qtype = gguf.GGMLQuantizationType(t.qtype)
-        raw = self.data[t.offset:t.offset + t.nbytes]
-        if qtype == gguf.GGMLQuantizationType.F32:
-            arr = raw.view(np.float32).copy()
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            arr = raw.view(np.float16).astype(np.float32)
-        elif qtype == gguf.GGMLQuantizationType.BF16:
-            return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
-        else:
-            try:
-                block, size = gguf.GGML_QUANT_SIZES[qtype]
-                arr = gguf.quants.dequantize(raw.reshape(-1, t.shape[-1] // block * size), qtype)
-            except NotImplementedError:
-                raise BriskError(f"GGUF tensor {t.name}: type {qtype.name} is not supported") from None
-        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(t.shape)
+    def raw(self, t: TensorInfo) -> np.ndarray:
+        """A tensor's bytes as stored (a view of the memory map)."""
+        return self.data[t.offset:t.offset + t.nbytes]
+
+
+def dequantize_tensor(data: np.ndarray, t: TensorInfo) -> torch.Tensor:
+    """One tensor of a memory-mapped GGUF file as float32 torch."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(t.qtype)
+    raw = data[t.offset:t.offset + t.nbytes]
+    if qtype == gguf.GGMLQuantizationType.F32:
+        arr = raw.view(np.float32).copy()
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        arr = raw.view(np.float16).astype(np.float32)
+    elif qtype == gguf.GGMLQuantizationType.BF16:
+        return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
+    else:
+        try:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            arr = gguf.quants.dequantize(raw.reshape(-1, t.shape[-1] // block * size), qtype)
+        except NotImplementedError:
+            raise BriskError(f"GGUF tensor {t.name}: type {qtype.name} is not supported") from None
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(t.shape)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

@@ -181,12 +181,12 @@ class Transformer(nn.Module):
         tables = [rope_tables(inv, max_len)]
         if cfg.rope_local_theta is not None:
             tables.append(rope_tables(rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None), max_len))
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.model.norm.weight.dtype  # norms stay float when the embedding is quantized
         self.rope = [(c.to(device, dtype), s.to(device, dtype)) for c, s in tables]
         self.max_len = max_len
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
-        w = self.model.embed_tokens.weight
+        w = self.model.norm.weight
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim,
                        max_len or self.max_len, w.dtype, w.device, batch)
 

@@ -72,7 +72,7 @@ class ModelDrafter(Drafter):
         self.max_len = max_len
         self.ids: list[int] = []  # the tokens whose K/V the draft cache holds
         self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
-        self.device = model.model.embed_tokens.weight.device
+        self.device = model.model.norm.weight.device
 
     def capacity(self) -> int:
         return self.max_len
@@ -396,6 +396,7 @@ def bench_rows(llm, speculator: Speculator, n_gen: int, reps: int) -> list:
             acc = sum(r.spec["accepted"] for r in results) / drafted if drafted else 0.0
             test = f"tg{n_gen} {sp.drafter.name} K={sp.k}, {acc:.0%} acc."
         rows.append(BenchRow(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
+                             quant=llm.quantization,
                              test=test, tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
                              ttft_s=statistics.median(r.ttft_s for r in results),
                              model_bytes=llm.load_info.param_bytes, gb_s=llm.load_info.param_bytes * med / 1e9,
@@ -467,6 +468,6 @@ def quantized_copy(model, method: str, max_len: int):
         draft = Transformer(model.cfg)
     draft.load_state_dict(model.state_dict(), assign=True)
     draft.rope_factors = model.rope_factors
-    draft.setup_rope(max_len, model.model.embed_tokens.weight.device)
+    draft.setup_rope(max_len, model.model.norm.weight.device)
     quantize_model(draft, method, head=True)
     return draft.eval().requires_grad_(False)

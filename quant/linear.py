@@ -16,6 +16,8 @@ takes bf16 scales) and the plain-torch fallback compute the same weights.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,6 +99,10 @@ class QuantLinear(nn.Module):
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
+    def rows(self, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        """Dequantized rows `ids` of the weight (embedding lookups from a tied output layer)."""
+        return F.embedding(ids, self.dequantize(dtype))  # subclasses gather before dequantizing
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -119,26 +125,74 @@ class Int8Linear(QuantLinear):
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_int8(self.weight, self.scales, dtype)
 
+    def rows(self, ids, dtype=torch.float32):
+        return (self.weight[ids].float() * self.scales[ids].float()[..., None]).to(dtype)
+
     def _kernel(self, x):
         return torch._weight_int8pack_mm(x, self.weight, self.scales)
 
 
+@functools.lru_cache(maxsize=32)
+def _int4_kernel_layout(N: int, K: int) -> torch.Tensor:
+    """Where torch's CPU int4 layout puts each weight: for nibble i of the packed [N, K/2] tensor
+    (low nibbles first, then high), the flat index n * K + k of the weight it holds. Found by
+    packing the bits of every weight's own index, four at a time; the layout is torch's, undocumented."""
+    idx = torch.arange(N * K, dtype=torch.int64)
+    src = torch.zeros(N * K, dtype=torch.int64)
+    for shift in range(0, max(int(N * K - 1).bit_length(), 1), 4):
+        q = ((idx >> shift) & 0xF).to(torch.int32).view(N, K)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        src |= torch.cat(((packed & 0xF).reshape(-1), (packed >> 4).reshape(-1))).to(torch.int64) << shift
+    return src.to(torch.int32)
+
+
 class Int4Linear(QuantLinear):
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None):
-        super().__init__(weight.shape[1] * 2, weight.shape[0], bias)
+    def __init__(self, weight: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None, kernel_data: torch.Tensor | None = None,
+                 shape: tuple[int, int] | None = None):
+        """weight: uint8 [N, K/2] in pack_int4's layout, or None with kernel_data: the CPU kernel's
+        packed tensor (from kernel_data() of a layer built before, e.g. a load cache) and shape (N, K)."""
+        N, K = shape if weight is None else (weight.shape[0], weight.shape[1] * 2)
+        super().__init__(K, N, bias)
         self.group_size = group_size
-        self.register_buffer("weight", weight)  # uint8 [N, K/2], pack_int4's layout
+        self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
-        self.use_kernel = weight.device.type == "cpu" and group_size in GROUP_SIZES and self.out_features % 32 == 0
+        on_cpu = scales.device.type == "cpu"
+        self.use_kernel = on_cpu and group_size in GROUP_SIZES and N % 32 == 0
         if self.use_kernel:
-            # The kernel's own tiled layout, built from ours; a second copy of the 4-bit weights
-            # (half the size of an int8 copy), not part of the state dict.
-            q = unpack_int4(weight).to(torch.int32)
-            self.register_buffer("_packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
+            # The kernel's own tiled layout replaces ours: holding both would double the memory.
+            if kernel_data is None:
+                kernel_data = torch._convert_weight_to_int4pack_for_cpu(unpack_int4(weight).to(torch.int32), 1)
+            self.register_buffer("_packed", kernel_data, persistent=False)
             self.register_buffer("_scales_zeros", torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous(),
                                  persistent=False)  # [K/group, N, 2], as the kernel wants
+            self.weight = None
+        elif weight is None:
+            raise ValueError("kernel data given for a layer the CPU kernel cannot run")
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scales, zeros, group_size: int, bias=None) -> "Int4Linear":
+        """From unpacked codes [N, K] (0..15): skips a pack/unpack round trip on the kernel path."""
+        N, K = q.shape
+        if scales.device.type == "cpu" and group_size in GROUP_SIZES and N % 32 == 0:
+            kernel = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            return cls(None, scales, zeros, group_size, bias, kernel_data=kernel, shape=(N, K))
+        return cls(pack_int4(q), scales, zeros, group_size, bias)
+
+    def kernel_data(self) -> torch.Tensor | None:
+        return self._packed if self.use_kernel else None
+
+    def codes(self) -> torch.Tensor:
+        """The packed codes in pack_int4's layout, rebuilt from the kernel's when only that is kept."""
+        if self.weight is not None:
+            return self.weight
+        N, K = self.out_features, self.in_features
+        packed = self._packed.cpu()
+        nibbles = torch.cat(((packed & 0xF).reshape(-1), (packed >> 4).reshape(-1)))
+        q = torch.empty(N * K, dtype=torch.uint8)
+        q[_int4_kernel_layout(N, K).long()] = nibbles
+        return pack_int4(q.view(N, K)).to(self._packed.device)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 32) -> "Int4Linear":
@@ -146,13 +200,36 @@ class Int4Linear(QuantLinear):
         return cls(pack_int4(q), scales, zeros, group_size, linear.bias)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return dequantize_int4(self.weight, self.scales, self.zeros, self.group_size, dtype)
+        return dequantize_int4(self.codes(), self.scales, self.zeros, self.group_size, dtype)
+
+    def rows(self, ids, dtype=torch.float32):
+        if self.weight is None:  # an embedding reads rows every step: keep our layout from now on
+            self.weight = self.codes()
+        flat = ids.reshape(-1)
+        w = dequantize_int4(self.weight[flat], self.scales[flat], self.zeros[flat], self.group_size, dtype)
+        return w.view(*ids.shape, self.in_features)
 
     def _kernel(self, x):
         return torch._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, self._scales_zeros)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}"
+
+
+class QuantEmbedding(nn.Module):
+    """The token embedding of a model whose (tied) output layer is quantized: lookups dequantize
+    just the rows they need from that layer, so the table is not held a second time in float."""
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        object.__setattr__(self, "head", head)  # not a submodule: the head owns (and saves) the weights
+        self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.rows(ids, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, from {type(self.head).__name__}"
 
 
 # ---------------------------------------------------------------- whole models

@@ -118,4 +118,4 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
 def smollm2(smollm2_path):
     from brisk.core import LLM
 
-    return LLM.load(str(smollm2_path), device="cpu", dtype="float32")
+    return LLM.load(str(smollm2_path), device="cpu", dtype="float32", quantize="none")

@@ -40,7 +40,8 @@ def _brisk_greedy(llm, ids: list[int], steps: int) -> list[int]:
 
 
 def check_parity(path, ids, atol, steps=32):
-    llm = LLM.load(str(path), device="cpu", dtype="float32")
+    # quantize="none": transformers widens GGUF weights to float, so brisk must too for exact parity
+    llm = LLM.load(str(path), device="cpu", dtype="float32", quantize="none")
     hf = _hf_model(path)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()

@@ -35,7 +35,7 @@ def test_int8_close_to_float(layer):
 def test_int4_close_to_float(layer, group_size):
     x = torch.randn(5, 256)
     q = Int4Linear.from_float(layer, group_size)
-    assert q.weight.shape == (192, 128) and q.weight.dtype == torch.uint8 and q.use_kernel
+    assert q.codes().shape == (192, 128) and q.codes().dtype == torch.uint8 and q.use_kernel
     # 16 levels per group: each weight off by at most half a step, ~6-7% of the output here
     assert rel_err(q(x), layer(x)) < 0.1
 
