@@ -35,6 +35,7 @@ test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install-test
+	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/run.py
 
 clean:

@@ -1,4 +1,8 @@
-"""`make bench`: brisk against HF transformers on SmolLM2-135M, same process, same threads.
+"""`make bench`: brisk against HF transformers and llama.cpp on SmolLM2-135M, same process, same threads.
+
+brisk runs the GGUF widened to float32 (as transformers does), kept as stored (Q4_1 blocks repacked
+into torch's int4 kernel, the Q8_0 embedding into int8) and quantized at load (int8, int4); llama.cpp
+(llama-cpp-python, a benchmark-only extra) runs the same GGUF file.
 
 Prints a table and appends it to bench/RESULTS.md with the machine, date and commit.
 Not a test: speed targets are tracked here, not asserted.
@@ -31,10 +35,10 @@ def median_time(fn, reps=REPS):
     return statistics.median(times)
 
 
-def bench_brisk(path, dtype):
+def bench_brisk(path, dtype, quantize="none"):
     from brisk.core import GREEDY, LLM, Session
 
-    llm = LLM.load(str(path), device="cpu", dtype=dtype)
+    llm = LLM.load(str(path), device="cpu", dtype=dtype, quantize=quantize)
     ids = llm.prompt_ids(PROMPT)
     s = Session(llm)
     eos = llm.eos_ids
@@ -57,7 +61,37 @@ def bench_brisk(path, dtype):
         s.prefill(long_ids)
 
     pp = N_PREFILL / median_time(prefill)
-    return statistics.median(decode), pp, ids
+    return statistics.median(decode), pp, ids, llm.load_info.param_bytes
+
+
+def bench_llama_cpp(path, threads):
+    """llama.cpp on the same GGUF: greedy decode and prefill tok/s, or None when not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_PREFILL + N_NEW + 64, n_threads=threads,
+                          n_threads_batch=threads, n_batch=N_PREFILL, verbose=False)
+    prompt = llm.tokenize(PROMPT.encode())
+
+    def decode():
+        llm.reset()
+        llm.eval(prompt)
+        t = time.perf_counter()
+        for _ in range(N_NEW):
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            llm.eval([tok])
+        return N_NEW / (time.perf_counter() - t)
+
+    decode()
+    dec = statistics.median(decode() for _ in range(REPS))
+    long_ids = (prompt * (N_PREFILL // len(prompt) + 1))[:N_PREFILL]
+
+    def prefill():
+        llm.reset()
+        llm.eval(long_ids)
+
+    return dec, N_PREFILL / median_time(prefill)
 
 
 def bench_hf(path, dtype, ids):
@@ -103,22 +137,30 @@ def main():
 
     path = default_model_path()
     threads = torch.get_num_threads()
-    rows = []
-    for dtype in ("float32",):
-        b_dec, b_pp, ids = bench_brisk(path, dtype)
+    rows = []  # (engine, weights, decode tok/s, pp512 tok/s, model bytes)
+    ids = None
+    for quantize, label in (("none", "float32 (widened)"), ("auto", "Q4_1 kept (int4 kernel)"),
+                            ("int8", "int8 at load"), ("int4", "int4 g32 at load")):
+        dec, pp, ids, nbytes = bench_brisk(path, "float32", quantize)
         torch.set_num_threads(threads)
-        h_dec, h_pp = bench_hf(path, dtype, ids)
-        rows.append((dtype, b_dec, h_dec, b_pp, h_pp))
+        rows.append(("brisk", label, dec, pp, nbytes))
+    h_dec, h_pp = bench_hf(path, "float32", ids)
+    torch.set_num_threads(threads)
+    rows.append(("transformers", "float32", h_dec, h_pp, None))
+    lcpp = bench_llama_cpp(path, threads)
+    if lcpp:
+        rows.append(("llama.cpp", "Q4_1 as stored", *lcpp, path.stat().st_size))
     ttft = warm_first_token_s()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "?"
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     head = (f"### {datetime.date.today()} · commit {commit} · {cpu}, {os.cpu_count()} cores, "
-            f"{threads} torch threads · torch {torch.__version__} · SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)\n\n")
-    table = ("| dtype | brisk decode tok/s | transformers decode tok/s | ratio | brisk pp512 tok/s | "
-             "transformers pp512 tok/s | ratio |\n|---|---|---|---|---|---|---|\n")
-    for dtype, bd, hd, bp, hp in rows:
-        table += f"| {dtype} | {bd:.1f} | {hd:.1f} | {bd / hd:.2f}× | {bp:.0f} | {hp:.0f} | {bp / hp:.2f}× |\n"
+            f"{threads} torch threads · torch {torch.__version__} · SmolLM2-135M-Instruct (Q4_1 GGUF)\n\n")
+    table = ("| engine | weights | decode tok/s | vs transformers | pp512 tok/s | vs transformers | model MB |\n"
+             "|---|---|---|---|---|---|---|\n")
+    for engine, weights, dec, pp, nbytes in rows:
+        mb = f"{nbytes / 1e6:.0f}" if nbytes else "-"
+        table += f"| {engine} | {weights} | {dec:.1f} | {dec / h_dec:.2f}× | {pp:.0f} | {pp / h_pp:.2f}× | {mb} |\n"
     table += f"\nWarm `brisk generate` (default model), process start to first output byte: {ttft:.2f} s (median of 3)\n"
     print(head + table)
     with open(ROOT / "bench" / "RESULTS.md", "a") as f:

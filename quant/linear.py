@@ -17,6 +17,7 @@ takes bf16 scales) and the plain-torch fallback compute the same weights.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,15 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 # ---------------------------------------------------------------- modules
 
+_fallbacks_said: set = set()
+
+
+def _say_fallback_once(kind: str, device: str) -> None:
+    if (kind, device) not in _fallbacks_said:
+        _fallbacks_said.add((kind, device))
+        warnings.warn(f"{kind} has no fast kernel on {device} for this shape: dequantizing each call (correct, slower)")
+
+
 class QuantLinear(nn.Module):
     """Shared plumbing: flatten to 2D, run the kernel or the fallback, cast back, add the bias."""
 
@@ -92,6 +102,7 @@ class QuantLinear(nn.Module):
         if self.use_kernel and x.device.type == "cpu":
             y = self._kernel(x2.to(SCALE_DTYPE))
         else:
+            _say_fallback_once(type(self).__name__, x.device.type)
             y = F.linear(x2, self.dequantize(x.dtype))
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
