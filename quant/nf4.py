@@ -215,13 +215,25 @@ class NF4Linear(QuantLinear):
             vals = F.pad(vals, (0, absmax.numel() * bs - n))
         return (vals.view(-1, bs) * absmax[:, None]).view(-1)[:n].view(r1 - r0, K)
 
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._fast_path(self.weight.device)  # say so at load (.to(device)), not mid-generation
+        return out
+
+    @staticmethod
+    def _fast_path(device: torch.device):
+        """bitsandbytes where it has a kernel (CUDA), else None after one warning."""
+        if device.type == "cuda" and (bnb := _bnb()) is not None:
+            return bnb
+        _warn_once(f"nf4/fp4 weights on {device.type}: no kernel for this format here, the weights are "
+                   "dequantized per call (many times slower than int4)"
+                   + (" -- install bitsandbytes for its CUDA kernels" if device.type == "cuda" else ""))
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cuda" and (bnb := _bnb()) is not None:
+        if (bnb := self._fast_path(x.device)) is not None:
             y = bnb.matmul_4bit(x, self.weight.t(), self._quant_state(x.dtype))
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        _warn_once(f"nf4/fp4 weights on {x.device.type}: no kernel for this format here, the weights are "
-                   "dequantized per call (several times slower than int4)"
-                   + (" -- install bitsandbytes for its CUDA kernels" if x.device.type == "cuda" else ""))
         x2 = x.reshape(-1, self.in_features)
         N, R = self.out_features, self._slab_rows
         if N <= R:
