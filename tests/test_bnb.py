@@ -226,6 +226,23 @@ def test_nf4_linear_forward_and_rows(shape, monkeypatch):
     assert torch.equal(layer.rows(ids), F.embedding(ids, w))
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_bitsandbytes_kernel_path(quant_type, monkeypatch):
+    """The branch CUDA takes (bnb.matmul_4bit on a QuantState built from the layer's tensors), run
+    here on bitsandbytes' CPU backend: same numbers as the plain-torch path."""
+    _bnb()
+    import bitsandbytes
+
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(128, 96, bias=True)
+    layer = nf4.NF4Linear.from_float(lin, quant_type, 64, double_quant=True)
+    x = torch.randn(2, 3, 128)
+    ref = F.linear(x, layer.dequantize(), lin.bias)
+    monkeypatch.setattr(nf4.NF4Linear, "_fast_path", staticmethod(lambda device: bitsandbytes))
+    torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-5)
+    assert layer(x[0, :1].to(torch.bfloat16)).dtype == torch.bfloat16  # decode shape, other dtype: new state
+
+
 def test_nf4_linear_warns_once_on_cpu():
     nf4._warn_once.cache_clear()
     layer = nf4.NF4Linear.from_float(torch.nn.Linear(64, 32))
