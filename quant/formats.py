@@ -58,6 +58,9 @@ def load_quantized_linears(model: nn.Module, tensors: dict[str, torch.Tensor], q
 
 
 def _is_packed(tensors: dict[str, torch.Tensor], name: str) -> bool:
-    # bitsandbytes keeps the name `weight` for its packed uint8/int8 data
-    w = tensors[f"{name}.weight"]
-    return w.dtype in (torch.uint8, torch.int8)
+    # bitsandbytes keeps the name `weight` for its packed data: uint8/int8, or any dtype with
+    # bnb_4bit_quant_storage (e.g. bf16 for FSDP); its quant-state or SCB keys tell it apart.
+    if tensors[f"{name}.weight"].dtype in (torch.uint8, torch.int8):
+        return True
+    return any(f"{name}.{k}" in tensors for k in ("weight.quant_state.bitsandbytes__nf4",
+                                                  "weight.quant_state.bitsandbytes__fp4", "SCB"))
