@@ -1,4 +1,4 @@
-"""`brisk generate`: one prompt in, streamed text out."""
+"""`brisk generate`: one prompt in, streamed text out; or a JSONL file of requests, batched."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from ..core.errors import BriskError
 from . import common as c
 from .main import app
 
@@ -32,6 +33,13 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (chat-template models)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token counts, speeds) at the end."),
+    batch: Optional[Path] = typer.Option(None, "--batch", help="A JSONL file of requests, generated together with "
+                                         "continuous batching: one object a line with \"prompt\" or \"messages\" "
+                                         "and optional max_tokens, temperature, top_p, top_k, min_p, "
+                                         "repetition_penalty, seed, stop, id. The options above are the defaults."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="--batch: write the results here (JSONL, "
+                                          "input order; default stdout)."),
+    max_concurrency: int = typer.Option(16, "--max-concurrency", help="--batch: sequences generated at once.", min=1),
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
     quantize: str = c.QuantizeOpt,
@@ -43,6 +51,12 @@ def generate(
     ·  echo "Hi" | brisk generate  ·  brisk generate -m org/name -f prompt.txt --json
     """
     with c.user_errors():
+        if batch is not None:
+            return _generate_batch(args or [], model, batch, output, max_concurrency, file, draft, as_json, raw,
+                                   system, max_tokens, tuple(stop or ()), device, dtype, ctx,
+                                   (temperature, top_k, top_p, min_p, repetition_penalty, seed))
+        if output is not None:
+            raise BriskError("-o/--output goes with --batch (a single answer streams to stdout)")
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)  # fail fast
         c.check_draft(draft, draft_k)
@@ -67,6 +81,81 @@ def generate(
             sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
         else:
             sys.stdout.write("\n")
+
+
+def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as_json, raw, system, max_tokens,
+                    stop, device, dtype, ctx, flags):
+    """Every request of the file through one continuous-batching engine; results in input order."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..core.jobs import read_jsonl, request_from, summary
+    from ..core.scheduler import Engine
+
+    if len(args) > 1 or (args and model):
+        raise BriskError("with --batch, give only the model (the prompts come from the file)")
+    if file is not None or draft or as_json:
+        raise BriskError("--batch does not combine with --file, --draft or --json")
+    objs = read_jsonl(batch)  # before loading a model: a bad file fails at once
+    llm = c.load_llm(model or (args[0] if args else None), device, dtype, ctx)
+    defaults = c.sampling_params(llm, *flags)
+    requests = []
+    for obj in objs:
+        try:
+            requests.append(request_from(llm, obj, defaults, max_tokens, stop, template_prompt=not raw, system=system))
+        except BriskError as e:
+            raise BriskError(f"{batch}:{obj['_line']}: {e}") from None
+    engine = Engine(llm, max_batch=max_concurrency)
+    seqs = []
+    for obj, req in zip(objs, requests):
+        try:
+            seqs.append(engine.add(req))
+        except BriskError as e:
+            raise BriskError(f"{batch}:{obj['_line']}: {e}") from None
+    t0 = time.perf_counter()
+    show = sys.stderr.isatty()
+    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                  TimeElapsedColumn(), console=c.err_console, disable=not show, transient=True) as bar:
+        task = bar.add_task("batch", total=len(seqs), rate="")
+        done = tokens = 0
+        while engine.has_work():
+            events = engine.step()
+            tokens += len(events)
+            done += sum(1 for _, _, finished in events if finished)
+            bar.update(task, completed=done, rate=f"{tokens / (time.perf_counter() - t0):.1f} tok/s")
+    wall = time.perf_counter() - t0
+    lines = []
+    for i, (obj, seq) in enumerate(zip(objs, seqs)):
+        out = {"index": i, **({"id": obj["id"]} if "id" in obj else {}), **seq.result.to_dict(),
+               "latency_s": round(seq.latency_s, 4)}
+        lines.append(json.dumps(out, ensure_ascii=False) + "\n")
+    if output is None:
+        sys.stdout.writelines(lines)
+    else:
+        _write_atomic(output, "".join(lines))
+    s = summary(seqs, wall, engine)
+    mb = 1 / 2**20
+    print(f"{s['requests']} requests in {s['wall_s']:.1f} s · {s['requests_per_s']:.2f} req/s · "
+          f"{s['generated_tokens']} tokens generated, {s['generated_tok_s']:.1f} tok/s · latency mean "
+          f"{s['latency_mean_s']:.2f} s, p95 {s['latency_p95_s']:.2f} s · KV pool {s['kv_pool_bytes'] * mb:.0f} MiB, "
+          f"peak in use {s['kv_peak_used_bytes'] * mb:.1f} MiB (tokens need {s['kv_peak_needed_bytes'] * mb:.1f})"
+          + (f" · {s['shared_prefix_tokens']} prompt tokens shared" if s["shared_prefix_tokens"] else "")
+          + (f" · {s['preemptions']} preemptions" if s["preemptions"] else "")
+          + (f" · wrote {output}" if output else ""), file=sys.stderr)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary sibling, so an interrupted run never leaves half a file."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise BriskError(f"{path}: cannot write ({e.strerror})") from None
 
 
 def _split_args(args: list[str], model: Optional[str], file: Optional[Path]) -> tuple[Optional[str], str]:

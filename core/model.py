@@ -14,6 +14,7 @@ from torch import nn
 from . import blas
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .paged_cache import BlockPool, PagedStep
 
 
 class Linear(nn.Linear):
@@ -82,6 +83,38 @@ def decode_attention(q, k, v, scale):
     return y.view(B, H, 1, D)
 
 
+def paged_attention(q, k, v, step: PagedStep, layer: int, window: int | None, scale: float):
+    """Attention for a batched step over the paged pool. q [N, H, D] and k/v [N, KV, D] are the
+    step's new tokens (already rotated); k/v are written to their slots first.
+
+    Decode rows (one query each) gather their block tables into [rows, keys, KV, D] and run as
+    one masked bmm per KV head; prefill chunks run one SDPA each over their gathered blocks.
+    """
+    N, H, D = q.shape
+    KV = k.shape[1]
+    kc, vc = step.pool.k[layer], step.pool.v[layer]  # [blocks, block_size, KV, D]
+    kc.view(-1, KV, D).index_copy_(0, step.slots, k)
+    vc.view(-1, KV, D).index_copy_(0, step.slots, v)
+    out = torch.empty_like(q)
+    nd, G = step.n_decode, H // KV
+    if nd:
+        keys, values = step.gather(kc), step.gather(vc, second=True)  # [rows, keys, KV, D]
+        mask = step.decode_mask(window, q.dtype)
+        for h in range(KV):  # a strided [rows, keys, D] slice per KV head: no copy for bmm
+            heads = slice(h * G, (h + 1) * G)
+            scores = torch.baddbmm(mask, q[:nd, heads], keys[:, :, h].transpose(1, 2), alpha=scale)
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            out[:nd, heads] = torch.bmm(probs, values[:, :, h])
+    for i, (s, T, _, blocks) in enumerate(step.prefills):
+        keys = kc.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]  # [1, KV, keys, D]
+        values = vc.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]
+        y = F.scaled_dot_product_attention(q[s:s + T].transpose(0, 1)[None], keys, values,
+                                           attn_mask=step.prefill_mask(i, window), scale=scale,
+                                           enable_gqa=KV != H)
+        out[s:s + T] = y[0].transpose(0, 1)
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -97,6 +130,8 @@ class Attention(nn.Module):
         self.sliding = cfg.layer_types[layer] == "sliding"
 
     def forward(self, x, cos, sin, cache: KVCache, start: int, mask):
+        if isinstance(cache, PagedStep):
+            return self.forward_paged(x, cos, sin, cache)
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -116,6 +151,20 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale,
                                                enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def forward_paged(self, x, cos, sin, step: PagedStep):
+        """x [1, N, dim]: the flattened tokens of a batched step; cos/sin [N, D], per token."""
+        N = x.shape[1]
+        q = self.q_proj(x).view(N, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(N, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(N, self.n_kv, self.head_dim)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, None], sin[:, None]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        window = self.cfg.sliding_window if self.sliding else None
+        y = paged_attention(q, k, v, step, self.layer, window, self.cfg.attn_scale)
+        return self.o_proj(y.view(1, N, -1))
 
 
 class MLP(nn.Module):
@@ -190,6 +239,11 @@ class Transformer(nn.Module):
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim,
                        max_len or self.max_len, w.dtype, w.device, batch)
 
+    def new_pool(self, n_blocks: int, block_size: int) -> BlockPool:
+        w = self.model.norm.weight
+        return BlockPool(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, n_blocks, block_size,
+                         w.dtype, w.device)
+
     def decoding(self):
         """Context around a run of single-token steps: the place for per-run decode setup
         (none is needed at present; the CPU matmul path is chosen per call, see blas.py)."""
@@ -230,4 +284,18 @@ class Transformer(nn.Module):
         if self.cfg.final_softcap:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         cache.length = start + T
+        return logits
+
+    def forward_batch(self, step: PagedStep) -> torch.Tensor:
+        """One step of continuous batching: every row's new tokens in one call, K/V in the paged
+        pool. Returns logits [M, vocab] for step.logit_rows, in the order of the step's rows."""
+        x = self.model.embed_tokens(step.tokens[None])  # [1, N, dim]: the layers see one long row
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        rope = [(c[step.positions], s[step.positions]) for c, s in self.rope]
+        for layer in self.model.layers:
+            x = layer(x, rope, step, None, None)
+        logits = self.lm_head(self.model.norm(x[0, step.logit_rows]))
+        if self.cfg.final_softcap:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits

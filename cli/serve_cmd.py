@@ -1,0 +1,64 @@
+"""`brisk serve`: an OpenAI-compatible HTTP server over continuous batching."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from . import common as c
+from .main import app
+
+
+@app.command()
+def serve(
+    model_pos: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="Model (default: embedded SmolLM2)."),
+    model: Optional[str] = c.ModelArg,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="TCP port.", min=0, max=65535),
+    max_concurrency: int = typer.Option(16, "--max-concurrency", help="Sequences generated at once; more "
+                                        "requests wait their turn.", min=1),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="BRISK_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on every request."),
+    served_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send "
+                                              "(default: MODEL as given, or the default model's name)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Default max_tokens for chat requests "
+                                   "that give none (completions default to 16, as OpenAI's).", min=1),
+    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV pool size in tokens, shared by all "
+                                            "sequences (default: max(2 x ctx, 16384)).", min=16),
+    temperature: Optional[float] = c.TempOpt,
+    top_k: Optional[int] = c.TopKOpt,
+    top_p: Optional[float] = c.TopPOpt,
+    min_p: Optional[float] = c.MinPOpt,
+    device: str = c.DeviceOpt,
+    dtype: str = c.DtypeOpt,
+    ctx: Optional[int] = c.CtxOpt,
+):
+    """Serve /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API), streamed or not.
+
+    Requests are batched continuously; the sampling options are defaults that request fields
+    override. Example: brisk serve --port 8000, then any OpenAI client with
+    base_url="http://127.0.0.1:8000/v1".
+    """
+    with c.user_errors():
+        import uvicorn
+
+        from ..core.errors import BriskError
+        from ..core.scheduler import Engine, EngineThread
+        from .openai_api import create_app
+
+        if model and model_pos:
+            raise BriskError("model given twice (positional and --model)")
+        name = model or model_pos
+        sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
+        llm = c.load_llm(name, device, dtype, ctx)
+        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, 1.0, None)
+        served = served_name or name or llm.name.removesuffix(" (default)")
+        runner = EngineThread(Engine(llm, max_batch=max_concurrency, kv_tokens=kv_tokens))
+        api = create_app(llm, runner, sampling, served, api_key, max_tokens)
+        c.err_console.print(f"serving {served} on http://{host}:{port}/v1 · {max_concurrency} sequences at once · "
+                            f"KV pool {runner.engine.pool.nbytes / 2**20:.0f} MiB"
+                            + (" · API key required" if api_key else ""), highlight=False)
+        try:
+            uvicorn.run(api, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+        finally:
+            runner.close()

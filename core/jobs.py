@@ -1,0 +1,142 @@
+"""Requests from user input: a JSON object with a prompt or chat messages and optional sampling
+fields (a line of `generate --batch`, the body of a server request), checked field by field.
+Also the summary of a finished batch (throughput, latency percentiles, KV pool use)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from .errors import BriskError
+from .sampling import SamplingParams
+from .scheduler import Request
+
+SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                   "repetition_penalty": float, "seed": int}
+
+
+def _typed(obj: dict, key: str, kind, default=None):
+    """obj[key] as `kind` (int or float; bool is neither), default when absent or null."""
+    v = obj.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+        raise BriskError(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+    if kind is float and not math.isfinite(v):
+        raise BriskError(f"'{key}' must be finite, got {v!r}")
+    return kind(v)
+
+
+def text_content(content) -> str:
+    """A message's content: a string, or OpenAI's list of parts of which only text is supported."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise BriskError("only text content parts are supported")
+        return "".join(p["text"] for p in content)
+    raise BriskError("a message's content must be a string or a list of text parts")
+
+
+def messages_of(obj: dict) -> list[dict]:
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BriskError("'messages' must be a non-empty list")
+    out = []
+    for m in msgs:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise BriskError("each message needs a role: system, user or assistant")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": text_content(m.get("content"))})
+    return out
+
+
+def prompt_ids(llm, obj: dict, template_prompt: bool = True, system: str | None = None) -> list[int]:
+    """Token ids for obj's "messages" (through the chat template) or "prompt" (through it too when
+    template_prompt and the model has one, like `brisk generate`; as is when obj says "raw")."""
+    tok = llm.tokenizer
+    if "messages" in obj:
+        if "prompt" in obj:
+            raise BriskError("give 'prompt' or 'messages', not both")
+        if not tok.has_chat_template:
+            raise BriskError(f"{llm.name} has no chat template; send a 'prompt' instead of 'messages'")
+        text = tok.apply_chat_template(messages_of(obj), add_generation_prompt=True)
+        return tok.encode(text, add_special=False)
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str):
+        raise BriskError("'prompt' (a string) or 'messages' is required")
+    raw = obj.get("raw", not template_prompt)
+    if not isinstance(raw, bool):
+        raise BriskError(f"'raw' must be true or false, got {raw!r}")
+    sys_msg = obj.get("system", system)
+    if sys_msg is not None and not isinstance(sys_msg, str):
+        raise BriskError("'system' must be a string")
+    return llm.prompt_ids(prompt, raw=raw, system=sys_msg)
+
+
+def stop_strings(obj: dict, default=()) -> tuple[str, ...]:
+    stop = obj.get("stop")
+    if stop is None:
+        return tuple(default)
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise BriskError("'stop' must be a string or a list of strings")
+
+
+def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop=(),
+                 template_prompt: bool = True, system: str | None = None, max_tokens_key="max_tokens") -> Request:
+    """A scheduler Request from a JSON object; fields absent from it take the given defaults."""
+    if not isinstance(obj, dict):
+        raise BriskError("each request must be a JSON object")
+    fields = {k: _typed(obj, k, kind) for k, kind in SAMPLING_FIELDS.items() if obj.get(k) is not None}
+    n = _typed(obj, max_tokens_key, int, max_tokens)
+    if n < 1:
+        raise BriskError(f"'{max_tokens_key}' must be >= 1, got {n}")
+    return Request(prompt_ids(llm, obj, template_prompt, system), replace(sampling, **fields).validate(), n,
+                   stop_strings(obj, stop))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The objects of a JSONL file (blank lines skipped); errors name the line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BriskError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise BriskError(f"{path}:{i}: not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise BriskError(f"{path}:{i}: expected a JSON object")
+        out.append({"_line": i, **obj})
+    if not out:
+        raise BriskError(f"{path}: no requests")
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
+
+
+def summary(seqs, wall_s: float, engine) -> dict:
+    lat = [s.latency_s for s in seqs]
+    gen = sum(len(s.result.tokens) for s in seqs)
+    st, pool = engine.stats, engine.pool
+    return {"requests": len(seqs), "wall_s": round(wall_s, 3), "requests_per_s": round(len(seqs) / wall_s, 3),
+            "generated_tokens": gen, "generated_tok_s": round(gen / wall_s, 2),
+            "prompt_tokens": sum(s.result.prompt_tokens for s in seqs),
+            "shared_prefix_tokens": st.shared_tokens, "preemptions": st.preemptions,
+            "latency_mean_s": round(sum(lat) / len(lat), 3), "latency_p95_s": round(percentile(lat, 95), 3),
+            "kv_pool_bytes": pool.nbytes, "kv_peak_used_bytes": st.peak_blocks * pool.block_bytes,
+            "kv_peak_needed_bytes": st.peak_tokens * pool.block_bytes // pool.block_size}

@@ -1,0 +1,230 @@
+"""`brisk serve`'s OpenAI API, driven by the official openai client and by raw HTTP: answers equal
+single-stream generation, streaming equals non-streaming, bad requests get 4xx JSON errors,
+concurrent clients all get complete answers, and a client that disconnects frees its blocks."""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from brisk.core import GREEDY, LLM, Session
+from brisk.core.scheduler import Engine, EngineThread
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+from brisk.cli.openai_api import create_app  # noqa: E402
+
+KEY = "sk-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn on a thread, on a free loopback port, around one engine thread."""
+
+    def __init__(self, llm, name="tiny", api_key=KEY, max_batch=8, step_delay=0.0):
+        self.runner = EngineThread(Engine(llm, max_batch=max_batch))
+        self.submitted = []
+        submit = self.runner.submit
+
+        def recording_submit(request, on_event):
+            seq = submit(request, on_event)
+            self.submitted.append(seq)
+            return seq
+
+        self.runner.submit = recording_submit
+        if step_delay:  # slows generation down so a test can act in the middle of one
+            step = self.runner.engine.step
+            self.runner.engine.step = lambda: (time.sleep(step_delay), step())[1]
+        app = create_app(llm, self.runner, GREEDY, name, api_key, max_tokens=16)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY, timeout=60,
+                                    max_retries=0)
+
+    def raw(self, method, path, body=None, headers=None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        conn.request(method, path, data, {"Authorization": f"Bearer {KEY}", **(headers or {})})
+        r = conn.getresponse()
+        out = r.status, r.read()
+        conn.close()
+        return out[0], json.loads(out[1]) if out[1] else None
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.runner.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Server(tiny)
+    yield s
+    s.close()
+
+
+def reference(llm, ids, max_tokens, stop=()):
+    s = Session(llm)
+    list(s.stream(ids, GREEDY, max_tokens, stop))
+    return s.last
+
+
+def chat_ids(llm, content):
+    return llm.prompt_ids(content)
+
+
+def test_models(server):
+    assert [m.id for m in server.client.models.list().data] == ["tiny"]
+
+
+def test_chat_and_completion_equal_single_stream(server, tiny):
+    r = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Paris is"}],
+                                              max_tokens=12, temperature=0)
+    ref = reference(tiny, chat_ids(tiny, "Paris is"), 12)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.prompt_tokens, len(ref.tokens))
+    c = server.client.completions.create(model="tiny", prompt="The quick brown", max_tokens=10, temperature=0)
+    ref = reference(tiny, tiny.tokenizer.encode("The quick brown"), 10)  # completions take the prompt as is
+    assert c.choices[0].text == ref.text and c.usage.completion_tokens == len(ref.tokens)
+
+
+def test_streaming_equals_non_streaming(server):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hello there"}], max_tokens=14, temperature=0)
+    whole = server.client.chat.completions.create(**kw)
+    chunks = list(server.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    kw = dict(model="tiny", prompt="Hello, world", max_tokens=9, temperature=0)
+    whole = server.client.completions.create(**kw)
+    text = "".join(ch.choices[0].text for ch in server.client.completions.create(**kw, stream=True))
+    assert text == whole.choices[0].text
+
+
+def test_stop_strings_and_defaults(server, tiny):
+    ref = reference(tiny, chat_ids(tiny, "Paris is"), 16)
+    stop = ref.text[4:7]
+    r = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Paris is"}],
+                                              stop=[stop], temperature=0)  # max_tokens: the server's 16
+    assert r.choices[0].message.content == ref.text[:ref.text.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    c = server.client.completions.create(model="tiny", prompt="Paris is", temperature=0)
+    assert c.usage.completion_tokens <= 16
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ({"model": "tiny"}, 400, "messages"),
+    ({"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n=1"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x " * 400}]}, 400, "context"),
+])
+def test_malformed_chat_requests_get_4xx_json(server, body, status, words):
+    code, out = server.raw("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    assert code == status, out
+    assert words.lower() in out["error"]["message"].lower() and out["error"]["type"] == "invalid_request_error"
+
+
+def test_raw_http_errors(server):
+    code, out = server.raw("POST", "/v1/completions", {"model": "tiny", "prompt": 42})
+    assert code == 400 and "prompt" in out["error"]["message"]
+    code, out = server.raw("POST", "/v1/completions", {"model": "tiny", "prompt": "x " * 400})
+    assert code == 400 and out["error"]["code"] == "context_length_exceeded"
+    code, out = server.raw("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert code == 401 and out["error"]["code"] == "invalid_api_key"
+    code, out = server.raw("GET", "/v1/nowhere")
+    assert code == 404 and "error" in out
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_concurrent_clients_get_complete_answers(server, tiny):
+    prompts = [f"question {i}: {'why ' * (i % 4)}the sky" for i in range(12)]
+    want = [reference(tiny, chat_ids(tiny, p), 20) for p in prompts]
+
+    def ask(i):
+        kw = dict(model="tiny", messages=[{"role": "user", "content": prompts[i]}], max_tokens=20, temperature=0)
+        if i % 2:
+            return "".join(ch.choices[0].delta.content or "" for ch in
+                           server.client.chat.completions.create(**kw, stream=True))
+        return server.client.chat.completions.create(**kw).choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(len(prompts)), timeout=120))
+    assert got == [w.text for w in want]
+    engine = server.runner.engine
+    assert engine.pool.n_free == engine.pool.n_blocks
+
+
+def wait_for(cond, seconds=20.0):
+    deadline = time.time() + seconds
+    while not cond():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_frees_blocks(tiny, stream):
+    s = Server(tiny, step_delay=0.02)  # 200 tokens take >= 4 s: the client leaves long before
+    try:
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        body = json.dumps({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "stream": stream})
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        assert wait_for(lambda: s.submitted and s.runner.engine.running)
+        if stream:  # wait for the answer to start
+            got = b""
+            while b"data:" not in got:
+                got += sock.recv(4096)
+        sock.close()
+        engine = s.runner.engine
+        assert wait_for(lambda: s.submitted[0].finished, 10)
+        assert s.submitted[0].result.finish_reason == "cancelled"
+        assert wait_for(lambda: engine.pool.n_free == engine.pool.n_blocks and not engine.running, 10)
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+def test_smollm2_real_chat_answer(smollm2):
+    s = Server(smollm2, name="smollm2")
+    try:
+        r = s.client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0)
+        assert "Paris" in r.choices[0].message.content
+    finally:
+        s.close()
