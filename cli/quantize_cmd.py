@@ -1,0 +1,137 @@
+"""`brisk quantize`: write a quantized Hugging Face checkpoint (GPTQ, AWQ, bitsandbytes NF4/FP4/int8)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import common as c
+from .main import app
+
+
+@app.command()
+def quantize(
+    model: Optional[str] = typer.Argument(None, metavar="[MODEL]",
+                                          help="HF folder, hub id, .gguf file (default: embedded SmolLM2)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder (a Hugging Face checkpoint)."),
+    method: str = typer.Option(..., "--method", help="gptq | awq | nf4 | fp4 | int8"),
+    bits: Optional[int] = typer.Option(None, "--bits", help="gptq: 2, 3, 4 (default) or 8. awq/nf4/fp4: 4; int8: 8."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="gptq: -1, 32, 64, 128; awq: 32, 64, 128. "
+                                             "Default: 128, or the largest that divides every layer."),
+    sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="gptq: symmetric (default) or asymmetric grid."),
+    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order",
+                                             help="gptq: quantize columns by decreasing activation size (desc_act)."),
+    damp: Optional[float] = typer.Option(None, "--damp", help="gptq: Hessian dampening, a fraction of its mean "
+                                         "diagonal (default 0.01)."),
+    double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant",
+                                                help="nf4/fp4: quantize the block scales too (default off)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="gptq/awq calibration text: a text file, or .jsonl "
+                                         "with a \"text\" field per line. Default: brisk's built-in set."),
+    samples: Optional[int] = typer.Option(None, "--samples", help="gptq/awq: calibration sequences (default 32)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="gptq/awq: tokens per sequence (default 256)."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),
+):
+    """Quantize a model into a Hugging Face folder that brisk, transformers and vLLM load.
+
+    Interrupted (Ctrl-C, crash), the same command resumes from the last finished layer.
+    Examples:  brisk quantize -o smol-gptq --method gptq  ·  brisk quantize org/name -o out --method awq
+    ·  brisk quantize model.gguf -o out-nf4 --method nf4 --double-quant
+    """
+    from ..core.quantize import QuantOptions, quantize_model
+
+    with c.user_errors():
+        opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
+                            damp=damp, double_quant=double_quant, calib=str(calib) if calib else None,
+                            samples=samples, seq_len=seq_len)
+        progress = _Progress(enabled=not as_json)
+        try:
+            summary = quantize_model(model, out, opts, force=force, report=progress)
+        except KeyboardInterrupt:
+            progress.stop()
+            print(f"interrupted: run the same command again to resume from {out}.partial", file=sys.stderr)
+            raise typer.Exit(130)
+        finally:
+            progress.stop()
+        if as_json:
+            sys.stdout.write(json.dumps(summary.to_dict()) + "\n")
+        else:
+            _print_summary(summary)
+
+
+class _Progress:
+    """The pipeline's report(event, ...) callback as a rich progress bar on stderr."""
+
+    def __init__(self, enabled: bool):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+            TimeRemainingColumn
+
+        self.enabled = enabled
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                            TextColumn("{task.fields[note]}"), console=c.err_console, disable=not enabled)
+        self.task = self.status = self.calib = None
+
+    def stop(self):
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+        if self.task is not None:
+            self.bar.stop()
+
+    def __call__(self, event: str, **info):
+        if not self.enabled:
+            return
+        if event != "loading" and self.status is not None:
+            self.status.stop()
+            self.status = None
+        log = self.bar.console.print
+        if event == "loading" and sys.stderr.isatty():
+            self.status = c.err_console.status(f"loading {info['model']}…", spinner="dots")
+            self.status.start()
+        elif event == "calibration":  # told with the bar: until then an error is the only line
+            self.calib = f"calibration: {info['samples']} sequences x {info['seq_len']} tokens"
+        elif event == "resume":
+            log(f"resuming: {info['layers']} layers already done")
+        elif event == "restart":
+            log(f"starting over: {info['reason']}")
+        elif event == "start":
+            if self.calib:
+                log(self.calib)
+            # layers a previous run finished count as done from the start, so they stay out of the ETA
+            self.bar.start()
+            self.task = self.bar.add_task("quantizing", total=info["total"], completed=info["done"], note="")
+        elif event == "layer":
+            st = info["stats"]
+            if not st.resumed:
+                self.bar.update(self.task, advance=1, note=f"layer {st.index}: err {st.mean_error:.2e}")
+        elif event == "writing":
+            self.bar.update(self.task, note=f"writing {info['out']}")
+
+
+def _print_summary(s) -> None:
+    console = Console(highlight=False)
+    o = s.options
+    fmt = {"gptq": "GPTQ", "awq": "AWQ (GEMM)", "nf4": "bitsandbytes NF4", "fp4": "bitsandbytes FP4",
+           "int8": "bitsandbytes int8"}[s.method]
+    group = o.get("group_size")
+    title = f"{fmt}, {o['bits']}-bit" + (f", group {group}" if group is not None else "")
+    table = Table(title=title, title_justify="left")
+    for col in ("layer", "bits", f"{s.error_kind} err (mean)", "max", "seconds"):
+        table.add_column(col, justify="right")
+    for st in s.layers:
+        table.add_row(str(st.index), str(o["bits"]), f"{st.mean_error:.3e}", f"{st.max_error:.3e}",
+                      f"{st.seconds:.1f}" + (" (earlier run)" if st.resumed else ""))
+    console.print(table)
+    mb = lambda n: f"{n / 2**20:,.1f} MB"  # noqa: E731
+    console.print(f"size: {mb(s.source_bytes)} source file, {mb(s.fp16_bytes)} at 16 bits -> {mb(s.out_bytes)} "
+                  f"({s.out_bytes / max(s.fp16_bytes, 1):.0%} of 16-bit)")
+    if s.calibration_tokens:
+        console.print(f"calibration: {s.calibration_tokens:,} tokens")
+    console.print(f"kept {s.float_dtype}: {', '.join(s.kept_float)}")
+    console.print(f"time: {s.seconds:.1f} s   ->  {s.out}")

@@ -1,0 +1,360 @@
+"""`brisk quantize`: the calibrate-and-write pipeline, its resume, its errors, and what it writes
+loading back (in brisk, and where the reference exists, in transformers)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from brisk.cli.main import app
+from brisk.core import calibration
+from brisk.core.errors import BriskError
+from brisk.core.quantize import STOP_ENV, QuantOptions, quantize_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny models gain nothing from threads, and on a busy machine spinning OpenMP workers cost
+    seconds per test. (Byte-identity holds for a fixed thread count: the subprocesses use one too.)"""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+CALIB = ["--samples", "8", "--seq-len", "64"]  # small: the tiny models see 512 calibration tokens
+
+
+def quantize(model, out, *args, env=None):
+    return runner.invoke(app, ["quantize", str(model), "-o", str(out), *args], env=env)
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def kl_top1(base, other, ids):
+    a, b = base.logits(ids).log_softmax(-1), other.logits(ids).log_softmax(-1)
+    kl = (a.exp() * (a - b)).sum(-1).mean().item()
+    return kl, (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+
+def float_llm(path):
+    from brisk.core.engine import LLM
+
+    return LLM.load(None if path is None else str(path), device="cpu", dtype="float32", quantize="none")
+
+
+TEXT = ("The river town had two bridges. Customer: my order arrived broken. def add(a, b): return a + b. "
+        "Temperatures in May ranged from 4.1 to 31.2 degrees.")
+
+
+# ---------------------------------------------------------------- calibration data
+
+def test_calibration_windows_are_deterministic(tiny_llama_dir):
+    from brisk.core.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf_folder(tiny_llama_dir)
+    texts = calibration.load_texts(None)
+    a = calibration.calibration_batch(tok, texts, 16, 128)
+    b = calibration.calibration_batch(tok, texts, 16, 128)
+    assert a.shape == (16, 128) and torch.equal(a, b)
+    stream = sum((tok.encode(t + "\n\n") for t in texts), [])
+    assert a[0].tolist() == stream[:128] and a[-1].tolist() == stream[-128:]  # spread end to end
+    assert len({tuple(r) for r in a.tolist()}) == 16
+
+
+def test_builtin_text_is_long_enough_for_the_defaults(smollm2_path):
+    from brisk.core.checkpoint import load_checkpoint
+    from brisk.core.quantize import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
+
+    tok = load_checkpoint(str(smollm2_path)).tokenizer
+    n = sum(len(tok.encode(t)) for t in calibration.builtin_texts())
+    assert n >= DEFAULT_SAMPLES * DEFAULT_SEQ_LEN  # windows do not overlap at the defaults
+
+
+def test_calib_file_formats(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"text": "first doc"}\n\n{"text": "second"}\n')
+    assert calibration.load_texts(p) == ["first doc", "second"]
+    p.write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    with pytest.raises(BriskError, match=r"c.jsonl:2"):
+        calibration.load_texts(p)
+    t = tmp_path / "c.txt"
+    t.write_text("plain text\n\nwith paragraphs")
+    assert calibration.load_texts(t) == ["plain text\n\nwith paragraphs"]
+
+
+# ---------------------------------------------------------------- bad input: one line, nothing written
+
+@pytest.mark.parametrize("args, words", [
+    (["--method", "q5"], ["unknown --method"]),
+    (["--method", "awq", "--bits", "8"], ["awq", "4-bit"]),
+    (["--method", "gptq", "--bits", "5"], ["gptq", "5"]),
+    (["--method", "nf4", "--group-size", "64"], ["nf4", "group-size"]),
+    (["--method", "int8", "--bits", "4"], ["int8", "8-bit"]),
+    (["--method", "gptq", "--group-size", "48"], ["group-size"]),
+    (["--method", "gptq", "--group-size", "128"], ["does not divide"]),  # the tiny model's in_features are 64
+    (["--method", "awq", "--sym"], ["awq", "sym"]),
+    (["--method", "nf4", "--calib", "x.txt"], ["--calib", "gptq and awq"]),
+    (["--method", "gptq", "--calib", "/nonexistent/calib.txt"], ["no such file"]),
+    (["--method", "gptq", "--seq-len", "1000"], ["exceeds"]),
+])
+def test_bad_arguments(tiny_llama_dir, tmp_path, args, words):
+    out = tmp_path / "out"
+    r = quantize(tiny_llama_dir, out, *args)
+    assert r.exit_code == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.output
+    for w in words:
+        assert w in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_empty_calibration_file(tiny_llama_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    r = quantize(tiny_llama_dir, tmp_path / "out", "--method", "gptq", "--calib", str(empty))
+    assert r.exit_code == 1 and "holds no text" in r.stderr
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "too short"}\n')
+    r = quantize(tiny_llama_dir, tmp_path / "out", "--method", "gptq", "--calib", str(short))
+    assert r.exit_code == 1 and "fewer than --seq-len" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "short.jsonl"]
+
+
+def test_existing_output_needs_force(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    r = quantize(tiny_llama_dir, out, "--method", "gptq", *CALIB)
+    assert r.exit_code == 1 and "already exists" in r.stderr and "--force" in r.stderr
+    assert files(out) == {"keep.txt": b"mine"} and sorted(tmp_path.iterdir()) == [out]
+    r = quantize(tiny_llama_dir, out, "--method", "gptq", *CALIB, "--force")
+    assert r.exit_code == 0, r.output
+    assert "keep.txt" not in files(out) and (out / "config.json").exists()
+    assert sorted(tmp_path.iterdir()) == [out]  # no partial or replaced folder left behind
+
+
+def test_not_enough_disk(tiny_llama_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from brisk.core import quantize as q
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(q.shutil, "disk_usage", lambda p: usage._replace(free=10_000))
+    r = quantize(tiny_llama_dir, tmp_path / "out", "--method", "gptq", *CALIB)
+    assert r.exit_code == 1 and "not enough disk space" in r.stderr, r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_already_quantized_input(tiny_llama_dir, tmp_path):
+    out = tmp_path / "q"
+    assert quantize(tiny_llama_dir, out, "--method", "gptq", *CALIB).exit_code == 0
+    r = quantize(out, tmp_path / "again", "--method", "awq", *CALIB)
+    assert r.exit_code == 1 and "already quantized" in r.stderr
+    assert not (tmp_path / "again").exists() and not (tmp_path / "again.partial").exists()
+
+
+# ---------------------------------------------------------------- resume
+
+BRISK = [sys.executable, "-c", "from brisk.cli.main import run; run()"]
+
+
+@pytest.mark.parametrize("kind, method", [("tiny_llama_dir", "gptq"), ("tiny_gemma3_dir", "awq")])
+def test_resume_gives_the_same_bytes(kind, method, request, tmp_path):
+    model = request.getfixturevalue(kind)
+    args = ["--method", method, *CALIB]
+    whole = tmp_path / "whole"
+    assert quantize(model, whole, *args).exit_code == 0
+
+    # a run that dies after one block (as a crash would), in its own process
+    out = tmp_path / "resumed"
+    r = subprocess.run(BRISK + ["quantize", str(model), "-o", str(out), *args], capture_output=True, text=True,
+                       env={**os.environ, STOP_ENV: "1", "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 1 and "stopped after 1 blocks" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    partial = out.with_name("resumed.partial")
+    assert [p.name for p in (partial / "layers").iterdir()] == ["layer_0000.safetensors"]
+
+    events = []
+    quantize_model(str(model), out, QuantOptions(method=method, samples=8, seq_len=64),
+                   report=lambda e, **i: events.append((e, i)))
+    assert ("resume", {"layers": 1}) in events
+    assert files(out) == files(whole)
+    assert not partial.exists()
+
+
+def test_other_arguments_start_over(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    r = quantize(tiny_llama_dir, out, "--method", "gptq", *CALIB, "--damp", "0.05", env={STOP_ENV: "1"})
+    assert r.exit_code == 1 and (tmp_path / "out.partial").exists()
+    events = []
+    quantize_model(str(tiny_llama_dir), out, QuantOptions(method="gptq", samples=8, seq_len=64),
+                   report=lambda e, **i: events.append(e))
+    assert "restart" in events and "resume" not in events
+    whole = tmp_path / "whole"
+    assert quantize(tiny_llama_dir, whole, "--method", "gptq", *CALIB).exit_code == 0
+    assert files(out) == files(whole)
+
+
+# ---------------------------------------------------------------- what is written loads back
+
+@pytest.mark.parametrize("method, extra, max_kl", [  # about 4x the KL measured when written
+    ("gptq", [], 2e-4), ("gptq", ["--bits", "8", "--act-order", "--asym"], 1e-6),
+    ("gptq", ["--bits", "3", "--group-size", "32"], 1e-3), ("awq", [], 2e-4),
+    ("nf4", [], 4e-4), ("fp4", ["--double-quant"], 8e-4), ("int8", [], 2e-6),
+])
+def test_output_loads_back_close_to_float(tiny_llama_dir, tmp_path, method, extra, max_kl):
+    from brisk.core.engine import LLM
+    from brisk.quant.formats import find_format
+
+    out = tmp_path / "out"
+    r = quantize(tiny_llama_dir, out, "--method", method, *(CALIB if method in ("gptq", "awq") else []), *extra,
+                 "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert len(summary["layers"]) == 2 and all(len(s["errors"]) == 7 for s in summary["layers"])
+
+    cfg = json.loads((out / "config.json").read_text())
+    qcfg = cfg["quantization_config"]
+    assert cfg["torch_dtype"] == "float16" and cfg["model_type"] == "llama"
+    assert find_format(qcfg).__name__.endswith({"gptq": "gptq_format", "awq": "awq_format"}.get(method, "bnb_format"))
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors"} <= set(files(out))
+
+    base, q = float_llm(tiny_llama_dir), LLM.load(str(out), device="cpu", dtype="float32")
+    assert q.quantization != "none"
+    kl, top1 = kl_top1(base, q, base.tokenizer.encode(TEXT))
+    assert 0 < kl < max_kl, (kl, top1)  # (top-1 is fragile here: a random model's logits are nearly flat)
+
+    # every quantized weight stands for its float weight, up to the format's precision
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(out / "model.safetensors"))
+    assert "lm_head.weight" in tensors and tensors["model.embed_tokens.weight"].dtype == torch.float16
+    fmt = find_format(qcfg)
+    for name in ("model.layers.1.self_attn.k_proj", "model.layers.0.mlp.down_proj"):
+        w = base.model.get_submodule(name).weight
+        sub = {k: v for k, v in tensors.items() if k.startswith(name + ".")}
+        deq = fmt.load_linear(sub, name, qcfg, sub.pop(name + ".bias", None)).dequantize(torch.float32)
+        rel = ((deq - w).norm() / w.norm()).item()
+        if method != "awq":  # AWQ's weights carry the folded scales: compare through the model instead
+            assert rel < {4: 0.15, 3: 0.45, 8: 0.01}[summary["options"]["bits"]], (name, rel)
+        assert torch.equal(q.model.get_submodule(name).dequantize(torch.float32), deq)
+
+
+def test_gptq_beats_round_to_nearest(tiny_llama_dir, tmp_path):
+    """The same bits and groups, rounded to nearest, move the model's output further."""
+    from brisk.core.engine import LLM
+    from brisk.quant.gptq import rtn
+
+    out = tmp_path / "out"
+    assert quantize(tiny_llama_dir, out, "--method", "gptq", "--bits", "3", *CALIB).exit_code == 0
+    base, q, r = float_llm(tiny_llama_dir), LLM.load(str(out), device="cpu", dtype="float32"), float_llm(tiny_llama_dir)
+    with torch.no_grad():
+        for name, m in list(r.model.named_modules()):
+            if name.startswith("model.layers.") and name.endswith("_proj"):
+                m.weight.copy_(rtn(m.weight, bits=3, group_size=64).dequantized)
+    ids = calibration.calibration_batch(base.tokenizer, calibration.builtin_texts(), 8, 64).flatten().tolist()[:240]
+    assert kl_top1(base, q, ids)[0] < 0.8 * kl_top1(base, r, ids)[0]
+
+
+def test_sharded_output(tiny_qwen2_dir, tmp_path):
+    """A small shard limit gives shards and an index; the model (tied embeddings, q/k/v biases) reloads."""
+    from brisk.core.engine import LLM
+
+    one, many = tmp_path / "one", tmp_path / "many"
+    opts = QuantOptions(method="gptq", samples=8, seq_len=64)
+    quantize_model(str(tiny_qwen2_dir), one, opts)
+    quantize_model(str(tiny_qwen2_dir), many, opts, max_shard_bytes=60_000)
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((many / s).exists() for s in shards)
+    assert "lm_head.weight" not in index["weight_map"]  # tied
+    assert "model.layers.0.self_attn.q_proj.bias" in index["weight_map"]
+    ids = list(range(3, 40))
+    assert torch.equal(LLM.load(str(one), device="cpu", dtype="float32").logits(ids),
+                       LLM.load(str(many), device="cpu", dtype="float32").logits(ids))
+
+
+# ---------------------------------------------------------------- GGUF input, configs transformers reads
+
+def test_gguf_input(tiny_gguf_path, tmp_path):
+    """A GGUF has no config.json: one is built. transformers reads it and the tokenizer; brisk reloads
+    the model close to the GGUF's float weights (dim 16 fits no group size: one group per row)."""
+    import transformers as tf
+
+    from brisk.core.engine import LLM
+
+    out = tmp_path / "out"
+    r = quantize(tiny_gguf_path, out, "--method", "gptq", "--bits", "8", *CALIB, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["options"]["group_size"] == -1
+    base = float_llm(tiny_gguf_path)
+    cfg = tf.AutoConfig.from_pretrained(out)
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_key_value_heads, cfg.tie_word_embeddings) == ("llama", 16, 4, False)
+    hf_tok = tf.AutoTokenizer.from_pretrained(out)
+    assert hf_tok(TEXT, add_special_tokens=True)["input_ids"] == base.tokenizer.encode(TEXT)
+    q = LLM.load(str(out), device="cpu", dtype="float32")
+    kl, top1 = kl_top1(base, q, base.tokenizer.encode(TEXT))
+    assert kl < 1e-3 and top1 > 0.9
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_gemma3_dir", "tiny_qwen2_dir", "tiny_mistral_dir"])
+def test_built_config_matches_transformers(kind, request):
+    """hf_config (used for GGUF inputs) describes the same model as the original config.json: transformers
+    builds from it a model that gives the original's logits."""
+    import transformers as tf
+
+    from brisk.core.checkpoint import load_checkpoint
+    from brisk.core.config import from_hf_config
+    from brisk.core.hf_export import hf_config
+
+    folder = request.getfixturevalue(kind)
+    ckpt = load_checkpoint(str(folder))
+    built = hf_config(ckpt.config, ckpt.tokenizer)
+    assert from_hf_config(built) == ckpt.config
+    ref = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ours = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**built), dtype=torch.float32)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.tensor([list(range(5, 60))])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.slow
+def test_default_model_nf4(tmp_path):
+    """The embedded SmolLM2 (a GGUF) to bitsandbytes NF4: transformers reads the config, brisk reloads
+    it with outputs close to the float model."""
+    import transformers as tf
+
+    from brisk.core.engine import LLM
+
+    out = tmp_path / "smol-nf4"
+    r = runner.invoke(app, ["quantize", "-o", str(out), "--method", "nf4", "--double-quant"])
+    assert r.exit_code == 0, r.output
+    assert "bitsandbytes NF4" in r.stdout and "29" in r.stdout  # the summary table, 30 layers
+    cfg = tf.AutoConfig.from_pretrained(out)
+    assert cfg.model_type == "llama" and cfg.tie_word_embeddings and cfg.num_hidden_layers == 30
+    base, q = float_llm(None), LLM.load(str(out), device="cpu", dtype="float32")
+    at_load = LLM.load(None, device="cpu", dtype="float32", quantize="nf4")  # the same format, made at load
+    ids = base.tokenizer.encode(HELD_OUT)
+    # SmolLM2 ships as Q4_1: a second 4-bit grid on top of it costs about 0.3 nats per token
+    assert kl_top1(base, q, ids)[0] < 0.45
+    kl, top1 = kl_top1(at_load, q, ids)  # differ only by float16 rounding before quantizing
+    assert kl < 0.005 and top1 > 0.95, (kl, top1)
+
+
+HELD_OUT = """A bicycle stays upright mostly because the rider steers. When it starts to lean to the left, the
+rider turns the front wheel slightly to the left, which moves the wheels back under the centre of mass.
+The geometry of the fork helps: the front wheel touches the ground a little behind the line of the
+steering axis, so a leaning bicycle tends to steer itself into the lean. Children learning to ride often
+pedal too slowly, and at low speed these corrections have to be large and quick, which is why the first
+few metres are the hardest. Once the bicycle is moving at walking pace or faster, small movements of the
+handlebars are enough, and most riders make them without noticing. The same principle explains why it
+is easier to balance on a moving bicycle than on a stationary one, and why a bicycle pushed along
+without a rider can travel a surprising distance before it falls over."""
