@@ -184,7 +184,7 @@ def quantize_model(model: str | None, out: str | Path, opts: QuantOptions, force
         ids = calibration.calibration_batch(llm.tokenizer, texts, opts.samples, opts.seq_len)
         report("calibration", samples=opts.samples, seq_len=opts.seq_len, tokens=ids.numel())
 
-    fmt, qcfg = _format(opts)
+    fmt, qcfg = _format(opts, dtype)
     key = _run_key(ckpt, opts, dtype, texts)
     done = _resume_state(partial, key)
     _check_disk(out, partial, done, _estimate_bytes(cfg, opts))
@@ -363,37 +363,32 @@ def _same_inputs(g, src):
     return g
 
 
+# Which captured input each linear reads (q/k/v share one, gate/up another).
+AWQ_FEED = {"self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_attn.q_proj",
+            "self_attn.v_proj": "self_attn.q_proj", "self_attn.o_proj": "self_attn.o_proj",
+            "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.gate_proj", "mlp.down_proj": "mlp.down_proj"}
+
+
 def _awq_block(block, x, rope, mask, opts):
     """AutoAWQ's recipe: scales searched on the float block's inputs for each group of linears that
     share an input, folded into the op before them; then a clip search per linear (not q/k, whose
     products go through softmax) on the scaled inputs; then min/max quantization."""
     from ..quant import awq
 
-    attn, mlp = block.self_attn, block.mlp
-    feeds = {"self_attn.q_proj": [], "self_attn.o_proj": [], "mlp.gate_proj": [], "mlp.down_proj": []}
     lins = _linears(block)
+    feeds = {n: [] for n in dict.fromkeys(AWQ_FEED.values())}
     _capture(block, x, rope, mask, {lins[n]: lambda t, acc=acc: acc.append(t.reshape(-1, t.shape[-1]))
                                     for n, acc in feeds.items()}, stop_at=lins["mlp.down_proj"])
     inputs = {n: _subsample(torch.cat(v), AWQ_SEARCH_TOKENS) for n, v in feeds.items()}
-    mlp_norm = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
-    groups = [(block.input_layernorm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "self_attn.q_proj"),
-              (mlp_norm, ["mlp.gate_proj", "mlp.up_proj"], "mlp.gate_proj"),
-              (mlp.up_proj, ["mlp.down_proj"], "mlp.down_proj")]
-    if attn.v_proj.weight.shape == attn.o_proj.weight.shape:  # not with grouped-query attention
-        groups.insert(1, (attn.v_proj, ["self_attn.o_proj"], "self_attn.o_proj"))
-    scales = [awq.search_scales(inputs[feed], [lins[n].weight for n in names], opts.bits, opts.group_size)
-              for _, names, feed in groups]
-    for (prev, names, feed), s in zip(groups, scales):  # all searched first, on the float block
-        _divide_output(prev, s)
-        for n in names:
-            lins[n].weight.mul_(s)
-        inputs[feed] = inputs[feed] / s
-    feed_of = {"self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_attn.q_proj",
-               "self_attn.v_proj": "self_attn.q_proj", "self_attn.o_proj": "self_attn.o_proj",
-               "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.gate_proj", "mlp.down_proj": "mlp.down_proj"}
+    groups = awq_groups(block)
+    scales = [awq.search_scales(inputs[AWQ_FEED[names[0]]], [lins[n].weight for n in names], opts.bits,
+                                opts.group_size) for _, names in groups]
+    for (prev, names), s in zip(groups, scales):  # all searched first, on the float block, as AutoAWQ does
+        fold_scales(block, prev, names, s)
+        inputs[AWQ_FEED[names[0]]] = inputs[AWQ_FEED[names[0]]] / s
     tensors, errors = {}, {}
     for n, lin in lins.items():
-        xs, w = inputs[feed_of[n]], lin.weight
+        xs, w = inputs[AWQ_FEED[n]], lin.weight
         clip = None if n in ("self_attn.q_proj", "self_attn.k_proj") else awq.search_clip(xs, w, opts.bits, opts.group_size)
         res = awq.quantize(w, opts.bits, opts.group_size, clip=clip, x=xs)
         tensors.update({f"{n}.{k}": v for k, v in res.tensors().items()})
@@ -401,16 +396,32 @@ def _awq_block(block, x, rope, mask, opts):
     return tensors, errors
 
 
-def _divide_output(prev: nn.Module, s: torch.Tensor) -> None:
-    """Divide the output channels of the op feeding the scaled linears by s (keeps the float model's
-    function): an RMSNorm's weight (Gemma's stores w for a scale of 1 + w), or a linear's rows."""
+def awq_groups(block) -> list[tuple[nn.Module, list[str]]]:
+    """(the op before, the linears it feeds) for each AWQ scale: the input norm before q/k/v, the MLP's
+    norm before gate/up (Gemma's pre-feedforward norm), up_proj before down_proj, and v_proj before
+    o_proj when their shapes allow it (not with grouped-query attention)."""
+    mlp_norm = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
+    groups = [(block.input_layernorm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+              (mlp_norm, ["mlp.gate_proj", "mlp.up_proj"]),
+              (block.mlp.up_proj, ["mlp.down_proj"])]
+    attn = block.self_attn
+    if attn.v_proj.weight.shape == attn.o_proj.weight.shape:
+        groups.insert(1, (attn.v_proj, ["self_attn.o_proj"]))
+    return groups
+
+
+def fold_scales(block, prev: nn.Module, names: list[str], s: torch.Tensor) -> None:
+    """Multiply the input columns of the linears `names` by s and divide the output channels of `prev`
+    by s: the block computes the same function, with the salient channels scaled up. prev is an
+    RMSNorm (Gemma's stores w for a scale of 1 + w) or a linear (rows, and bias)."""
     if isinstance(prev, nn.Linear):
         prev.weight.div_(s[:, None])
         if prev.bias is not None:
             prev.bias.div_(s)
     else:
-        off = prev.offset
-        prev.weight.copy_((prev.weight + off) / s - off)
+        prev.weight.copy_((prev.weight + prev.offset) / s - prev.offset)
+    for n in names:
+        block.get_submodule(n).weight.mul_(s)
 
 
 def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -432,7 +443,7 @@ def _bnb_block(block, opts, fmt, qcfg, dtype):
     return tensors, errors
 
 
-def _format(opts: QuantOptions):
+def _format(opts: QuantOptions, dtype: torch.dtype):
     """The format module (quant/*_format.py) and the quantization_config for config.json."""
     if opts.method == "gptq":
         from ..quant import gptq_format as fmt
@@ -446,7 +457,7 @@ def _format(opts: QuantOptions):
     from ..quant import bnb_format as fmt
 
     return fmt, fmt.quantization_config(opts.method, double_quant=bool(opts.double_quant), blocksize=64,
-                                        skip_modules=["lm_head"])
+                                        compute_dtype=str(dtype).removeprefix("torch."), skip_modules=["lm_head"])
 
 
 # ---------------------------------------------------------------- shapes, sizes, dtypes

@@ -247,6 +247,64 @@ def test_output_loads_back_close_to_float(tiny_llama_dir, tmp_path, method, extr
         assert torch.equal(q.model.get_submodule(name).dequantize(torch.float32), deq)
 
 
+@pytest.fixture(scope="module")
+def tiny_mha_dir(tiny_qwen2_dir, tmp_path_factory):
+    """Qwen2 with as many K/V heads as query heads: AWQ then also scales o_proj against v_proj (and its bias)."""
+    import shutil
+
+    import transformers as tf
+
+    folder = tmp_path_factory.mktemp("tiny_mha")
+    torch.manual_seed(4)
+    cfg = tf.Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    model = tf.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_qwen2_dir / f, folder / f)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["tiny_mha_dir", "tiny_gemma3_dir", "tiny_llama_dir"])
+def test_awq_folding_keeps_the_function(kind, request):
+    """Every AWQ scale folded (norm weights with and without Gemma's 1 + w, v_proj rows and bias,
+    up_proj rows), the float block computes what it did."""
+    from brisk.core.quantize import _NoCache, awq_groups, fold_scales
+
+    llm = float_llm(request.getfixturevalue(kind))
+    net = llm.model
+    block = net.model.layers[0]
+    x = torch.randn(2, 12, llm.config.dim)
+    rope, mask = [(c[:12], s[:12]) for c, s in net.rope], net._masks(0, 12, "cpu")
+    with torch.no_grad():
+        before = block(x, rope, _NoCache, 0, mask)
+        groups = awq_groups(block)
+        assert len(groups) == (4 if kind == "tiny_mha_dir" else 3)
+        gen = torch.Generator().manual_seed(0)
+        for prev, names in groups:
+            k = block.get_submodule(names[0]).in_features
+            fold_scales(block, prev, names, torch.rand(k, generator=gen) * 3 + 0.2)
+        torch.testing.assert_close(block(x, rope, _NoCache, 0, mask), before, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, max_kl", [("tiny_mha_dir", 1.5e-4), ("tiny_gemma3_dir", 4e-3)])  # gemma3: 6 layers
+def test_awq_and_gptq_other_architectures(kind, max_kl, request, tmp_path):
+    from brisk.core.engine import LLM
+
+    model = request.getfixturevalue(kind)
+    base = float_llm(model)
+    ids = base.tokenizer.encode(TEXT)
+    for method in ("awq", "gptq"):
+        out = tmp_path / method
+        assert quantize(model, out, "--method", method, *CALIB).exit_code == 0
+        kl, _ = kl_top1(base, LLM.load(str(out), device="cpu", dtype="float32"), ids)
+        assert 0 < kl < max_kl, (method, kl)
+
+
 def test_gptq_beats_round_to_nearest(tiny_llama_dir, tmp_path):
     """The same bits and groups, rounded to nearest, move the model's output further."""
     from brisk.core.engine import LLM
@@ -302,6 +360,31 @@ def test_gguf_input(tiny_gguf_path, tmp_path):
     q = LLM.load(str(out), device="cpu", dtype="float32")
     kl, top1 = kl_top1(base, q, base.tokenizer.encode(TEXT))
     assert kl < 1e-3 and top1 > 0.9
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_gguf_input_loads_in_transformers(method, tiny_gguf_path, tmp_path):
+    """The whole folder (built config, tokenizer, bitsandbytes tensors) as transformers +
+    bitsandbytes read it gives brisk's logits."""
+    import warnings
+
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    from brisk.core.engine import LLM
+
+    out = tmp_path / "out"
+    assert quantize(tiny_gguf_path, out, "--method", method).exit_code == 0
+    ids = LLM.load(str(tiny_gguf_path), device="cpu", dtype="float32").tokenizer.encode(TEXT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = tf.AutoModelForCausalLM.from_pretrained(out, device_map="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            theirs = hf(torch.tensor([ids])).logits[0].float()
+    assert type(hf.model.layers[0].mlp.down_proj).__name__ == {"nf4": "Linear4bit", "int8": "Linear8bitLt"}[method]
+    mine = LLM.load(str(out), device="cpu", dtype="float32").logits(ids)
+    # transformers runs the 4-bit matmuls in the checkpoint's float16; its int8 path quantizes activations too
+    assert (mine - theirs).abs().max() < {"nf4": 3e-3, "int8": 1.5e-2}[method] * theirs.abs().max()
+    assert (mine.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.95
 
 
 @pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_gemma3_dir", "tiny_qwen2_dir", "tiny_mistral_dir"])
