@@ -1,0 +1,108 @@
+"""The GPTQ checkpoint layout, as GPTQModel, AutoGPTQ and transformers write it and vLLM reads it.
+
+Per quantized linear layer `prefix` (N = out_features, K = in_features, G groups, b bits):
+    prefix.qweight  int32 [K*b/32, N]  codes packed along K (packing.py's bit stream)
+    prefix.qzeros   int32 [G, N*b/32]  zero points packed along N, stored MINUS ONE (the "v1"
+                                       format, checkpoint_format "gptq"); "gptq_v2" stores them as is
+    prefix.scales   fp16  [G, N]
+    prefix.g_idx    int32 [K]          the group of each input column: k // group_size, or any
+                                       order with act-order (desc_act); G = ceil(K / group_size),
+                                       the last group short when group_size does not divide K
+    w[n, k] = (q[n, k] - z[g_idx[k], n]) * scales[g_idx[k], n]
+config.json carries quantization_config = {"quant_method": "gptq", "bits", "group_size" (-1: one
+group per row), "desc_act", "sym", "checkpoint_format", ...}.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import packing
+from .formats import FormatError
+from .zero_point_linear import ZeroPointLinear
+
+FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values with this layout
+
+
+def quantization_config(bits: int = 4, group_size: int = 128, sym: bool = True, desc_act: bool = False,
+                        damp: float = 0.01, checkpoint_format: str = "gptq") -> dict:
+    """The quantization_config that GPTQModel/transformers write in config.json for this layout.
+
+    checkpoint_format "gptq" (v1) is what every reader takes (vLLM reads "gptq_v2" as v1); but
+    GPTQModel refuses asymmetric v1 checkpoints unless GPTQModel wrote them (old AutoGPTQ ones
+    were broken), so asymmetric checkpoints meant for GPTQModel should be "gptq_v2"."""
+    if checkpoint_format not in FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
+            "damp_percent": damp, "true_sequential": True, "static_groups": False, "lm_head": False,
+            "checkpoint_format": checkpoint_format, "format": checkpoint_format, "pack_dtype": "int32",
+            "meta": {"quantizer": ["brisk"]}}
+
+
+def pack_layer(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+               bits: int, v1: bool = True) -> dict[str, torch.Tensor]:
+    """Codes q [N, K], zeros [G, N] (integers; 1..2^bits-1 for v1), scales [G, N] and g_idx [K]
+    -> {"qweight", "qzeros", "scales", "g_idx"} in the v1 layout, or v2 (zeros as they are)."""
+    if v1 and int(zeros.min()) < 1:
+        raise ValueError("a zero point of 0 cannot be stored in the GPTQ v1 layout (it stores zero - 1)")
+    return {"qweight": packing.pack(q, bits).T.contiguous(),  # packed along K, stored [K*b/32, N]
+            "qzeros": packing.pack(zeros.to(torch.int64) - int(v1), bits),
+            "scales": scales.to(torch.float16).contiguous(),
+            "g_idx": g_idx.to(torch.int32).contiguous()}
+
+
+def unpack_layer(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                 bits: int, v1: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of pack_layer: (q [N, K] int32, zeros [G, N] int32, scales [G, N] float32, g_idx [K] int64)."""
+    q = packing.unpack(qweight.T.contiguous(), bits)
+    zeros = packing.unpack(qzeros, bits) + (1 if v1 else 0)  # v1 readers add one without wrapping
+    return q, zeros, scales.float(), g_idx.long()
+
+
+def detect(qcfg: dict) -> bool:
+    return str(qcfg.get("quant_method", qcfg.get("method", ""))).lower() == "gptq"
+
+
+def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
+                bias: torch.Tensor | None) -> "GPTQLinear | None":
+    if f"{prefix}.qweight" not in tensors:
+        return None
+    fmt = str(qcfg.get("checkpoint_format", qcfg.get("format", "gptq"))).lower()
+    if fmt not in FORMATS:
+        raise FormatError(f"GPTQ checkpoint_format {fmt!r} is not supported (brisk reads {', '.join(FORMATS)})")
+    bits = int(qcfg.get("bits", 4))
+    if bits not in packing.BITS:
+        raise FormatError(f"{bits}-bit GPTQ is not supported (brisk reads {packing.BITS})")
+    qweight = tensors.pop(f"{prefix}.qweight")
+    qzeros = tensors.pop(f"{prefix}.qzeros")
+    scales = tensors.pop(f"{prefix}.scales")
+    g_idx = tensors.pop(f"{prefix}.g_idx", None)
+    K, N = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    G = scales.shape[0]
+    gs = int(qcfg.get("group_size", -1))
+    gs = K if gs <= 0 else gs
+    if qweight.dtype != torch.int32 or qzeros.shape != (G, N * bits // 32) or scales.shape[1] != N \
+            or G != -(-K // gs):
+        raise FormatError(f"{prefix}: GPTQ tensors of inconsistent shapes (qweight {tuple(qweight.shape)}, "
+                          f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group_size {gs})")
+    if g_idx is None:  # some writers leave it out when it is just k // group_size
+        g_idx = torch.arange(K, dtype=torch.int32) // gs
+    if g_idx.shape != (K,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= G:
+        raise FormatError(f"{prefix}: g_idx does not match the {G} groups of {K} input columns")
+    return GPTQLinear(qweight, qzeros, scales, g_idx, bits, bias, v1=fmt == "gptq")
+
+
+class GPTQLinear(ZeroPointLinear):
+    """A GPTQ layer; its buffers are the checkpoint's tensors, its state dict the GPTQ layout."""
+
+    def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                 bits: int, bias: torch.Tensor | None = None, v1: bool = True):
+        super().__init__(qweight.shape[0] * 32 // bits, qweight.shape[1], bits, bias)
+        self.v1 = v1
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("qzeros", qzeros)
+        self.register_buffer("scales", scales)
+        self.register_buffer("g_idx", g_idx.to(torch.int32))
+        self._build_kernel()
+
+    def codes(self):
+        return unpack_layer(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.v1)

@@ -1,0 +1,78 @@
+"""The layer GPTQ and AWQ checkpoints load into: integer codes with a per-group scale and integer
+zero point, w[n, k] = (q[n, k] - z[g(k), n]) * s[g(k), n], g(k) the group of input column k.
+
+Subclasses keep the checkpoint's own tensors as buffers (so the state dict is the format's) and
+say how to decode them (`codes`). On the CPU, 4-bit layers run torch's packed int4 kernel, which
+computes (q - 8) * scale + zero per group of columns; GPTQ/AWQ weights map onto it exactly as
+scale = s and zero = (8 - z) * s. The kernel's group is fixed-size and contiguous, so
+- act-order checkpoints (g_idx not sorted) permute the weight's columns by argsort(g_idx) at load
+  and gather the activations' columns the same way at run time;
+- one group per row (group_size -1), groups larger than 256 or a short last group repeat their
+  scale over kernel-sized groups.
+Scales and activations go to the kernel in float32, which it takes exactly (no bf16 rounding).
+Anything else (other bit widths, a CUDA tensor, shapes the kernel rejects) dequantizes and runs
+F.linear: slower, the same weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .linear import QuantLinear
+
+KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes, largest first
+
+
+class ZeroPointLinear(QuantLinear):
+    def __init__(self, in_features: int, out_features: int, bits: int, bias: torch.Tensor | None):
+        super().__init__(in_features, out_features, bias)
+        self.bits = bits
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, K] int32, zeros [G, N] int32, scales [G, N] float32, g_idx [K] int64)."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        q, z, s, g = self.codes()
+        return ((q - z.T[:, g]) * s.T[:, g]).to(dtype)
+
+    def _build_kernel(self) -> None:
+        """Derive the int4 kernel's data from the codes when the kernel can run this layer."""
+        self.use_kernel = False
+        if self.bits != 4 or self.out_features % 16 or self.scales.device.type != "cpu":
+            return
+        q, z, s, g = self.codes()
+        perm = None
+        if not bool((g[1:] >= g[:-1]).all()):
+            perm = torch.argsort(g, stable=True)
+            g = g[perm]
+        counts = torch.bincount(g, minlength=s.shape[0])
+        # the largest kernel group that tiles every checkpoint group (a short last group included)
+        kg = next((k for k in KERNEL_GROUPS if bool((counts % k == 0).all())), None)
+        if kg is None:
+            return
+        if perm is not None:
+            q = q[:, perm]
+            self.register_buffer("_perm", perm, persistent=False)
+        first = g[::kg]  # the checkpoint group of each kernel group
+        s, z = s[first], z[first].float()
+        self.register_buffer("_packed", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1),
+                             persistent=False)
+        self.register_buffer("_scales_zeros", torch.stack((s, (8 - z) * s), dim=-1).contiguous(),
+                             persistent=False)  # [K / kg, N, 2]
+        self.kernel_group = kg
+        self.use_kernel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.use_kernel and x.device.type == "cpu":
+            if getattr(self, "_perm", None) is not None:
+                x2 = x2.index_select(1, self._perm)
+            y = torch._weight_int4pack_mm_for_cpu(x2.float(), self._packed, self.kernel_group, self._scales_zeros)
+        else:
+            y = F.linear(x2, self.dequantize(x.dtype))
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", bits={self.bits}, kernel={self.use_kernel}"
