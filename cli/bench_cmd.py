@@ -37,6 +37,9 @@ def bench(
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: torch's)."),
     draft: Optional[str] = c.DraftOpt,
     draft_k: str = c.DraftKOpt,
+    batch: Optional[str] = typer.Option(None, "--batch", help="Comma list of concurrencies, e.g. 1,4,16: instead "
+                                        "of the pp/tg rows, the aggregate decode tok/s of that many sequences "
+                                        "generating -n tokens each together (continuous batching, paged KV)."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
     as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV."),
 ):
@@ -59,14 +62,19 @@ def bench(
         c.check_draft(draft, draft_k)
         rows = []
         pps, tgs = _list(n_prompt, int), _list(n_gen, int)
+        batches = _list(batch, int) if batch else []
+        if batch and (draft or not batches or min(batches) < 1):
+            raise BriskError("--batch takes concurrencies >= 1 (e.g. 1,4,16) and does not combine with --draft")
+        if batches:
+            pps = [benchmark.BATCH_PROMPT + max(tgs + [0])]  # sets the context: what one sequence needs
         for dev in _list(device):
             for dt, quant in [(d, q) for d in _list(dtype) for q in _list(quantize)]:
                 llm = c.load_llm(model or model_pos, dev, dt, max(pps + tgs + [16]) + 1 + (128 if draft else 0),
                                  quiet=as_json or as_csv, quantize=quant)  # --draft: room for its prompt
-                for p in pps:
+                for p in ([] if batches else pps):
                     rows += benchmark.run(llm, p, 0, reps)
                 for n in tgs:
-                    rows += benchmark.run(llm, 0, n, reps)
+                    rows += benchmark.run_batch(llm, batches, n, reps) if batches else benchmark.run(llm, 0, n, reps)
                 if draft:  # plain and speculative decoding of real text, one pair of rows per -n
                     from ..core.speculative import bench_rows
 

@@ -86,3 +86,43 @@ def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
                              ttft_s=1 / med, gb_s=model_bytes * med / 1e9,
                              peak_mem_bytes=peak_memory(llm.device), **common))
     return rows
+
+
+BATCH_PROMPT = 32  # prompt tokens per sequence in the --batch rows: the rows measure decoding
+
+
+@torch.inference_mode()
+def time_batch(llm, concurrency: int, n_gen: int, gen: torch.Generator):
+    """`concurrency` sequences of BATCH_PROMPT random tokens, each generating n_gen tokens, all at
+    once through the continuous-batching engine; the pool holds just what they need. Returns the
+    engine (its stats time the decode steps) and the sequences."""
+    from .scheduler import Engine, Request
+
+    engine = Engine(llm, max_batch=concurrency, kv_tokens=concurrency * (BATCH_PROMPT + n_gen))
+    prompts = torch.randint(0, llm.config.vocab_size, (concurrency, BATCH_PROMPT), generator=gen).tolist()
+    _sync(llm.device)
+    seqs = [engine.add(Request(p, max_tokens=n_gen, ignore_eos=True)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    _sync(llm.device)
+    return engine, seqs
+
+
+def run_batch(llm, concurrencies: list[int], n_gen: int, reps: int) -> list[BenchRow]:
+    """One row per concurrency: aggregate decode tok/s (tokens of all sequences per second of
+    decode steps), the median of reps runs; ttft is the mean first-token time of the sequences."""
+    gen = torch.Generator().manual_seed(0)
+    model_bytes = llm.load_info.param_bytes
+    common = dict(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
+                  model_bytes=model_bytes, quant=llm.quantization)
+    time_batch(llm, max(concurrencies), 4, gen)  # warm-up
+    rows = []
+    for c in concurrencies:
+        runs = [time_batch(llm, c, n_gen, gen) for _ in range(reps)]
+        speeds = [e.stats.decode_tokens / e.stats.decode_s for e, _ in runs]
+        med = statistics.median(speeds)
+        ttft = statistics.mean(s.result.ttft_s for _, seqs in runs for s in seqs)
+        rows.append(BenchRow(test=f"tg{n_gen} x{c}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
+                             ttft_s=ttft, gb_s=model_bytes * med / c / 1e9,
+                             peak_mem_bytes=peak_memory(llm.device), **common))
+    return rows
