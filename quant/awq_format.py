@@ -80,7 +80,7 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
 
 
 class AWQLinear(ZeroPointLinear):
-    """An AWQ GEMM layer; its buffers are the checkpoint's tensors."""
+    """An AWQ GEMM layer; its buffers are the checkpoint's tensors (qweight dropped on the kernel path)."""
 
     def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None):
@@ -92,5 +92,6 @@ class AWQLinear(ZeroPointLinear):
         self._build_kernel()
 
     def codes(self):
-        q, z, s = unpack_layer(self.qweight, self.qzeros, self.scales)
-        return q, z, s, torch.arange(self.in_features, device=q.device) // self.group_size
+        q = self._kernel_codes() if self.qweight is None else unpack_awq(self.qweight).T.contiguous()
+        g_idx = torch.arange(self.in_features, device=q.device) // self.group_size
+        return q, unpack_awq(self.qzeros), self.scales.float(), g_idx

@@ -53,9 +53,15 @@ def pack_layer(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx
 def unpack_layer(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                  bits: int, v1: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of pack_layer: (q [N, K] int32, zeros [G, N] int32, scales [G, N] float32, g_idx [K] int64)."""
-    q = packing.unpack(qweight.T.contiguous(), bits)
-    zeros = packing.unpack(qzeros, bits) + (1 if v1 else 0)  # v1 readers add one without wrapping
-    return q, zeros, scales.float(), g_idx.long()
+    return unpack_qweight(qweight, bits), unpack_qzeros(qzeros, bits, v1), scales.float(), g_idx.long()
+
+
+def unpack_qweight(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    return packing.unpack(qweight.T.contiguous(), bits)
+
+
+def unpack_qzeros(qzeros: torch.Tensor, bits: int, v1: bool = True) -> torch.Tensor:
+    return packing.unpack(qzeros, bits) + int(v1)  # v1 readers add one without wrapping
 
 
 def detect(qcfg: dict) -> bool:
@@ -92,7 +98,7 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
 
 
 class GPTQLinear(ZeroPointLinear):
-    """A GPTQ layer; its buffers are the checkpoint's tensors, its state dict the GPTQ layout."""
+    """A GPTQ layer; its buffers are the checkpoint's tensors (qweight dropped on the kernel path)."""
 
     def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                  bits: int, bias: torch.Tensor | None = None, v1: bool = True):
@@ -105,4 +111,5 @@ class GPTQLinear(ZeroPointLinear):
         self._build_kernel()
 
     def codes(self):
-        return unpack_layer(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.v1)
+        q = self._kernel_codes() if self.qweight is None else unpack_qweight(self.qweight, self.bits)
+        return q, unpack_qzeros(self.qzeros, self.bits, self.v1), self.scales.float(), self.g_idx.long()

@@ -1,29 +1,39 @@
 """The layer GPTQ and AWQ checkpoints load into: integer codes with a per-group scale and integer
 zero point, w[n, k] = (q[n, k] - z[g(k), n]) * s[g(k), n], g(k) the group of input column k.
 
-Subclasses keep the checkpoint's own tensors as buffers (so the state dict is the format's) and
-say how to decode them (`codes`). On the CPU, 4-bit layers run torch's packed int4 kernel, which
-computes (q - 8) * scale + zero per group of columns; GPTQ/AWQ weights map onto it exactly as
-scale = s and zero = (8 - z) * s. The kernel's group is fixed-size and contiguous, so
+Subclasses keep the checkpoint's tensors as buffers and say how to decode them (`codes`).
+
+On the CPU, 4-bit layers run torch's packed int4 kernel, which computes (q - 8) * scale + zero per
+group of columns; GPTQ/AWQ weights map onto it as scale = s, zero = (8 - z) * s. Its groups are
+fixed-size and contiguous, so
 - act-order checkpoints (g_idx not sorted) permute the weight's columns by argsort(g_idx) at load
   and gather the activations' columns the same way at run time;
-- one group per row (group_size -1), groups larger than 256 or a short last group repeat their
+- one group per row (group_size -1), groups over 256 columns or a short last group repeat their
   scale over kernel-sized groups.
-Scales and activations go to the kernel in float32, which it takes exactly (no bf16 rounding).
+The kernel's copy of the codes replaces the checkpoint's `qweight` (holding both would double the
+memory); `codes` reads them back from the kernel's layout when asked.
+
+The kernel's fast path takes bfloat16 activations and scales: the fp16 scales lose 3 bits (on the
+zero term at most 1/64 of a quantization step), the rounding Int4Linear has too. It takes float32
+exactly (ZeroPointLinear.exact = True before loading), but that path is not vectorized: measured
+2x slower for one token, 20-35x slower for a 16-128 token prefill.
+
 Anything else (other bit widths, a CUDA tensor, shapes the kernel rejects) dequantizes and runs
-F.linear: slower, the same weights.
+F.linear: slower, the checkpoint's weights exactly.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .linear import QuantLinear
+from .linear import QuantLinear, _int4_kernel_layout
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes, largest first
 
 
 class ZeroPointLinear(QuantLinear):
+    exact = False  # float32 kernel inputs: bit-exact to the checkpoint, much slower (see above)
+
     def __init__(self, in_features: int, out_features: int, bits: int, bias: torch.Tensor | None):
         super().__init__(in_features, out_features, bias)
         self.bits = bits
@@ -58,17 +68,32 @@ class ZeroPointLinear(QuantLinear):
         s, z = s[first], z[first].float()
         self.register_buffer("_packed", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1),
                              persistent=False)
-        self.register_buffer("_scales_zeros", torch.stack((s, (8 - z) * s), dim=-1).contiguous(),
+        dtype = torch.float32 if self.exact else torch.bfloat16
+        self.register_buffer("_scales_zeros", torch.stack((s, (8 - z) * s), dim=-1).to(dtype).contiguous(),
                              persistent=False)  # [K / kg, N, 2]
         self.kernel_group = kg
         self.use_kernel = True
+        self.qweight = None
+
+    def _kernel_codes(self) -> torch.Tensor:
+        """The codes q [N, K] (input columns in the checkpoint's order), from the kernel's copy."""
+        N, K = self.out_features, self.in_features
+        packed = self._packed.cpu()
+        nibbles = torch.cat(((packed & 0xF).reshape(-1), (packed >> 4).reshape(-1))).to(torch.int32)
+        q = torch.empty(N * K, dtype=torch.int32)
+        q[_int4_kernel_layout(N, K).long()] = nibbles
+        q = q.view(N, K)
+        if getattr(self, "_perm", None) is not None:
+            q = torch.empty_like(q).index_copy_(1, self._perm.cpu(), q)  # undo the column permutation
+        return q.to(self._packed.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.use_kernel and x.device.type == "cpu":
             if getattr(self, "_perm", None) is not None:
                 x2 = x2.index_select(1, self._perm)
-            y = torch._weight_int4pack_mm_for_cpu(x2.float(), self._packed, self.kernel_group, self._scales_zeros)
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(self._scales_zeros.dtype), self._packed, self.kernel_group,
+                                                  self._scales_zeros)
         else:
             y = F.linear(x2, self.dequantize(x.dtype))
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -7,7 +7,9 @@ import torch
 
 from brisk.quant import awq, awq_format
 from brisk.quant.awq_format import AWQLinear, load_linear, pack_awq, pack_layer, unpack_awq, unpack_layer
-from quant_interop import fixture_logits, float_weight, layer_inputs, out_error, tool_reference, write_quantized
+from brisk.quant.zero_point_linear import ZeroPointLinear
+from quant_interop import (check_logits, fixture_logits, float_weight, layer_inputs, out_error, tool_reference,
+                           write_quantized)
 
 
 def test_awq_packing_order():
@@ -29,7 +31,8 @@ def test_awq_layout_round_trip_exact():
 
 
 @pytest.mark.parametrize("group_size,N,kernel", [(32, 96, True), (64, 64, True), (128, 128, True), (128, 40, False)])
-def test_awq_linear_matches_the_formula(group_size, N, kernel):
+def test_awq_linear_matches_the_formula(monkeypatch, group_size, N, kernel):
+    monkeypatch.setattr(ZeroPointLinear, "exact", True)  # the bfloat16 path: test_gptq.py
     torch.manual_seed(group_size)
     K = 256
     G = K // group_size
@@ -84,19 +87,21 @@ def test_awq_beats_round_to_nearest_on_smollm2(smol_mlp):
             assert out_error(effective, w[n], held) < 0.95 * out_error(base, w[n], held), n
 
 
-def test_gptqmodel_awq_checkpoint_loads():
+@pytest.mark.parametrize("exact", [False, True])
+def test_gptqmodel_awq_checkpoint_loads(monkeypatch, exact):
     """An AWQ GEMM checkpoint GPTQModel wrote gives the logits of a float model built from
     GPTQModel's own dequantization, and of its quantized forward (float16)."""
+    monkeypatch.setattr(ZeroPointLinear, "exact", exact)
     logits, ref, llm = fixture_logits("awq_gemm_4bit_g128")
     layer = llm.model.model.layers[0].mlp.down_proj
     assert isinstance(layer, AWQLinear) and layer.use_kernel
-    assert (logits - ref["logits"]).abs().max() < 1e-4
-    assert (logits - ref["tool_logits"]).abs().max() < 5e-3
+    check_logits(logits, ref, exact)
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_brisk_awq_checkpoints_load_in_gptqmodel(tiny_llama_dir, tmp_path, group_size):
+def test_brisk_awq_checkpoints_load_in_gptqmodel(monkeypatch, tiny_llama_dir, tmp_path, group_size):
     pytest.importorskip("gptqmodel", reason="GPTQModel is not installed (pip install gptqmodel==7.6.0)")
+    monkeypatch.setattr(ZeroPointLinear, "exact", True)
     from brisk.core.engine import LLM
 
     def quantize(w):
@@ -105,6 +110,4 @@ def test_brisk_awq_checkpoints_load_in_gptqmodel(tiny_llama_dir, tmp_path, group
 
     out = write_quantized(tiny_llama_dir, tmp_path / "q", quantize, awq_format.quantization_config(4, group_size))
     ref = tool_reference(out, tiny_llama_dir)
-    logits = LLM.load(str(out), device="cpu", dtype="float32").logits(ref["input_ids"].tolist())
-    assert (logits - ref["logits"]).abs().max() < 1e-4
-    assert (logits - ref["tool_logits"]).abs().max() < 5e-3
+    check_logits(LLM.load(str(out), device="cpu", dtype="float32").logits(ref["input_ids"].tolist()), ref, True)
