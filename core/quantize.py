@@ -169,7 +169,7 @@ def quantize_model(model: str | None, out: str | Path, opts: QuantOptions, force
         raise BriskError(f"{out} already exists (use --force to replace it)")
     texts = calibration.load_texts(opts.calib) if opts.method in CALIBRATED else None
 
-    _check_not_quantized(model)
+    _check_input(model, out)
     report("loading", model=model or "default")
     # quantize="none": GGUF blocks widened to float too; they are the base the new format starts from
     llm = LLM.load(model, device="cpu", dtype="float32", ctx=max(16, opts.seq_len or 16), quantize="none")
@@ -462,10 +462,13 @@ def _format(opts: QuantOptions, dtype: torch.dtype):
 
 # ---------------------------------------------------------------- shapes, sizes, dtypes
 
-def _check_not_quantized(model: str | None) -> None:
+def _check_input(model: str | None, out: Path) -> None:
+    """A quantized model is not a base for another format; and OUT must not be the model itself."""
     from .checkpoint import resolve
 
     _, path = resolve(model)
+    if out.resolve() in (path.resolve(), path.resolve().parent if path.is_file() else None):
+        raise BriskError(f"{out} is the input model's own folder; write the output elsewhere")
     if path.is_dir() and (path / "config.json").is_file():
         qcfg = json.loads((path / "config.json").read_text()).get("quantization_config")
         if qcfg:

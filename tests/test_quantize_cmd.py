@@ -152,6 +152,13 @@ def test_not_enough_disk(tiny_llama_dir, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_output_over_the_input_is_refused(tiny_llama_dir):
+    before = files(tiny_llama_dir)
+    r = quantize(tiny_llama_dir, tiny_llama_dir, "--method", "int8", "--force")
+    assert r.exit_code == 1 and "input model's own folder" in r.stderr
+    assert files(tiny_llama_dir) == before
+
+
 def test_already_quantized_input(tiny_llama_dir, tmp_path):
     out = tmp_path / "q"
     assert quantize(tiny_llama_dir, out, "--method", "gptq", *CALIB).exit_code == 0
@@ -410,16 +417,36 @@ def test_built_config_matches_transformers(kind, request):
 
 
 @pytest.mark.slow
-def test_default_model_nf4(tmp_path):
-    """The embedded SmolLM2 (a GGUF) to bitsandbytes NF4: transformers reads the config, brisk reloads
-    it with outputs close to the float model."""
+def test_default_model_nf4_interrupted_and_resumed(tmp_path):
+    """The embedded SmolLM2 (a GGUF) to bitsandbytes NF4, stopped by Ctrl-C after a few layers and run
+    again: transformers reads the config, brisk reloads it close to the same format made at load."""
+    import signal
+    import time
+
     import transformers as tf
 
     from brisk.core.engine import LLM
 
     out = tmp_path / "smol-nf4"
+    manifest = tmp_path / "smol-nf4.partial" / "manifest.json"
+    p = subprocess.Popen(BRISK + ["quantize", "-o", str(out), "--method", "nf4", "--double-quant"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        try:
+            if len(json.loads(manifest.read_text())["layers"]) >= 2:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "run the same command again" in err, err
+    assert not out.exists() and manifest.exists()
+
     r = runner.invoke(app, ["quantize", "-o", str(out), "--method", "nf4", "--double-quant"])
     assert r.exit_code == 0, r.output
+    assert "resuming:" in r.stderr and not manifest.parent.exists()
     assert "bitsandbytes NF4" in r.stdout and "29" in r.stdout  # the summary table, 30 layers
     cfg = tf.AutoConfig.from_pretrained(out)
     assert cfg.model_type == "llama" and cfg.tie_word_embeddings and cfg.num_hidden_layers == 30
