@@ -169,18 +169,18 @@ def quantize_model(model: str | None, out: str | Path, opts: QuantOptions, force
         raise BriskError(f"{out} already exists (use --force to replace it)")
     texts = calibration.load_texts(opts.calib) if opts.method in CALIBRATED else None
 
-    _check_input(model, out)
+    early = _check_input(model, out)
+    if early is not None:  # an HF folder's config.json: shape errors before the weights load
+        opts = _check_shapes(opts, early)
     report("loading", model=model or "default")
     # quantize="none": GGUF blocks widened to float too; they are the base the new format starts from
     llm = LLM.load(model, device="cpu", dtype="float32", ctx=max(16, opts.seq_len or 16), quantize="none")
     ckpt, net, cfg = llm.checkpoint, llm.model, llm.config
-    opts = _settle_group_size(opts, cfg)
+    opts = _check_shapes(opts, cfg)
     dtype = _float_dtype(ckpt)
     config = hf_export.source_config(ckpt, dtype)  # fails now, not after an hour, for an unexportable model
     ids = None
     if texts is not None:
-        if opts.seq_len > llm.ctx:
-            raise BriskError(f"--seq-len {opts.seq_len} exceeds the model's context ({llm.ctx})")
         ids = calibration.calibration_batch(llm.tokenizer, texts, opts.samples, opts.seq_len)
         report("calibration", samples=opts.samples, seq_len=opts.seq_len, tokens=ids.numel())
 
@@ -462,9 +462,11 @@ def _format(opts: QuantOptions, dtype: torch.dtype):
 
 # ---------------------------------------------------------------- shapes, sizes, dtypes
 
-def _check_input(model: str | None, out: Path) -> None:
-    """A quantized model is not a base for another format; and OUT must not be the model itself."""
+def _check_input(model: str | None, out: Path):
+    """A quantized model is not a base for another format; and OUT must not be the model itself.
+    Returns the ModelConfig of an HF folder (read from config.json alone), None for a GGUF."""
     from .checkpoint import resolve
+    from .config import from_hf_config
 
     _, path = resolve(model)
     if out.resolve() in (path.resolve(), path.resolve().parent if path.is_file() else None):
@@ -474,6 +476,8 @@ def _check_input(model: str | None, out: Path) -> None:
         if qcfg:
             raise BriskError(f"{model} is already quantized ({qcfg.get('quant_method', '?')}); "
                              "brisk quantize starts from a float or GGUF model")
+        return from_hf_config(json.loads((path / "config.json").read_text()))
+    return None
 
 
 def _shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -484,10 +488,13 @@ def _shapes(cfg) -> dict[str, tuple[int, int]]:
             "mlp.up_proj": (cfg.ffn_dim, cfg.dim), "mlp.down_proj": (cfg.dim, cfg.ffn_dim)}
 
 
-def _settle_group_size(opts: QuantOptions, cfg) -> QuantOptions:
-    """Pick the default group size for this model, and check that its shapes fit the format."""
+def _check_shapes(opts: QuantOptions, cfg) -> QuantOptions:
+    """Pick the default group size for this model, and check that its shapes fit the format
+    (and the calibration sequences its context)."""
     if opts.method not in CALIBRATED:
         return opts
+    if opts.seq_len > cfg.max_seq_len:
+        raise BriskError(f"--seq-len {opts.seq_len} exceeds the model's context ({cfg.max_seq_len})")
     shapes = _shapes(cfg)
     ins = sorted({k for _, k in shapes.values()})
     if opts.group_size is None:
