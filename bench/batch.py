@@ -9,7 +9,7 @@ moment need (the difference is the partly filled last block of each sequence). T
 to the requests. Prints a markdown section and appends it to bench/RESULTS.md. Not a test.
 
     python bench/batch.py [--requests 16] [--max-tokens 128] [--device cpu|cuda] [--quantize none|auto]
-                          [--concurrency 1,4,16] [--no-save]
+                          [--concurrency 1,4,16] [--threads N] [--no-save]
 """
 from __future__ import annotations
 
@@ -64,9 +64,11 @@ def sequential(llm, ids, max_tokens):
 def batched(llm, ids, max_tokens, concurrency):
     from brisk.core import GREEDY
     from brisk.core.jobs import percentile, summary
+    from brisk.core.paged_cache import BLOCK_SIZE
     from brisk.core.scheduler import Engine, Request
 
-    kv = sum(-(-(len(p) + max_tokens) // 16) * 16 for p in ids[:concurrency])  # what `concurrency` sequences need
+    bs = BLOCK_SIZE
+    kv = sum(-(-(len(p) + max_tokens) // bs) * bs for p in ids[:concurrency])  # what `concurrency` sequences need
     engine = Engine(llm, max_batch=concurrency, kv_tokens=kv)
     t0 = time.perf_counter()
     seqs = engine.run([Request(p, GREEDY, max_tokens) for p in ids])
@@ -88,13 +90,17 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantize", default="none", help="none: float weights; auto: the GGUF's Q4_1 as int4 kernels")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from brisk.core import LLM
     from brisk.core.jobs import percentile
 
-    llm = LLM.load(None, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    # a context just long enough, so the pool (never smaller than one full context) can be sized to the requests
+    llm = LLM.load(None, device=args.device, dtype=args.dtype, quantize=args.quantize, ctx=args.max_tokens + 96)
     ids = [llm.prompt_ids(PROMPTS[i % len(PROMPTS)]) for i in range(args.requests)]
     sequential(llm, ids[:1], 8)  # warm-up
     t_start = time.time()

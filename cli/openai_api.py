@@ -93,8 +93,10 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
             raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        if body.get("model") not in names:
-            raise APIError(404, f"model {body.get('model')!r} does not exist; this server has {served_name!r}",
+        if not isinstance(body.get("model"), str):
+            raise APIError(400, "'model' (a string) is required", param="model")
+        if body["model"] not in names:
+            raise APIError(404, f"model {body['model']!r} does not exist; this server has {served_name!r}",
                            "model_not_found", "model")
         if body.get("n", 1) != 1:
             raise APIError(400, "only n=1 is supported", param="n")

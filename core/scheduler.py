@@ -92,7 +92,7 @@ class EngineStats:
     shared_tokens: int = 0  # prompt tokens found in cached blocks instead of computed
     preemptions: int = 0
     peak_blocks: int = 0  # most blocks referenced at once
-    peak_tokens: int = 0  # tokens those blocks held then
+    peak_tokens: int = 0  # most tokens held at once
 
     def to_dict(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -161,8 +161,8 @@ class Engine:
             return []
         rows = [Row(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks,
                     want_logits=seq.computed + n == len(seq.tokens)) for seq, n in plan]
+        decoding = [n == 1 and seq.computed >= len(seq.request.prompt_ids) for seq, n in plan]
         logits = self.model.forward_batch(PagedStep.build(self.pool, rows, self.device))
-        self._track_memory()
         events, j = [], 0
         greedy = logits.argmax(-1).tolist() if logits.shape[0] else []
         for (seq, n), row in zip(plan, rows):
@@ -174,6 +174,7 @@ class Engine:
             token = greedy[j] if p.greedy and p.repetition_penalty == 1.0 else seq.sampler(logits[j], seq.seen(self.device))
             j += 1
             events.append(self._accept(seq, token))
+        self._track_memory()
         for seq, _, done in events:
             if done:
                 self.running.remove(seq)
@@ -181,10 +182,9 @@ class Engine:
         dt = time.perf_counter() - t0
         st = self.stats
         st.steps, st.step_s = st.steps + 1, st.step_s + dt
-        if all(n == 1 for _, n in plan):
+        st.prefilled_tokens += sum(n for (_, n), d in zip(plan, decoding) if not d)  # prompts, recomputation
+        if all(decoding):
             st.decode_steps, st.decode_s, st.decode_tokens = st.decode_steps + 1, st.decode_s + dt, st.decode_tokens + len(plan)
-        else:
-            st.prefilled_tokens += sum(n for _, n in plan if n > 1)
         for seq, piece, done in events:
             if seq.on_event is not None:
                 seq.on_event(seq, piece, done)
@@ -312,13 +312,14 @@ class Engine:
         return tail
 
     def _track_memory(self) -> None:
-        used = self.pool.n_used
-        if used > self.stats.peak_blocks:
-            bs, fill = self.pool.block_size, {}
-            for seq in self.running:
-                for i, b in enumerate(seq.blocks):
-                    fill[b] = max(fill.get(b, 0), min(bs, max(seq.computed - i * bs, 0)))
-            self.stats.peak_blocks, self.stats.peak_tokens = used, sum(fill.values())
+        """Peak blocks in use, and peak tokens held (shared blocks counted once): the gap is
+        what paging wastes, the unfilled end of each sequence's last block."""
+        bs, fill = self.pool.block_size, {}
+        for seq in self.running:
+            for i, b in enumerate(seq.blocks):
+                fill[b] = max(fill.get(b, 0), min(bs, max(seq.computed - i * bs, 0)))
+        st = self.stats
+        st.peak_blocks, st.peak_tokens = max(st.peak_blocks, self.pool.n_used), max(st.peak_tokens, sum(fill.values()))
 
 
 def default_kv_tokens(ctx: int) -> int:

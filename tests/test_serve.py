@@ -140,6 +140,7 @@ def test_stop_strings_and_defaults(server, tiny):
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ({"model": "tiny"}, 400, "messages"),
     ({"model": "tiny", "messages": "hi"}, 400, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
