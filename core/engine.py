@@ -137,7 +137,14 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
     for m in net.modules():
         if isinstance(m, QuantLinear):
             m.to(device)
+    _exact_top_logits(net)
     return net.eval().requires_grad_(False)
+
+
+def _exact_top_logits(net: Transformer) -> None:
+    """A quantized output layer recomputes its top logits in float32 (QuantLinear.refine)."""
+    if isinstance(net.lm_head, QuantLinear):
+        net.lm_head.refine_top = 64
 
 
 def _place_quantized(net: Transformer, ckpt: Checkpoint) -> None:
@@ -169,6 +176,7 @@ def quantize_at_load(net: Transformer, method: str) -> None:
     quantize_model(net, method, group_size=32, head=True)
     if net.cfg.tie_embeddings and isinstance(net.lm_head, QuantLinear):
         net.model.embed_tokens = QuantEmbedding(net.lm_head, net.model.norm.weight.dtype)
+    _exact_top_logits(net)
 
 
 def model_bytes(net: torch.nn.Module) -> int:

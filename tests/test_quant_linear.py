@@ -120,3 +120,20 @@ def test_cuda_falls_back_to_dequantize(layer, dtype):
         y = q(x.to("cuda", dtype))
         assert y.dtype == dtype and y.device.type == "cuda"
         assert rel_err(y.cpu(), layer(x)) < tol + (0.01 if dtype == torch.bfloat16 else 0)
+
+
+@pytest.mark.parametrize("cls", ["int8", "int4"])
+def test_refined_head_top_logits_are_float32_exact(cls):
+    torch.manual_seed(0)
+    head = nn.Linear(128, 512, bias=False)
+    q = Int8Linear.from_float(head) if cls == "int8" else Int4Linear.from_float(head, 32)
+    x = torch.randn(3, 128) * 4
+    coarse = q(x).float()
+    q.refine_top = 16
+    fine = q(x)
+    exact = x @ q.dequantize().t()  # float32 against the stored weights
+    top = coarse.topk(16, dim=-1).indices  # the outputs refine() recomputed
+    assert torch.allclose(fine.gather(1, top), exact.gather(1, top), atol=1e-4)
+    assert torch.equal(fine.argmax(-1), exact.argmax(-1))
+    # the bf16 output of the kernel alone is visibly coarser at the top
+    assert (coarse.gather(1, top) - exact.gather(1, top)).abs().max() > 1e-3
