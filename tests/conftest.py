@@ -123,3 +123,14 @@ def smollm2(smollm2_path):
     from brisk.core import LLM
 
     return LLM.load(str(smollm2_path), device="cpu", dtype="float32", quantize="none")
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Reference tools change os.environ when imported (GPTQModel points HF_HOME/HF_HUB_CACHE at
+    /tmp); later tests' subprocesses must not inherit that."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
