@@ -12,7 +12,8 @@ Resume: each finished block is saved to OUT.partial/layers/ with a manifest keye
 everything that decides the output. A rerun with the same arguments reloads the finished blocks
 (running them to rebuild the activations), and produces the same bytes as an uninterrupted run.
 The folder appears at OUT only when complete. Test hook: BRISK_QUANTIZE_STOP_AFTER=N stops a run
-with an error after it has quantized N blocks, as a crash would.
+with an error after it has quantized N blocks, as a crash would; N:sigint sends the process a
+SIGINT there instead, as Ctrl-C would.
 
 Embeddings, norms and lm_head stay float (as GPTQModel and AutoAWQ leave them).
 """
@@ -22,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
 from math import gcd
@@ -213,7 +215,7 @@ def quantize_model(model: str | None, out: str | Path, opts: QuantOptions, force
 
 def _quantize_blocks(net, ids, opts, fmt, qcfg, dtype, partial, done, report, summary) -> None:
     layers = net.model.layers
-    stop_after = int(os.environ.get(STOP_ENV, "0") or 0)
+    stop_after = int(os.environ.get(STOP_ENV, "0").split(":")[0] or 0)
     x = rope = mask = None
     if ids is not None:
         _round_(net.model.embed_tokens.weight, dtype)  # calibrate on the embeddings the checkpoint will hold
@@ -253,6 +255,9 @@ def _quantize_blocks(net, ids, opts, fmt, qcfg, dtype, partial, done, report, su
         summary.layers.append(stats)
         report("layer", stats=stats, total=len(layers))
         if stop_after and fresh >= stop_after and i + 1 < len(layers):
+            if os.environ[STOP_ENV].endswith(":sigint"):  # a real Ctrl-C, at a known point
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler raises KeyboardInterrupt here
             raise BriskError(f"stopped after {fresh} blocks ({STOP_ENV}); run again to resume")
 
 

@@ -134,3 +134,12 @@ def _restore_environment():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def default_sigint() -> None:
+    """preexec_fn for subprocesses that tests interrupt: a shell that starts a job in the background
+    (nohup, `&`, some CI runners) leaves SIGINT ignored, children inherit that, and Python then
+    installs no KeyboardInterrupt handler: restore the default before exec."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

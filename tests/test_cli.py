@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import default_sigint
 from typer.testing import CliRunner
 
 from brisk.cli.main import app
@@ -19,7 +20,7 @@ BRISK = [sys.executable, "-c", "from brisk.cli.main import run; run()"]
 
 def brisk(*args, input=None, timeout=300):
     return subprocess.run(BRISK + list(args), input=input, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200"})
+                          env={**os.environ, "COLUMNS": "200"}, preexec_fn=default_sigint)
 
 
 def assert_clean_error(r, *words):
@@ -186,7 +187,7 @@ def test_chat_ctrl_c_interrupts_the_answer_not_the_session():
 
     p = subprocess.Popen(BRISK + ["chat", "-n", "4000", "--temperature", "0", "--stop", "@@@@"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env={**os.environ, "COLUMNS": "200"})
+                         env={**os.environ, "COLUMNS": "200"}, preexec_fn=default_sigint)
     p.stdin.write(b"Write a very long story about a dragon, in ten chapters.\n")
     p.stdin.flush()
     first = os.read(p.stdout.fileno(), 1)  # the answer has started streaming (unbuffered read)
