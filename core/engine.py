@@ -10,7 +10,7 @@ from .checkpoint import Checkpoint, load_checkpoint
 from .device import pick_device, pick_dtype
 from .errors import BriskError
 from .model import Transformer
-from ..quant.linear import QuantEmbedding, QuantLinear, quantize_model
+from ..quant.linear import QuantEmbedding, QuantLinear, quantize_model, replace_linears
 
 
 @dataclass
@@ -168,10 +168,7 @@ def quantize_at_load(net: Transformer, method: str) -> None:
     if method == "nf4":
         from ..quant.bnb_format import NF4Linear
 
-        for name, m in list(net.named_modules()):
-            if type(m).__name__ == "Linear" and not name.startswith("lm_head"):
-                parent, _, attr = name.rpartition(".")
-                setattr(net.get_submodule(parent), attr, NF4Linear.from_float(m))
+        replace_linears(net, NF4Linear.from_float)  # the head stays float: no NF4 kernel on the CPU
         return
     quantize_model(net, method, group_size=32, head=True)
     if net.cfg.tie_embeddings and isinstance(net.lm_head, QuantLinear):

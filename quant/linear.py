@@ -291,11 +291,17 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, head: bo
         raise ValueError(f"unknown quantization method {method!r}; use one of {', '.join(METHODS)}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group size must be one of {GROUP_SIZES}, got {group_size}")
+    return replace_linears(model, lambda linear: quantize_linear(linear, method, group_size), head, skip)
+
+
+def replace_linears(model: nn.Module, make, head: bool = False, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+    """Replace each nn.Linear of `model` (in place) by make(linear), but not those named with a
+    `skip` prefix unless `head`; returns the model."""
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and (head or not name.startswith(skip))]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         with torch.no_grad():
-            setattr(parent, attr, quantize_linear(linear, method, group_size))
+            setattr(parent, attr, make(linear))
     return model
