@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .cuda_graph import decode_step
+
 
 @dataclass
 class BenchRow:
@@ -52,15 +54,20 @@ def time_prefill(llm, n_prompt: int, gen: torch.Generator) -> float:
 
 
 @torch.inference_mode()
-def time_decode(llm, n_gen: int) -> float:
-    cache = llm.model.new_cache(n_gen + 1)
-    tok = torch.tensor([[llm.tokenizer.bos_id or 1]], device=llm.device)
-    llm.model(tok, cache)
+def time_decode(llm, n_gen: int, cache=None) -> float:
+    """n_gen greedy steps after one token, as generation runs them (graph replays on CUDA; the
+    argmax's .item() is the one host sync per step, as in generation). Pass the same cache to
+    reuse its captured graphs."""
+    cache = cache or llm.model.new_cache(n_gen + 1)
+    cache.truncate(0)
+    step = getattr(cache, "_bench_step", None) or decode_step(llm.model, cache)
+    cache._bench_step = step
+    tok = llm.tokenizer.bos_id or 1
+    step(tok, 0)
     _sync(llm.device)
     t = time.perf_counter()
-    with llm.model.decoding():
-        for _ in range(n_gen):
-            tok = llm.model(tok, cache)[:, -1].argmax(-1, keepdim=True)
+    for pos in range(1, n_gen + 1):
+        tok = int(step(tok, pos).argmax())
     _sync(llm.device)
     return time.perf_counter() - t
 
@@ -79,8 +86,9 @@ def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
                              ttft_s=n_prompt / med, gb_s=model_bytes * med / n_prompt / 1e9,
                              peak_mem_bytes=peak_memory(llm.device), **common))
     if n_gen:
-        time_decode(llm, 4)
-        speeds = [n_gen / time_decode(llm, n_gen) for _ in range(reps)]
+        cache = llm.model.new_cache(n_gen + 1)
+        time_decode(llm, n_gen, cache)  # warm-up (captures the CUDA graphs)
+        speeds = [n_gen / time_decode(llm, n_gen, cache) for _ in range(reps)]
         med = statistics.median(speeds)
         rows.append(BenchRow(test=f"tg{n_gen}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
                              ttft_s=1 / med, gb_s=model_bytes * med / 1e9,

@@ -246,7 +246,7 @@ def _gguf_header(path: Path):
 
 
 def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
-    """A GGUF checkpoint. With keep_quantized, Q4_0/Q4_1/Q8_0 weight matrices become quantized layers
+    """A GGUF checkpoint. With keep_quantized, Q4_0/Q4_1/Q4_K/Q8_0 weight matrices become quantized layers
     straight from the file's blocks (quant/gguf_blocks.py); every other tensor is widened to float.
     Float tensors of quantized types come from a converted copy cached beside the header (safetensors,
     memory-mapped), so the slow dequantization happens once per file."""
@@ -266,9 +266,8 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
         layer = hf.removesuffix(".weight")
         if layers is not None and layer in layers:
             modules[layer] = layers[layer]
-        elif (keep_quantized and t.qtype in gguf_blocks.SUPPORTED and len(t.shape) == 2
-                and hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
-                and t.shape[1] % gguf_blocks.BLOCK == 0):
+        elif (keep_quantized and len(t.shape) == 2 and gguf_blocks.fits(t.qtype, t.shape[1])
+                and hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))):
             raw = data[t.offset:t.offset + t.nbytes]
             order = _row_order(hf, t.shape[0], arch, cfg)
             if order is not None:
@@ -285,9 +284,9 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
 
         names = ", ".join(sorted(gguf.GGMLQuantizationType(q).name for q in widened))
         warnings.warn(f"{names} weights have no quantized kernel in brisk yet: widened to float "
-                      "(Q4_0, Q4_1 and Q8_0 stay quantized)")
-    if fresh:
-        _save_repacked(path, fresh)
+                      "(Q4_0, Q4_1, Q4_K and Q8_0 stay quantized)")
+    if fresh:  # every repacked layer, not just the new ones: a cache from an older brisk may lack some
+        _save_repacked(path, modules)
     if need_cache:
         floats = _float_cache(path, table, arch, cfg)
         tensors.update({k: floats[k] for k in need_cache})
@@ -303,7 +302,9 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
 
 
 def _repacked_file(path: Path) -> Path:
-    return _gguf_cache_dir(path) / f"repacked-torch{torch.__version__.split('+')[0]}.safetensors"
+    # torch.save, not safetensors: torch aligns every tensor to 64 bytes, safetensors to 8 only, and
+    # torch's int8 CPU kernel crashes (SIGSEGV) on a memory-mapped weight that is not 16-byte aligned.
+    return _gguf_cache_dir(path) / f"repacked-torch{torch.__version__.split('+')[0]}.pt"
 
 
 def _repacked_cache(path: Path) -> dict:
@@ -313,13 +314,9 @@ def _repacked_cache(path: Path) -> dict:
     file = _repacked_file(path)
     if not file.exists():
         return {}
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(file), "pt") as f:
-            descs = json.loads(f.metadata()["layers"])
-        tensors = _load_safetensors(file)
-        return {name: gguf_blocks.restore_layer(name, tensors, d) for name, d in descs.items()}
+        saved = torch.load(file, mmap=True, weights_only=True)  # memory-mapped, aligned
+        return {name: gguf_blocks.restore_layer(name, saved["tensors"], d) for name, d in saved["layers"].items()}
     except Exception:  # a stale or damaged cache is rebuilt, never trusted
         return {}
 
@@ -331,7 +328,14 @@ def _save_repacked(path: Path, layers: dict) -> None:
     for name, layer in layers.items():
         data, descs[name] = gguf_blocks.layer_state(name, layer)
         tensors.update(data)
-    _save_tensors(_repacked_file(path), tensors, {"layers": json.dumps(descs)})
+    file = _repacked_file(path)
+    tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
+    try:  # a temporary sibling, then rename, as _save_tensors; a failure only costs speed next time
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"layers": descs, "tensors": tensors}, tmp)
+        os.replace(tmp, file)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _float_cache(path: Path, table, arch: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -48,6 +48,8 @@ class LLM:
         net = build_model(ckpt, dev, dt)
         if quantize in ("int8", "int4", "nf4"):
             quantize_at_load(net, quantize)
+        if dev.type == "cuda":
+            net.fuse_projections()  # last: after every layer has its final kind
         ctx = min(ctx or 4096, ckpt.config.max_seq_len)
         if ctx < 16:
             raise BriskError(f"--ctx {ctx}: too small")

@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .cuda_graph import decode_step
 from .errors import BriskError
 from .sampling import Sampler, SamplingParams
 from .tokenizer import IncrementalDecoder
@@ -168,11 +169,18 @@ class Session:
     def _tokens(self, token: int, sampler: Sampler, seen: torch.Tensor | None, budget: int) -> Iterator[int]:
         """Plain decoding as a stream of tokens. A token enters the cache only when the consumer
         asks for the next one, so the cache never holds the last token handed out."""
-        model, dev = self.llm.model, self.llm.device
+        dev = self.llm.device
+        step = self._decode_step()
         while True:
             yield token
-            logits = model(torch.tensor([[token]], device=dev), self.cache)[0, -1]
+            logits = step(token, len(self.ids))
             self.ids.append(token)
             if seen is not None:
                 seen = torch.cat([seen, torch.tensor([token], device=dev)])
             token = sampler(logits, seen)
+
+    def _decode_step(self):
+        """One step's function for this session's cache (on CUDA its captured graphs: kept)."""
+        if getattr(self, "_step", None) is None:
+            self._step = decode_step(self.llm.model, self.cache)
+        return self._step

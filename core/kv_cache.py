@@ -17,6 +17,8 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
+        # each sequence's cache as one block of a paged pool (the CUDA decode-attention kernel)
+        self.block_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
         self.length = 0  # tokens whose K/V are valid, the same for every layer
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,6 +27,14 @@ class KVCache:
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """write() with the positions as a tensor [T] and a fixed number of keys returned (0..keys),
+        so the shapes do not depend on the position: what a captured CUDA graph needs."""
+        self.k[layer].index_copy_(2, positions, k)
+        self.v[layer].index_copy_(2, positions, v)
+        return self.k[layer][:, :, :keys], self.v[layer][:, :, :keys]
 
     def truncate(self, length: int) -> None:
         """Forget everything from `length` on (rejected draft tokens, a rewritten chat turn)."""

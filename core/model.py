@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import blas
+from . import blas, fused, paged_attention_kernel
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .paged_cache import BlockPool, PagedStep
+from ..quant.linear import concat_linears
 
 
 class Linear(nn.Linear):
@@ -38,6 +39,8 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.usable(x):
+            return fused.rms_norm(x, self.weight, self.eps, self.offset)
         # Written out: on the CPU this is fewer dispatches than F.rms_norm's decomposition.
         xf = x.float()
         y = xf * (xf * xf).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(self.eps).rsqrt_()
@@ -67,19 +70,24 @@ def rope_tables(inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, tor
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     # x: [B, H, T, D]; cos/sin: [T, D]. rotate_half(x) = (-x2, x1) = roll(x) * (-1, +1).
+    if fused.usable(x) and x.dim() == 4:
+        return fused.rope(x, cos, signed_sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def decode_attention(q, k, v, scale):
+def decode_attention(q, k, v, scale, mask=None):
     """One query token against the cache, grouped-query heads folded into the batch of a bmm.
+    mask: None, or bool [1, keys] (a graph-captured step attends over a fixed-size key range).
 
     On the CPU this is about 3x cheaper than SDPA's flash kernel for a single query.
     """
     B, H, _, D = q.shape
     KV = k.shape[1]
     qg = q.view(B * KV, H // KV, D)  # the query heads that share one KV head
-    scores = torch.bmm(qg, k.reshape(B * KV, -1, D).transpose(1, 2)) * scale
-    y = torch.bmm(torch.softmax(scores.float(), dim=-1).to(v.dtype), v.reshape(B * KV, -1, D))
+    scores = torch.bmm(qg, k.reshape(B * KV, -1, D).transpose(1, 2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    y = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v.reshape(B * KV, -1, D))
     return y.view(B, H, 1, D)
 
 
@@ -87,8 +95,9 @@ def paged_attention(q, k, v, step: PagedStep, layer: int, window: int | None, sc
     """Attention for a batched step over the paged pool. q [N, H, D] and k/v [N, KV, D] are the
     step's new tokens (already rotated); k/v are written to their slots first.
 
-    Decode rows (one query each) gather their block tables into [rows, keys, KV, D] and run as
-    one masked bmm per KV head; prefill chunks run one SDPA each over their gathered blocks.
+    Decode rows (one query each) run the Triton paged-attention kernel on CUDA, which reads the
+    blocks in place; elsewhere they gather their block tables into [rows, keys, KV, D] and run as
+    one masked bmm per KV head. Prefill chunks run one SDPA each over their gathered blocks.
     """
     N, H, D = q.shape
     KV = k.shape[1]
@@ -97,7 +106,10 @@ def paged_attention(q, k, v, step: PagedStep, layer: int, window: int | None, sc
     vc.view(-1, KV, D).index_copy_(0, step.slots, v)
     out = torch.empty_like(q)
     nd, G = step.n_decode, H // KV
-    if nd:
+    if nd and q.is_cuda and paged_attention_kernel.available():
+        paged_attention_kernel.paged_decode_attention(q[:nd], kc, vc, step.decode_blocks, step.decode_lens,
+                                                      scale, window, out=out[:nd])
+    elif nd:
         keys, values = step.gather(kc), step.gather(vc, second=True)  # [rows, keys, KV, D]
         mask = step.decode_mask(window, q.dtype)
         for h in range(KV):  # a strided [rows, keys, D] slice per KV head: no copy for bmm
@@ -129,35 +141,65 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset)
         self.sliding = cfg.layer_types[layer] == "sliding"
 
-    def forward(self, x, cos, sin, cache: KVCache, start: int, mask):
+    def forward(self, x, cos, sin, cache: KVCache, start, mask):
+        """start: the first token's position (int), or a tensor of the tokens' positions for a
+        step of fixed shapes (CUDA graphs): the cache then returns `mask`'s number of keys."""
         if isinstance(cache, PagedStep):
             return self.forward_paged(x, cos, sin, cache)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self._project(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = cache.write(self.layer, start, k, v)
+        if torch.is_tensor(start):
+            k, v = cache.write_at(self.layer, start, k, v, mask[0].shape[-1])
+        else:
+            k, v = cache.write(self.layer, start, k, v)
         if mask is None and self.sliding and k.shape[2] > self.cfg.sliding_window:
             # Single-token decode: the window is just the last `sliding_window` keys.
             k, v = k[:, :, -self.cfg.sliding_window:], v[:, :, -self.cfg.sliding_window:]
         elif mask is not None:
             mask = mask[self.sliding]
-        if T == 1 and q.device.type == "cpu":
-            y = decode_attention(q, k, v, self.cfg.attn_scale)
+        if T == 1 and torch.is_tensor(start) and q.is_cuda and paged_attention_kernel.available():
+            y = self._static_decode_attention(q, cache, start)
+        elif T == 1 and (mask is not None or q.device.type == "cpu"):
+            y = decode_attention(q, k, v, self.cfg.attn_scale, mask)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale,
-                                               enable_gqa=self.n_kv != self.n_heads)
+            # mask None: causal from position 0, SDPA's flash kernel on a GPU (it takes no mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                               scale=self.cfg.attn_scale, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def _project(self, x):
+        """q, k, v: one matmul when fuse_projections() joined the three layers."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        fused = self.__dict__.get("_qkv")
+        if fused is not None and fused[1] == parts:
+            return fused[0](x).split(fused[2], dim=-1)
+        return tuple(p(x) for p in parts)
+
+    def _static_decode_attention(self, q, cache: KVCache, pos):
+        """One query per sequence over the static cache through the paged-attention kernel: each
+        sequence's cache is one block of max_len slots, read only up to its position."""
+        B = q.shape[0]
+        kc = cache.k[self.layer].transpose(1, 2)  # [B, max_len, KV, D]: a view, no copy
+        vc = cache.v[self.layer].transpose(1, 2)
+        window = self.cfg.sliding_window if self.sliding else None
+        pos = pos.expand(B) if pos.numel() == 1 else pos
+        y = paged_attention_kernel.paged_decode_attention(q[:, :, 0], kc, vc, cache.block_table, pos, self.cfg.attn_scale,
+                                                          window, lengths_add=1)
+        return y[:, :, None]  # [B, H, 1, D]
 
     def forward_paged(self, x, cos, sin, step: PagedStep):
         """x [1, N, dim]: the flattened tokens of a batched step; cos/sin [N, D], per token."""
         N = x.shape[1]
-        q = self.q_proj(x).view(N, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(N, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(N, self.n_kv, self.head_dim)
+        q, k, v = self._project(x)
+        q = q.reshape(N, self.n_heads, self.head_dim)
+        k = k.reshape(N, self.n_kv, self.head_dim)
+        v = v.reshape(N, self.n_kv, self.head_dim)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[:, None], sin[:, None]
@@ -176,7 +218,12 @@ class MLP(nn.Module):
         self.gelu = cfg.act == "gelu_tanh"
 
     def forward(self, x):
+        joined = self.__dict__.get("_gate_up")
+        if joined is not None and joined[1] == (self.gate_proj, self.up_proj) and fused.usable(x):
+            return self.down_proj(fused.gated_halves(joined[0](x), self.gelu))
         g = self.gate_proj(x)
+        if fused.usable(g):
+            return self.down_proj(fused.gated(g, self.up_proj(x), self.gelu))
         g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
         return self.down_proj(g * self.up_proj(x))
 
@@ -234,6 +281,20 @@ class Transformer(nn.Module):
         self.rope = [(c.to(device, dtype), s.to(device, dtype)) for c, s in tables]
         self.max_len = max_len
 
+    def fuse_projections(self) -> None:
+        """Join q/k/v and gate/up into one matmul each where their kinds allow (on CUDA, where a
+        launch per layer costs; quant.linear.concat_linears). The joined layer is held outside
+        the module tree (state dicts do not change) and used only while the originals are the
+        ones it was built from."""
+        for block in self.model.layers:
+            a, m = block.self_attn, block.mlp
+            parts = (a.q_proj, a.k_proj, a.v_proj)
+            if (j := concat_linears(list(parts))) is not None:
+                a.__dict__["_qkv"] = (j, parts, [p.out_features for p in parts])
+            parts = (m.gate_proj, m.up_proj)
+            if (j := concat_linears(list(parts))) is not None:
+                m.__dict__["_gate_up"] = (j, parts)
+
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
         w = self.model.norm.weight
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim,
@@ -249,33 +310,48 @@ class Transformer(nn.Module):
         (none is needed at present; the CPU matmul path is chosen per call, see blas.py)."""
         return contextlib.nullcontext()
 
-    def _masks(self, start: int, T: int, device):
-        """Boolean [T, start+T] masks (full, sliding); None for single-token decode."""
-        if T == 1:
-            return None
-        q = torch.arange(start, start + T, device=device)[:, None]
-        k = torch.arange(start + T, device=device)[None, :]
-        full = k <= q
+    def _masks(self, start, T: int, device, keys: int | None = None):
+        """Boolean [T, keys] masks (full, sliding), keys = start + T by default; None for
+        single-token decode. start may be a tensor of positions [T] (a fixed-shape step). On a GPU
+        a prompt from position 0 that fits the window gets (None, None): plain causal, which
+        SDPA runs with its flash kernel (it takes no explicit mask)."""
         window = self.cfg.sliding_window
+        if torch.is_tensor(start):
+            q = start[:, None]
+        elif T == 1:
+            return None
+        elif start == 0 and torch.device(device).type == "cuda" and (not window or T <= window):
+            return None, None
+        else:
+            q = torch.arange(start, start + T, device=device)[:, None]
+        k = torch.arange(start + T if keys is None else keys, device=device)[None, :]
+        full = k <= q
         sliding = full & (k > q - window) if window else full
         return full, sliding
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int | None = None,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int | torch.Tensor | None = None,
+                last_only: bool = False, keys: int | None = None) -> torch.Tensor:
         """Run tokens [B, T] at positions start.. (default: the cache's length); returns logits.
 
         The cache is written and advanced. last_only skips the vocab projection for all
         but the last position, which is what prefill needs.
+        For CUDA graphs, start may instead be a tensor of the T positions and `keys` a fixed
+        number of cache positions to attend over (masked past each token's position); all shapes
+        are then fixed, and the caller advances cache.length.
         """
         start = cache.length if start is None else start
         T = tokens.shape[1]
-        if start + T > cache.max_len:
-            raise ValueError(f"sequence of {start + T} tokens exceeds the cache ({cache.max_len})")
+        fixed = torch.is_tensor(start)
+        if (keys if fixed else start + T) > cache.max_len:
+            raise ValueError(f"sequence of {keys if fixed else start + T} tokens exceeds the cache ({cache.max_len})")
         x = self.model.embed_tokens(tokens)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        rope = [(c[start:start + T], s[start:start + T]) for c, s in self.rope]
-        mask = self._masks(start, T, tokens.device)
+        if fixed:
+            rope = [(c.index_select(0, start), s.index_select(0, start)) for c, s in self.rope]
+        else:
+            rope = [(c[start:start + T], s[start:start + T]) for c, s in self.rope]
+        mask = self._masks(start, T, tokens.device, keys)
         for layer in self.model.layers:
             x = layer(x, rope, cache, start, mask)
         if last_only:
@@ -283,7 +359,8 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.model.norm(x))
         if self.cfg.final_softcap:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
-        cache.length = start + T
+        if not fixed:
+            cache.length = start + T
         return logits
 
     def forward_batch(self, step: PagedStep) -> torch.Tensor:

@@ -25,6 +25,8 @@ from typing import Iterator
 
 import torch
 
+from .cuda_graph import decode_step
+
 from .errors import BriskError
 from .generate import PREFILL_CHUNK, common_prefix
 from .sampling import SamplingParams, apply_repetition_penalty, probabilities
@@ -97,11 +99,19 @@ class ModelDrafter(Drafter):
         else:
             keep = min(common_prefix(self.ids, ctx), len(ctx) - 1)
         self.cache.truncate(keep)
-        for s in range(keep, len(ctx), PREFILL_CHUNK):
+        if len(ctx) - keep == 1:  # the steady state: one token, a decode step (a graph on CUDA)
+            logits = self._step()(ctx[-1], keep)
+        for s in range(keep, len(ctx) if len(ctx) - keep > 1 else keep, PREFILL_CHUNK):
             chunk = torch.tensor([ctx[s:s + PREFILL_CHUNK]], device=self.device)
             logits = self.model(chunk, self.cache, last_only=True)[0, -1]
         self.ids = list(ctx)
         return logits
+
+    def _step(self):
+        """The draft model's one-token step on the cache it drafts in (captured graphs on CUDA)."""
+        if getattr(self, "_step_cache", None) is not self.cache:
+            self._step_fn, self._step_cache = decode_step(self.model, self.cache), self.cache
+        return self._step_fn
 
     def start(self, session):
         if self.share_cache:
@@ -125,7 +135,7 @@ class ModelDrafter(Drafter):
             out.append(tok)
             if len(out) == k:
                 return out, (torch.stack(qs) if qs else None)
-            logits = self.model(torch.tensor([[tok]], device=self.device), self.cache)[0, -1]
+            logits = self._step()(tok, len(self.ids))
             self.ids.append(tok)
 
 
@@ -341,8 +351,10 @@ class Speculator:
                 t0 = time.perf_counter()
                 drafts, q = self.drafter.propose(ctx, k, params, gen, seen) if k > 0 else ([], None)
                 t1 = time.perf_counter()
-                # start=: a drafter that shares the cache has moved its length on
-                logits = model(torch.tensor([[token] + drafts], device=dev), cache, start=len(ids))[0]
+                if drafts:  # start=: a drafter that shares the cache has moved its length on
+                    logits = model(torch.tensor([[token] + drafts], device=dev), cache, start=len(ids))[0]
+                else:  # nothing to verify: a plain decode step (a graph replay on CUDA)
+                    logits = session._decode_step()(token, len(ids))[None]
                 ids.append(token)
                 n, nxt = verify(logits, drafts, q, params, gen, seen)
                 cache.truncate(len(ids) + n)  # forget the rejected drafts' K/V
@@ -470,4 +482,6 @@ def quantized_copy(model, method: str, max_len: int):
     draft.rope_factors = model.rope_factors
     draft.setup_rope(max_len, model.model.norm.weight.device)
     quantize_model(draft, method, head=True)
+    if draft.model.norm.weight.is_cuda:
+        draft.fuse_projections()
     return draft.eval().requires_grad_(False)

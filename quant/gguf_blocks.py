@@ -1,15 +1,19 @@
-"""GGUF's Q4_0, Q4_1 and Q8_0 blocks, repacked into the layers of quant/linear.py without a float copy.
+"""GGUF's Q4_0, Q4_1, Q8_0 and Q4_K blocks, repacked into the layers of quant/linear.py without a float copy.
 
-Block layouts (ggml, 32 weights a block, little-endian, one row = K/32 consecutive blocks):
-- Q4_0, 18 bytes: d (fp16), 16 bytes of codes;                 w = d * (q - 8)
-- Q4_1, 20 bytes: d (fp16), m (fp16), 16 bytes of codes;        w = d * q + m
-- Q8_0, 34 bytes: d (fp16), 32 int8 codes;                      w = d * q
-In the 4-bit blocks byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+Block layouts (ggml, little-endian, one row = consecutive blocks):
+- Q4_0, 32 weights, 18 bytes: d (fp16), 16 bytes of codes;           w = d * (q - 8)
+- Q4_1, 32 weights, 20 bytes: d (fp16), m (fp16), 16 bytes of codes;  w = d * q + m
+- Q8_0, 32 weights, 34 bytes: d (fp16), 32 int8 codes;                w = d * q
+- Q4_K, 256 weights, 144 bytes: d, dmin (fp16), 12 bytes of 6-bit scales sc[8] and mins m[8], one per
+  sub-block of 32 weights, 128 bytes of codes;                       w = d * sc[j] * q - dmin * m[j]
+In Q4_0/Q4_1 byte j holds weight j in its low nibble and weight j + 16 in its high nibble. Q4_K's codes
+are 4 chunks of 32 bytes: chunk c holds weights 64c + i (low nibble) and 64c + 32 + i (high nibble).
 
 The 4-bit codes carry over exactly into Int4Linear (w = (q - 8) * scale + zero, group 32):
-Q4_0 is scale = d, zero = 0 and Q4_1 is scale = d, zero = m + 8d. The scales are rounded from fp16 to
-bf16, the type torch's CPU kernel takes. Q8_0's per-block scales do not fit the int8 kernel's one scale per
-row, so Q8_0 is requantized per row (int8 codes against the row's largest weight): close, not exact.
+Q4_0 is scale = d, zero = 0; Q4_1 is scale = d, zero = m + 8d; Q4_K is scale = d * sc[j],
+zero = 8 * scale - dmin * m[j]. Scales and zeros are rounded to bf16, the type torch's CPU kernel takes.
+Q8_0's per-block scales do not fit the int8 kernel's one scale per row, so Q8_0 is requantized per row
+(int8 codes against the row's largest weight): close, not exact.
 """
 from __future__ import annotations
 
@@ -18,21 +22,26 @@ import torch
 
 from .linear import SCALE_DTYPE, Int4Linear, Int8Linear, quantize_int8
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids
-BLOCK = 32
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-SUPPORTED = tuple(BLOCK_BYTES)
+Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12  # ggml type ids
+BLOCK = 32  # the group size of every layer built here (Q4_K's sub-block)
+BLOCK_SHAPE = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144)}  # (weights, bytes)
+SUPPORTED = tuple(BLOCK_SHAPE)
+
+
+def fits(qtype: int, cols: int) -> bool:
+    """Whether rows of `cols` weights of this type can be repacked (whole blocks per row)."""
+    return qtype in BLOCK_SHAPE and cols % BLOCK_SHAPE[qtype][0] == 0
 
 
 def _blocks(raw: np.ndarray, rows: int, cols: int, qtype: int) -> np.ndarray:
-    """The raw bytes as [rows, cols/32, block bytes]."""
-    if cols % BLOCK:
-        raise ValueError(f"row length {cols} is not a multiple of {BLOCK}")
-    nbytes = BLOCK_BYTES[qtype]
+    """The raw bytes as [rows, blocks per row, block bytes]."""
+    if not fits(qtype, cols):
+        raise ValueError(f"row length {cols} is not a whole number of type {qtype} blocks")
+    n, nbytes = BLOCK_SHAPE[qtype]
     raw = np.asarray(raw, dtype=np.uint8)
-    if raw.size != rows * cols // BLOCK * nbytes:
+    if raw.size != rows * cols // n * nbytes:
         raise ValueError(f"{raw.size} bytes for a [{rows}, {cols}] tensor of type {qtype}")
-    return raw.reshape(rows, cols // BLOCK, nbytes)
+    return raw.reshape(rows, cols // n, nbytes)
 
 
 def _fp16(blocks: np.ndarray, at: int) -> torch.Tensor:
@@ -45,8 +54,28 @@ def _codes(nibbles: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(q.reshape(nibbles.shape[0], -1))
 
 
+def _q4_k(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks [rows, n, 144] -> codes [rows, n * 256] (0..15) in weight order, and per sub-block
+    of 32 weights d * sc and dmin * m ([rows, n * 8], float32: fp16 times a 6-bit integer is exact)."""
+    d, dmin = _fp16(b, 0)[..., None], _fp16(b, 2)[..., None]
+    lo, hi, mix = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+    # sub-blocks 0..3 keep 6 bits in lo (scales) and hi (mins); 4..7 take 4 bits from mix and their top 2
+    # bits from the spare top bits of lo and hi
+    sc = np.concatenate((lo & 63, (mix & 15) | (lo >> 6 << 4)), axis=-1)
+    m = np.concatenate((hi & 63, (mix >> 4) | (hi >> 6 << 4)), axis=-1)
+    qs = b[..., 16:].reshape(*b.shape[:2], 4, 1, 32)
+    q = np.concatenate((qs & 0xF, qs >> 4), axis=-2)  # [rows, n, chunk, low/high, 32]: weight order
+    scale = d * torch.from_numpy(sc.astype(np.float32))
+    mins = dmin * torch.from_numpy(m.astype(np.float32))
+    return torch.from_numpy(q.reshape(b.shape[0], -1)), scale.flatten(1), mins.flatten(1)
+
+
 def to_int4(raw: np.ndarray, rows: int, cols: int, qtype: int) -> Int4Linear:
     b = _blocks(raw, rows, cols, qtype)
+    if qtype == Q4_K:
+        q, scale, mins = _q4_k(b)
+        # float32 first, then one bf16 rounding each, as Q4_1's m + 8d
+        return Int4Linear.from_codes(q, scale.to(SCALE_DTYPE), (8 * scale - mins).to(SCALE_DTYPE), BLOCK)
     d = _fp16(b, 0)
     if qtype == Q4_0:
         zeros, nibbles = torch.zeros_like(d), b[..., 2:]
@@ -58,8 +87,12 @@ def to_int4(raw: np.ndarray, rows: int, cols: int, qtype: int) -> Int4Linear:
 
 
 def dequantize(raw: np.ndarray, rows: int, cols: int, qtype: int) -> torch.Tensor:
-    """Float32 [rows, cols] weights of a Q4_0/Q4_1/Q8_0 tensor (the reference for the repacking)."""
+    """Float32 [rows, cols] weights of a supported tensor (the reference for the repacking)."""
     b = _blocks(raw, rows, cols, qtype)
+    if qtype == Q4_K:  # ggml's own order of operations: d * sc * q - dmin * m
+        q, scale, mins = _q4_k(b)
+        w = scale[..., None] * q.float().view(rows, -1, BLOCK) - mins[..., None]
+        return w.reshape(rows, cols)
     d = _fp16(b, 0)[..., None]
     if qtype == Q8_0:
         q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.float32))
@@ -71,7 +104,7 @@ def dequantize(raw: np.ndarray, rows: int, cols: int, qtype: int) -> torch.Tenso
 
 
 def to_layer(raw: np.ndarray, rows: int, cols: int, qtype: int):
-    """The quantized layer for one GGUF weight: Int4Linear for Q4_0/Q4_1, Int8Linear for Q8_0."""
+    """The quantized layer for one GGUF weight: Int4Linear for Q4_0/Q4_1/Q4_K, Int8Linear for Q8_0."""
     if qtype == Q8_0:
         return Int8Linear(*quantize_int8(dequantize(raw, rows, cols, qtype)))
     return to_int4(raw, rows, cols, qtype)

@@ -1,9 +1,10 @@
 """Weight-only quantized linear layers: int8 per output channel, int4 per group.
 
 Weights are stored quantized; activations stay floating point. On the CPU torch's packed kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) dequantize on the fly inside the matmul.
-Elsewhere (CUDA, a shape a kernel rejects) the layer dequantizes its weight and runs F.linear:
-slower, the same numbers up to rounding.
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) dequantize on the fly inside the matmul; on
+CUDA the Triton kernels of triton_matmul.py do, on the layers' own buffers. Elsewhere (no triton, a
+shape a kernel rejects) the layer dequantizes its weight and runs F.linear: slower, the same
+numbers up to rounding.
 
 Formats (the stored buffers, i.e. the state dict, are the portable form; kernel layouts are
 derived from them at build time and never saved):
@@ -22,6 +23,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import triton_matmul
 
 SCALE_DTYPE = torch.bfloat16  # what the CPU kernels take; also the activations they take
 GROUP_SIZES = (32, 64, 128, 256)
@@ -104,7 +107,7 @@ class QuantLinear(nn.Module):
             y = self._kernel(x2.to(SCALE_DTYPE))
             if self.refine_top:
                 y = self.refine(x2, y)
-        else:
+        elif (y := self._gpu_kernel(x2)) is None:
             _say_fallback_once(type(self).__name__, x.device.type)
             y = F.linear(x2, self.dequantize(x.dtype))
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -133,6 +136,10 @@ class QuantLinear(nn.Module):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _gpu_kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, K] times the weight through a fused GPU kernel, or None where there is none."""
+        return None
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -140,6 +147,10 @@ class QuantLinear(nn.Module):
 class Int8Linear(QuantLinear):
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
+        if weight.device.type == "cpu" and weight.data_ptr() % 64:
+            # torch's CPU int8 kernel crashes on weights that are not 16-byte aligned, which a
+            # memory-mapped safetensors file (8-byte alignment) can hand over
+            weight = weight.clone()
         self.register_buffer("weight", weight)  # int8 [N, K]: the kernel takes it as it is
         self.register_buffer("scales", scales)
         self.use_kernel = weight.device.type == "cpu"
@@ -158,31 +169,88 @@ class Int8Linear(QuantLinear):
     def _kernel(self, x):
         return torch._weight_int8pack_mm(x, self.weight, self.scales)
 
+    def _gpu_kernel(self, x):
+        return triton_matmul.int8_matmul(x, self.weight, self.scales) if triton_matmul.usable(x) else None
+
+
+# ---------------------------------------------------------------- torch's packed int4 kernels
+# Both take w = (q - 8) * scale + zero per group, scales and zeros as one [K/group, N, 2] bf16
+# tensor; each packs the codes in its own undocumented tiled layout:
+# - "cpu":      _convert_weight_to_int4pack_for_cpu / _weight_int4pack_mm_for_cpu (uint8 [N, K/2]);
+# - "tinygemm": _convert_weight_to_int4pack / _weight_int4pack_mm, CUDA (int32 words of 8 codes).
+
+def _pack(q: torch.Tensor, layout: str) -> torch.Tensor:
+    """Codes [N, K] (0..15) in a kernel's layout, on q's device."""
+    if layout == "cpu":
+        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    q = q.to(torch.uint8)
+    pairs = (q[:, 0::2] << 4 | q[:, 1::2]) if _tinygemm_high_first() else (q[:, 0::2] | q[:, 1::2] << 4)
+    return torch._convert_weight_to_int4pack(pairs.contiguous(), _inner_k_tiles(q.shape[1]))
+
+
+def _inner_k_tiles(K: int) -> int:
+    return 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2
+
+
+USE_TINYGEMM = True  # bench/gpu.py turns it off to time the Triton int4 kernel on the same layers
+
+
+def tinygemm_fits(N: int, K: int, group_size: int) -> bool:
+    return USE_TINYGEMM and torch.cuda.is_available() and N % 8 == 0 and K % 32 == 0 and group_size in GROUP_SIZES \
+        and _tinygemm_high_first() is not None
+
+
+@functools.cache
+def _tinygemm_high_first() -> bool | None:
+    """Which nibble of the uint8 input tinygemm's packer reads as the even column: found once by
+    packing known codes both ways (None: the kernel is missing or matched neither)."""
+    try:
+        q = torch.randint(0, 16, (16, 64), dtype=torch.uint8, device="cuda")
+        x = torch.eye(64, dtype=torch.bfloat16, device="cuda")
+        sz = torch.stack((torch.ones(2, 16), torch.zeros(2, 16) + 8), dim=-1).to(torch.bfloat16).cuda()
+        for high in (True, False):
+            pairs = (q[:, 0::2] << 4 | q[:, 1::2]) if high else (q[:, 0::2] | q[:, 1::2] << 4)
+            w = torch._weight_int4pack_mm(x, torch._convert_weight_to_int4pack(pairs.contiguous(), 2), 32, sz)
+            if torch.equal(w.T.float(), q.float()):  # w = (q - 8) * 1 + 8 = q
+                return high
+    except (RuntimeError, AttributeError):
+        pass
+    return None
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Every 4-bit field of a packed tensor, in one fixed order (by shift, then element)."""
+    bits = packed.element_size() * 8
+    p = packed.reshape(-1).to(torch.int64) & ((1 << bits) - 1)
+    return torch.cat([(p >> s) & 0xF for s in range(0, bits, 4)])
+
 
 @functools.lru_cache(maxsize=32)
-def _int4_kernel_layout(N: int, K: int) -> torch.Tensor:
-    """Where torch's CPU int4 layout puts each weight: for nibble i of the packed [N, K/2] tensor
-    (low nibbles first, then high), the flat index n * K + k of the weight it holds. Found by
-    packing the bits of every weight's own index, four at a time; the layout is torch's, undocumented."""
+def _int4_kernel_layout(N: int, K: int, layout: str = "cpu") -> torch.Tensor:
+    """Where a kernel's layout puts each weight: for field i of _nibbles(packed), the flat index
+    n * K + k of the weight it holds. Found by packing the bits of every weight's own index,
+    four at a time."""
+    device = "cpu" if layout == "cpu" else "cuda"
     idx = torch.arange(N * K, dtype=torch.int64)
     src = torch.zeros(N * K, dtype=torch.int64)
     for shift in range(0, max(int(N * K - 1).bit_length(), 1), 4):
-        q = ((idx >> shift) & 0xF).to(torch.int32).view(N, K)
-        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        src |= torch.cat(((packed & 0xF).reshape(-1), (packed >> 4).reshape(-1))).to(torch.int64) << shift
+        q = ((idx >> shift) & 0xF).to(torch.uint8).view(N, K).to(device)
+        src |= _nibbles(_pack(q, layout).cpu()) << shift
     return src.to(torch.int32)
 
 
-def unpack_int4_kernel(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """The codes [N, K] (uint8, 0..15) held in the CPU kernel's packed layout, on packed's device."""
-    cpu = packed.cpu()
-    nibbles = torch.cat(((cpu & 0xF).reshape(-1), (cpu >> 4).reshape(-1)))
+def unpack_int4_kernel(packed: torch.Tensor, N: int, K: int, layout: str = "cpu") -> torch.Tensor:
+    """The codes [N, K] (uint8, 0..15) held in a kernel's packed layout, on packed's device."""
     q = torch.empty(N * K, dtype=torch.uint8)
-    q[_int4_kernel_layout(N, K).long()] = nibbles
+    q[_int4_kernel_layout(N, K, layout).long()] = _nibbles(packed.cpu()).to(torch.uint8)
     return q.view(N, K).to(packed.device)
 
 
 class Int4Linear(QuantLinear):
+    """Kept as torch's packed kernel data where a kernel takes the shape ("cpu" layout on the CPU,
+    "tinygemm" on CUDA: `layout`), else as pack_int4 codes (`weight`) that the Triton kernel or
+    the dequantizing fallback reads. Moving the layer between devices repacks it."""
+
     def __init__(self, weight: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None = None, kernel_data: torch.Tensor | None = None,
                  shape: tuple[int, int] | None = None):
@@ -191,39 +259,70 @@ class Int4Linear(QuantLinear):
         N, K = shape if weight is None else (weight.shape[0], weight.shape[1] * 2)
         super().__init__(K, N, bias)
         self.group_size = group_size
+        self.layout = None
+        self.keep_codes = False  # a tied head keeps `weight` too: embedding lookups read rows of it
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
-        on_cpu = scales.device.type == "cpu"
-        self.use_kernel = on_cpu and group_size in GROUP_SIZES and N % 32 == 0
-        if self.use_kernel:
-            # The kernel's own tiled layout replaces ours: holding both would double the memory.
-            if kernel_data is None:
-                kernel_data = torch._convert_weight_to_int4pack_for_cpu(unpack_int4(weight).to(torch.int32), 1)
-            self.register_buffer("_packed", kernel_data, persistent=False)
-            self.register_buffer("_scales_zeros", torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous(),
-                                 persistent=False)  # [K/group, N, 2], as the kernel wants
+        if kernel_data is not None:
+            if scales.device.type != "cpu" or not self._fits("cpu"):
+                raise ValueError("kernel data given for a layer the CPU kernel cannot run")
+            self._set_kernel_data(kernel_data, "cpu")
+        else:
+            self._make_kernel_data(unpack_int4(weight))
+
+    def _fits(self, layout: str) -> bool:
+        N, K, G = self.out_features, self.in_features, self.group_size
+        if layout == "cpu":
+            return G in GROUP_SIZES and N % 32 == 0
+        return tinygemm_fits(N, K, G)
+
+    def _make_kernel_data(self, q: torch.Tensor) -> None:
+        """From codes [N, K]: the packed kernel data for the layer's device, where a kernel fits."""
+        layout = "cpu" if self.scales.device.type == "cpu" else "tinygemm" if self.scales.is_cuda else None
+        if layout and self._fits(layout):
+            self._set_kernel_data(_pack(q, layout), layout)
+        else:
+            self.weight = pack_int4(q)
+            self.use_kernel, self.layout = False, None
+
+    def _set_kernel_data(self, packed: torch.Tensor, layout: str) -> None:
+        # The kernel's own tiled layout replaces ours: holding both would double the memory.
+        self.register_buffer("_packed", packed, persistent=False)
+        self.register_buffer("_scales_zeros", torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1)
+                             .to(SCALE_DTYPE).contiguous(), persistent=False)  # [K/group, N, 2]
+        self.use_kernel, self.layout = True, layout
+        if not self.keep_codes:
             self.weight = None
-        elif weight is None:
-            raise ValueError("kernel data given for a layer the CPU kernel cannot run")
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scales, zeros, group_size: int, bias=None) -> "Int4Linear":
         """From unpacked codes [N, K] (0..15): skips a pack/unpack round trip on the kernel path."""
         N, K = q.shape
         if scales.device.type == "cpu" and group_size in GROUP_SIZES and N % 32 == 0:
-            kernel = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            return cls(None, scales, zeros, group_size, bias, kernel_data=kernel, shape=(N, K))
+            return cls(None, scales, zeros, group_size, bias, kernel_data=_pack(q, "cpu"), shape=(N, K))
         return cls(pack_int4(q), scales, zeros, group_size, bias)
 
     def kernel_data(self) -> torch.Tensor | None:
-        return self._packed if self.use_kernel else None
+        return self._packed if self.layout == "cpu" else None
 
     def codes(self) -> torch.Tensor:
         """The packed codes in pack_int4's layout, rebuilt from the kernel's when only that is kept."""
         if self.weight is not None:
             return self.weight
-        return pack_int4(unpack_int4_kernel(self._packed, self.out_features, self.in_features))
+        return pack_int4(unpack_int4_kernel(self._packed, self.out_features, self.in_features, self.layout))
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        device = self.scales.device.type
+        if self.layout is not None and (self.layout == "cpu") != (device == "cpu"):
+            # Moved between the CPU and CUDA: repack for the kernel of the new device.
+            q = unpack_int4_kernel(self._packed, self.out_features, self.in_features, self.layout)
+            self._packed = self._scales_zeros = None
+            self._make_kernel_data(q)
+        elif self.layout is None and self.weight is not None and device != "cpu" and self._fits("tinygemm"):
+            self._make_kernel_data(unpack_int4(self.weight))
+        return out
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 32) -> "Int4Linear":
@@ -243,8 +342,63 @@ class Int4Linear(QuantLinear):
     def _kernel(self, x):
         return torch._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, self._scales_zeros)
 
+    def _gpu_kernel(self, x):
+        if self.layout == "tinygemm" and x.is_cuda:
+            y = torch._weight_int4pack_mm(x.to(SCALE_DTYPE), self._packed, self.group_size, self._scales_zeros)
+            # bf16 in and out: a float32 model's output layer gets its top logits exact (refine)
+            return self.refine(x, y) if self.refine_top and x.dtype == torch.float32 else y
+        if self.weight is None or not triton_matmul.usable(x) or self.group_size not in GROUP_SIZES:
+            return None
+        return triton_matmul.int4_matmul(x, self.weight, self.scales, self.zeros, self.group_size)
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}"
+        return super().extra_repr() + f", group_size={self.group_size}, layout={self.layout}"
+
+
+# ---------------------------------------------------------------- one matmul for several layers
+
+def concat_linears(layers: list[nn.Module]) -> nn.Module | None:
+    """One layer computing all `layers` on the same input (outputs side by side), or None where
+    their kinds differ or no kernel layout allows it. A decode step reads each weight once
+    either way, but one launch instead of three (q/k/v) or two (gate/up) saves the per-kernel
+    ramp-up, which on a GPU is a few microseconds each (see bench/RESULTS.md).
+
+    The originals keep views into the new layer's tensors, so memory is not doubled and their
+    state dicts are unchanged."""
+    first = layers[0]
+    if len({type(m) for m in layers}) != 1 or (first.bias is None) != all(m.bias is None for m in layers):
+        return None
+    bias = None if first.bias is None else torch.cat([m.bias for m in layers])
+    sizes = [m.out_features for m in layers]
+    if isinstance(first, nn.Linear):
+        w = torch.cat([m.weight for m in layers])
+        fused = nn.Linear(first.in_features, w.shape[0], bias=bias is not None, device="meta")
+        fused.weight = nn.Parameter(w, requires_grad=False)
+        if bias is not None:
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+        for m, part in zip(layers, w.split(sizes)):
+            m.weight = nn.Parameter(part, requires_grad=False)
+        return fused
+    if isinstance(first, Int8Linear):
+        fused = Int8Linear(torch.cat([m.weight for m in layers]), torch.cat([m.scales for m in layers]), bias)
+        for m, w, sc in zip(layers, fused.weight.split(sizes), fused.scales.split(sizes)):
+            m.weight, m.scales = w, sc
+        return fused
+    if isinstance(first, Int4Linear) and all(m.layout == "tinygemm" and m.group_size == first.group_size
+                                             and m.out_features % 8 == 0 for m in layers):
+        # tinygemm tiles N by 8 rows: the packed tensors stack along their first dimension
+        fused = Int4Linear.__new__(Int4Linear)
+        QuantLinear.__init__(fused, first.in_features, sum(sizes), bias)
+        fused.group_size, fused.keep_codes, fused.weight = first.group_size, False, None
+        fused.scales = torch.cat([m.scales for m in layers])
+        fused.zeros = torch.cat([m.zeros for m in layers])
+        fused._set_kernel_data(torch.cat([m._packed for m in layers]), "tinygemm")
+        rows = [n // 8 for n in sizes]
+        for m, pk, sz, sc, zr in zip(layers, fused._packed.split(rows), fused._scales_zeros.split(sizes, 1),
+                                     fused.scales.split(sizes), fused.zeros.split(sizes)):
+            m._packed, m._scales_zeros, m.scales, m.zeros = pk, sz, sc, zr
+        return fused
+    return None
 
 
 class QuantEmbedding(nn.Module):
@@ -254,6 +408,8 @@ class QuantEmbedding(nn.Module):
     def __init__(self, head: QuantLinear, dtype: torch.dtype):
         super().__init__()
         object.__setattr__(self, "head", head)  # not a submodule: the head owns (and saves) the weights
+        if isinstance(head, Int4Linear):
+            head.keep_codes = True  # rows are looked up every step: keep them in our layout
         self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

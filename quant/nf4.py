@@ -57,6 +57,7 @@ def dynamic_code() -> torch.Tensor:
 
 def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """Index into `code` of the entry nearest each value (ties to the lower value)."""
+    code = code.to(scaled.device)
     order = torch.argsort(code)
     sorted_code = code[order]
     q = torch.bucketize(scaled, (sorted_code[:-1] + sorted_code[1:]) / 2)

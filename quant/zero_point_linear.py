@@ -18,7 +18,10 @@ zero term at most 1/64 of a quantization step), the rounding Int4Linear has too.
 exactly (ZeroPointLinear.exact = True before loading), but that path is not vectorized: measured
 2x slower for one token, 20-35x slower for a 16-128 token prefill.
 
-Anything else (other bit widths, a CUDA tensor, shapes the kernel rejects) dequantizes and runs
+On CUDA the same codes, scales and zeros (bf16) run through the Triton int4 kernel
+(triton_matmul.py) in Int4Linear's layout, act-order permutation included.
+
+Anything else (other bit widths, no triton, shapes the kernels reject) dequantizes and runs
 F.linear: slower, the checkpoint's weights exactly.
 """
 from __future__ import annotations
@@ -26,7 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .linear import QuantLinear, unpack_int4_kernel
+from . import triton_matmul
+from .linear import QuantLinear, pack_int4, unpack_int4, unpack_int4_kernel
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes, largest first
 
@@ -47,9 +51,10 @@ class ZeroPointLinear(QuantLinear):
         return ((q - z.T[:, g]) * s.T[:, g]).to(dtype)
 
     def _build_kernel(self) -> None:
-        """Derive the int4 kernel's data from the codes when the kernel can run this layer."""
+        """Derive an int4 kernel's data from the codes when a kernel can run this layer: torch's
+        packed CPU kernel for a layer on the CPU, the Triton kernel (triton_matmul) on CUDA."""
         self.use_kernel = False
-        if self.bits != 4 or self.out_features % 16 or self.scales.device.type != "cpu":
+        if self.bits != 4 or self.out_features % 16:
             return
         q, z, s, g = self.codes()
         perm = None
@@ -66,31 +71,55 @@ class ZeroPointLinear(QuantLinear):
             self.register_buffer("_perm", perm, persistent=False)
         first = g[::kg]  # the checkpoint group of each kernel group
         s, z = s[first], z[first].float()
-        self.register_buffer("_packed", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1),
-                             persistent=False)
-        dtype = torch.float32 if self.exact else torch.bfloat16
-        self.register_buffer("_scales_zeros", torch.stack((s, (8 - z) * s), dim=-1).to(dtype).contiguous(),
-                             persistent=False)  # [K / kg, N, 2]
         self.kernel_group = kg
         self.use_kernel = True
         self.qweight = None
+        if self.scales.device.type == "cpu":
+            self.register_buffer("_packed", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1),
+                                 persistent=False)
+            dtype = torch.float32 if self.exact else torch.bfloat16
+            self.register_buffer("_scales_zeros", torch.stack((s, (8 - z) * s), dim=-1).to(dtype).contiguous(),
+                                 persistent=False)  # [K / kg, N, 2]
+        else:
+            self._gpu_layout(q, s.T.contiguous(), ((8 - z) * s).T.contiguous())
+
+    def _gpu_layout(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Int4Linear's layout (pack_int4 codes [N, K/2], scales and zeros [N, K/kg]) for the Triton kernel."""
+        self._packed = self._scales_zeros = None
+        self.register_buffer("_q4", pack_int4(q), persistent=False)
+        self.register_buffer("_s4", scales.to(torch.bfloat16), persistent=False)
+        self.register_buffer("_z4", zeros.to(torch.bfloat16), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.use_kernel and getattr(self, "_packed", None) is not None and self._packed.device.type != "cpu":
+            # moved off the CPU: rebuild the kernel data in the GPU kernel's layout
+            q = unpack_int4_kernel(self._packed, self.out_features, self.in_features)
+            sz = self._scales_zeros.float()
+            self._gpu_layout(q, sz[..., 0].T.contiguous(), sz[..., 1].T.contiguous())
+        return out
 
     def _kernel_codes(self) -> torch.Tensor:
         """The codes q [N, K] (input columns in the checkpoint's order), from the kernel's copy."""
-        q = unpack_int4_kernel(self._packed, self.out_features, self.in_features).cpu().to(torch.int32)
+        if getattr(self, "_packed", None) is not None:
+            q = unpack_int4_kernel(self._packed, self.out_features, self.in_features).cpu().to(torch.int32)
+        else:
+            q = unpack_int4(self._q4).cpu().to(torch.int32)
         if getattr(self, "_perm", None) is not None:
             q = torch.empty_like(q).index_copy_(1, self._perm.cpu(), q)  # undo the column permutation
-        return q.to(self._packed.device)
+        return q.to(self.scales.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.use_kernel and x.device.type == "cpu":
-            if getattr(self, "_perm", None) is not None:
-                x2 = x2.index_select(1, self._perm)
+        if getattr(self, "_perm", None) is not None and self.use_kernel:
+            x2 = x2.index_select(1, self._perm)
+        if self.use_kernel and x.device.type == "cpu" and self._packed is not None:
             y = torch._weight_int4pack_mm_for_cpu(x2.to(self._scales_zeros.dtype), self._packed, self.kernel_group,
                                                   self._scales_zeros)
+        elif self.use_kernel and getattr(self, "_q4", None) is not None and triton_matmul.usable(x2):
+            y = triton_matmul.int4_matmul(x2, self._q4, self._s4, self._z4, self.kernel_group)
         else:
-            y = F.linear(x2, self.dequantize(x.dtype))
+            y = F.linear(x.reshape(-1, self.in_features), self.dequantize(x.dtype))
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

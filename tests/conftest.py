@@ -13,6 +13,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # the interop reference; its default wants more cores
 import torch  # noqa: E402
 
+# Without a GPU, Triton kernels (tests/test_triton_*.py) run in Triton's interpreter on CPU tensors.
+# Set before anything imports triton: its @jit reads this when a kernel is defined.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # Each test run converts GGUFs into its own cache, so no test depends on an earlier run.
 os.environ.setdefault("BRISK_CACHE", str(Path(__file__).parent.parent / ".pytest_cache" / "brisk"))
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -200,7 +200,11 @@ def test_brisk_checkpoint_loads_in_transformers(method, tiny_llama_dir, tmp_path
         assert (mine - theirs).abs().max() < 3e-2 * theirs.abs().max()
     else:
         assert type(q_proj).__name__ == "Linear4bit" and q_proj.weight.quant_state.quant_type == method
-        torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-5)
+        if q_proj.weight.quant_state.dtype == torch.float32:
+            torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-5)
+        else:  # bitsandbytes >= 0.49 on CPUs with bf16 computes its 4-bit matmul in bf16 (measured 0.4%)
+            assert float((mine - theirs).norm() / theirs.norm()) < 1e-2
+            assert mine.argmax(-1).tolist() == theirs.argmax(-1).tolist()
 
 
 # ---------------------------------------------------------------- the layer

@@ -99,12 +99,12 @@ def test_cli_json_and_table(tiny, tiny_llama_dir, tmp_path):
     f = tmp_path / "t.txt"
     f.write_text(TEXT)
     r = brisk("eval", str(tiny_llama_dir), "--text", str(f), "--ctx", "32", "--stride", "16", "--quantize", "none",
-              "--base", str(tiny_llama_dir), "--json")
+              "--base", str(tiny_llama_dir), "--json", "--dtype", "float32")  # as the fixture (CPUs with bf16 default to it)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["ppl"] == pytest.approx(evaluate(tiny, tiny.tokenizer.encode(TEXT), 32, 16).ppl, rel=1e-6)
     assert out["kl_mean"] == 0 and out["top1_agreement"] == 1 and out["tokens"] == len(tiny.tokenizer.encode(TEXT)) - 1
-    r = brisk("eval", str(tiny_llama_dir), "--text", str(f), "--ctx", "32")
+    r = brisk("eval", str(tiny_llama_dir), "--text", str(f), "--ctx", "32", "--dtype", "float32")
     assert r.returncode == 0 and "perplexity" in r.stdout and f"{out['ppl']:.4f}" in r.stdout
 
 

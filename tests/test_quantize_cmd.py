@@ -387,7 +387,12 @@ def test_gguf_input_loads_in_transformers(method, tiny_gguf_path, tmp_path):
         warnings.simplefilter("ignore")
         hf = tf.AutoModelForCausalLM.from_pretrained(out, device_map="cpu", dtype=torch.float32)
         with torch.no_grad():
-            theirs = hf(torch.tensor([ids])).logits[0].float()
+            try:
+                theirs = hf(torch.tensor([ids])).logits[0].float()
+            except (RuntimeError, AssertionError) as e:  # the reference, not brisk: bitsandbytes >= 0.50's CPU kernel
+                if "divisible by block_n" not in str(e):  # takes no 16-wide layers
+                    raise
+                pytest.skip(f"bitsandbytes' CPU 4-bit kernel refuses this tiny model: {e}")
     assert type(hf.model.layers[0].mlp.down_proj).__name__ == {"nf4": "Linear4bit", "int8": "Linear8bitLt"}[method]
     mine = LLM.load(str(out), device="cpu", dtype="float32").logits(ids)
     # transformers runs the 4-bit matmuls in the checkpoint's float16; its int8 path quantizes activations too

@@ -1,0 +1,97 @@
+"""brisk on a CUDA GPU: each quantized format through its GPU kernel against the references the
+CPU tests use, batched and speculative greedy equal to plain greedy. Skipped without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from brisk.core import GREEDY, LLM, Session
+from brisk.core.scheduler import Engine, Request
+from brisk.core.speculative import make_speculator
+from brisk.quant.linear import Int4Linear, Int8Linear
+
+from quant_interop import FIXTURES, check_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def greedy(llm, ids, n=24):
+    s = Session(llm)
+    list(s.stream(ids, GREEDY, n))
+    return s.last.tokens
+
+
+@pytest.mark.parametrize("name", ["gptq_4bit_g32_desc_act", "gptq_4bit_g64_asym", "gptq_8bit_g128",
+                                  "awq_gemm_4bit_g128", "bnb_int8", "bnb_nf4", "bnb_nf4_dq", "bnb_fp4_dq"])
+def test_quantized_checkpoints_on_cuda(name):
+    """GPTQ/AWQ 4-bit run the Triton int4 kernel (act-order through the column permutation), int8
+    the Triton int8 kernel, NF4/FP4 bitsandbytes: logits as the CPU tests require of the CPU path."""
+    from safetensors.torch import load_file
+
+    if name.startswith("bnb_") and "int8" not in name:
+        pytest.importorskip("bitsandbytes")
+    ref = load_file(str(FIXTURES / name / "reference.safetensors"))
+    llm = LLM.load(str(FIXTURES / name), device="cuda", dtype="float32")
+    q = llm.model.model.layers[0].self_attn.q_proj
+    if getattr(q, "bits", 4) == 4 and name.startswith(("gptq", "awq")):
+        assert q.use_kernel and q._q4.is_cuda
+    logits = llm.logits(ref["input_ids"].tolist()).cpu()
+    if "tool_logits" in ref:
+        check_logits(logits, ref, exact=False)
+    else:  # the bitsandbytes fixtures record the dequantized model's logits only
+        assert rel(logits, ref["logits"]) < 2e-2
+        assert logits.argmax(-1).tolist() == ref["logits"].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4", "nf4"])
+def test_quantize_at_load_on_cuda_matches_cpu(tiny_llama_dir, quantize):
+    if quantize == "nf4":
+        pytest.importorskip("bitsandbytes")
+    ids = list(range(5, 40))
+    cpu = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32", quantize=quantize).logits(ids)
+    gpu = LLM.load(str(tiny_llama_dir), device="cuda", dtype="float32", quantize=quantize).logits(ids).cpu()
+    assert rel(gpu, cpu) < 2e-2
+
+
+@pytest.mark.slow
+def test_gguf_stays_quantized_on_cuda(smollm2_path):
+    """SmolLM2's Q4_1 blocks run on tinygemm, its Q8_0 head on the Triton int8 kernel; logits as
+    close to the CPU's default (quantized) load as bf16 allows, same greedy answer."""
+    llm = LLM.load(str(smollm2_path), device="cuda")
+    int4 = [m for m in llm.model.modules() if isinstance(m, Int4Linear)]
+    assert int4 and all(m.layout == "tinygemm" and m._packed.is_cuda for m in int4)
+    assert all(m.weight.is_cuda for m in llm.model.modules() if isinstance(m, Int8Linear))
+    ref = LLM.load(str(smollm2_path), device="cpu", dtype="float32")
+    ids = ref.prompt_ids("What is the capital of France?")
+    a, b = llm.logits(ids).cpu(), ref.logits(ids)
+    assert rel(a, b) < 6e-2 and float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.9
+    assert greedy(llm, ids, 8) == greedy(ref, ids, 8)
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_gemma3_dir"])
+def test_batched_greedy_equals_single_stream_on_cuda(kind, request):
+    llm = LLM.load(str(request.getfixturevalue(kind)), device="cuda", dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 300, (int(n),), generator=g).tolist() for n in (3, 17, 40, 9, 25, 1)]
+    engine = Engine(llm, max_batch=4)
+    seqs = [engine.add(Request(p, max_tokens=20, ignore_eos=True)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    for p, s in zip(prompts, seqs):
+        s2 = Session(llm)
+        list(s2.stream(p, GREEDY, 20))
+        assert s.result.tokens[:len(s2.last.tokens)] == s2.last.tokens
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self:int4", "self:int8"])
+def test_speculative_greedy_equals_plain_on_cuda(tiny_llama_dir, draft):
+    llm = LLM.load(str(tiny_llama_dir), device="cuda", dtype="float32")
+    ids = [5, 6, 7, 5, 6, 7, 5, 6, 30, 31]
+    plain = greedy(llm, ids, 40)
+    s = Session(llm, speculator=make_speculator(llm, draft, 4))
+    list(s.stream(ids, GREEDY, 40))
+    assert s.last.tokens == plain
