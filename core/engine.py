@@ -33,7 +33,7 @@ class LLM:
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
              ctx: int | None = None, quantize: str = "auto") -> "LLM":
-        """quantize: "auto" runs a checkpoint as it is stored (a GGUF's Q4_0/Q4_1/Q8_0 weights stay
+        """quantize: "auto" runs a checkpoint as it is stored (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 weights stay
         quantized, a GPTQ/AWQ/bitsandbytes checkpoint stays in its format, a float one stays float);
         "none" widens everything to `dtype`; int8/int4/nf4 quantize float layers at load."""
         if quantize not in QUANTIZE_CHOICES:
