@@ -58,13 +58,15 @@ def chat(
     while True:
         try:
             line = input(">>> ") if interactive else sys.stdin.readline()
-        except EOFError:
-            line = ""
+        except EOFError:  # Ctrl-D at the prompt, or the end of piped input: leave
+            if interactive:
+                out.print()
+            break
         except KeyboardInterrupt:
             out.print()
             continue
-        if line == "" and not interactive or (interactive and line is None):
-            break  # EOF
+        if line == "" and not interactive:
+            break  # end of piped input
         line = line.rstrip("\n")
         if not line.strip():
             continue

@@ -193,4 +193,8 @@ def _split_args(args: list[str], model: Optional[str], file: Optional[Path]) -> 
 def _looks_like_model(arg: str) -> bool:
     from ..core.checkpoint import HUB_ID
 
-    return Path(arg).expanduser().exists() or arg.endswith(".gguf") or bool(HUB_ID.match(arg))
+    try:
+        exists = Path(arg).expanduser().exists()
+    except (OSError, ValueError):  # not a possible path (too long, NUL): a prompt
+        exists = False
+    return exists or arg.endswith(".gguf") or bool(HUB_ID.match(arg))

@@ -44,7 +44,7 @@ def run() -> None:
     from ..core.errors import BriskError
 
     try:
-        rv = app(standalone_mode=False)
+        rv = app(standalone_mode=False, prog_name="brisk")
         sys.exit(rv if isinstance(rv, int) else 0)
     except BriskError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -58,12 +58,16 @@ def run() -> None:
         print("aborted", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # click usage errors and anything unexpected: still one line
-        import click
-
-        if isinstance(e, click.ClickException):
+        if _is_click_error(e):  # click's own usage message (exit 2), as any click program
             e.show()
             sys.exit(e.exit_code)
         if os.environ.get("BRISK_DEBUG"):
             raise
         print(f"error: {type(e).__name__}: {e} (set BRISK_DEBUG=1 for a traceback)", file=sys.stderr)
         sys.exit(1)
+
+
+def _is_click_error(e: Exception) -> bool:
+    """A click usage error, from click itself or from the copy of click that typer may vendor
+    (typer._click: its classes are not click's, so isinstance against click misses them)."""
+    return any(c.__name__ == "ClickException" for c in type(e).__mro__) and hasattr(e, "show")

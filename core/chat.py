@@ -72,12 +72,21 @@ class Chat:
                 self.totals["generated_tokens"] += len(r.tokens)
 
     def save(self, path: str | Path) -> None:
+        """Write the conversation as JSON (~ expanded; written whole or not at all)."""
         data = {"system": self.system, "messages": self.messages}
-        Path(path).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        path = Path(path).expanduser()
+        tmp = path.with_name(f".{path.name}.partial")
+        try:
+            tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+            tmp.replace(path)
+        except OSError as e:
+            if tmp.exists():
+                tmp.unlink()
+            raise BriskError(f"cannot save to {path}: {e.strerror or e}") from None
 
     def load(self, path: str | Path) -> None:
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).expanduser().read_text())
             messages = data["messages"]
             ok = all(isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
                      and isinstance(m.get("content"), str) for m in messages)

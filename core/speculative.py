@@ -439,6 +439,12 @@ def make_speculator(llm, draft: str, k: str | int | None = "auto") -> Speculator
     if draft == "ngram":
         return Speculator(NgramDrafter(), k)
     if draft in SELF_METHODS:
+        if llm.quantization != "none":
+            # Its layers are already int4/int8/4-bit: a copy at the same or more bits drafts no
+            # faster than the model verifies, and brisk has no fast kernel below 4 bits.
+            raise BriskError(f"--draft {draft}: {llm.name} is already quantized ({llm.quantization}), so a "
+                             "quantized copy of it would not be faster; load it with --quantize none for a "
+                             "self-draft, or use --draft ngram or a smaller model")
         return Speculator(ModelDrafter(quantized_copy(llm.model, SELF_METHODS[draft], llm.ctx),
                                        llm.ctx, llm.config.vocab_size, name=draft, share_cache=True), k)
     if draft.startswith("self:"):

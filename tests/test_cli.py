@@ -198,3 +198,88 @@ def test_chat_ctrl_c_interrupts_the_answer_not_the_session():
     assert p.returncode == 0, err
     assert "[interrupted]" in out and "turns 1" in out
     assert b"Traceback" not in err
+
+
+def _chat_in_pty(args, keys: list[bytes], timeout=120) -> tuple[int | None, str]:
+    """Run `brisk chat` on a terminal (a pty): before sending keys[i], wait for prompt i+1.
+    Returns the exit code (None if it did not exit within 30 s after the last keys) and the output."""
+    import pty
+    import select
+    import time
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen(BRISK + ["chat", *args], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out, deadline = b"", time.time() + timeout
+
+    def read(until_prompts: int) -> None:
+        nonlocal out
+        while out.count(b">>> ") < until_prompts and time.time() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    out += os.read(master, 4096)
+                except OSError:  # the process closed the terminal
+                    return
+            elif p.poll() is not None:
+                return
+
+    try:
+        for i, k in enumerate(keys, 1):
+            read(i)
+            os.write(master, k)
+        try:
+            rc = p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        read(len(keys) + 1)  # what it printed after the last keys (another prompt, if it stayed)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    return rc, out.decode(errors="replace")
+
+
+def test_chat_ctrl_d_leaves(tiny_llama_dir):
+    rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "4"], [b"\x04"])
+    assert rc == 0 and out.count(">>> ") == 1, out
+
+
+def test_chat_save_errors_keep_the_session(tiny_llama_dir, tmp_path, monkeypatch):
+    """/save to a missing folder is an error line, not the end of the chat; ~ is expanded."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    script = f"hello\n/save {tmp_path}/missing/dir/x.json\n/save ~/saved.json\n/stats\n"
+    r = brisk("chat", str(tiny_llama_dir), "-n", "4", input=script)
+    assert r.returncode == 0, r.stderr
+    assert "cannot save" in r.stdout + r.stderr and "turns 1" in r.stdout
+    assert json.loads((tmp_path / "saved.json").read_text())["messages"][0]["content"] == "hello"
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_long_prompt_argument_with_stdin_not_a_terminal():
+    """In a script (stdin not a terminal) a prompt longer than a file name can be is a prompt,
+    not an OSError from asking whether it is a path."""
+    prompt = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 7  # 312 bytes
+    r = subprocess.run(BRISK + ["generate", prompt, "-n", "3", "--json"],  # the default model
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["generated_tokens"] >= 1
+
+
+@pytest.mark.parametrize("args,words", [
+    (["generate", "--nope", "hi"], ["no such option", "--nope"]),
+    (["generate", "-n", "abc", "hi"], ["--max-tokens", "valid integer"]),
+    (["quantize", "x"], ["missing option", "--out"]),
+])
+def test_usage_errors_are_clicks_own(args, words):
+    """Usage errors: click's usage message naming the option, exit 2; no exception class names,
+    no BRISK_DEBUG hint (typer vendors click, whose classes are not click's own)."""
+    r = brisk(*args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    for w in words:
+        assert w.lower() in r.stderr.lower(), r.stderr
+    assert "BRISK_DEBUG" not in r.stderr and "Error:" in r.stderr and "NoSuchOption" not in r.stderr
+
+
+def test_bare_brisk_prints_help_only():
+    r = brisk()
+    assert "Usage: brisk" in r.stdout and "error" not in r.stderr.lower() and "Traceback" not in r.stderr

@@ -388,3 +388,18 @@ def test_cuda_greedy_identical(tiny_llama_dir, dtype):
             assert s.last.tokens == plain.last.tokens, (draft, k)
     s, _ = run(llm, ids, SamplingParams(temperature=0.8, seed=1), n=40, speculator=make_speculator(llm, "self:int8"))
     assert len(s.last.tokens) == 40 and s.last.spec["drafted"] > 0
+
+
+@pytest.mark.parametrize("draft", ["self:int8", "self:int4"])
+def test_self_draft_of_a_quantized_model_is_a_clear_error(tiny_llama_dir, smollm2_path, draft):
+    """A quantized copy of an already quantized model would not draft faster than it verifies:
+    refused with one line that says what to do instead (the default load of SmolLM2 is Q4_1)."""
+    from typer.testing import CliRunner
+
+    from brisk.cli.main import app
+
+    llm = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32", quantize="int4")
+    with pytest.raises(BriskError, match="already quantized.*--quantize none"):
+        make_speculator(llm, draft)
+    r = CliRunner().invoke(app, ["generate", str(smollm2_path), "Hi", "-n", "4", "--draft", draft])
+    assert r.exit_code == 1 and "already quantized" in r.output and "Traceback" not in r.output
