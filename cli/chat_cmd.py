@@ -11,7 +11,8 @@ from . import common as c
 from .main import app
 
 HELP = ("/reset  forget the conversation · /system TEXT  set the system message · /save FILE · "
-        "/load FILE · /stats · /exit (or Ctrl-D). Ctrl-C stops an answer.")
+        "/load FILE · /stats · /exit (or Ctrl-D). Ctrl-C stops an answer. \"\"\" on a line of its own "
+        "starts and ends a multi-line message.")
 
 
 @app.command()
@@ -53,6 +54,10 @@ def chat(
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
         conv.session.speculator = c.load_speculator(llm, draft, draft_k)
     if interactive:
+        try:  # line editing and history for input() (arrow keys, Ctrl-R)
+            import readline  # noqa: F401
+        except ImportError:  # not on every platform; input() still works
+            pass
         out.print(f"[bold]{llm.name}[/bold] on {llm.device} ({str(llm.dtype).removeprefix('torch.')}), "
                   f"context {llm.ctx}. {HELP}", style="dim")
     while True:
@@ -68,6 +73,8 @@ def chat(
         if line == "" and not interactive:
             break  # end of piped input
         line = line.rstrip("\n")
+        if line.strip() == '"""':  # a multi-line message (a paste), up to the next """ line
+            line = _read_block(interactive)
         if not line.strip():
             continue
         if line.startswith("/"):
@@ -88,6 +95,23 @@ def chat(
         out.print()
         if conv.last_dropped:
             out.print(f"(dropped the {conv.last_dropped} oldest turn(s) to fit the context)", style="dim")
+
+
+def _read_block(interactive: bool) -> str:
+    """Lines up to a line that is just \"\"\" (or the end of input), joined: one user turn."""
+    lines = []
+    while True:
+        try:
+            line = input("... ") if interactive else sys.stdin.readline()
+        except EOFError:
+            break
+        if not interactive and line == "":
+            break
+        line = line.rstrip("\n")
+        if line.strip() == '"""':
+            break
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _command(line: str, conv, out: Console) -> bool:

@@ -283,3 +283,11 @@ def test_usage_errors_are_clicks_own(args, words):
 def test_bare_brisk_prints_help_only():
     r = brisk()
     assert "Usage: brisk" in r.stdout and "error" not in r.stderr.lower() and "Traceback" not in r.stderr
+
+
+def test_chat_multiline_message_is_one_turn(tiny_llama_dir):
+    """Between two \"\"\" lines, pasted lines are one user message (one turn), on a terminal too."""
+    r = brisk("chat", str(tiny_llama_dir), "-n", "2", input='"""\nfirst line\nsecond line\n"""\n/stats\n')
+    assert r.returncode == 0 and "turns 1" in r.stdout, r.stdout + r.stderr
+    rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "2"], [b'"""\ra\rb\r"""\r/stats\r\x04'])
+    assert rc == 0 and "turns 1" in out, out
