@@ -81,6 +81,8 @@ def generate(
             sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
         else:
             sys.stdout.write("\n")
+        if res.finish_reason == "interrupted":  # what was generated is printed; the exit says Ctrl-C
+            raise typer.Exit(130)
 
 
 def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as_json, raw, system, max_tokens,
@@ -90,7 +92,7 @@ def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..core.jobs import read_jsonl, request_from, summary
+    from ..core.jobs import read_jsonl, request_from, summary, unknown_keys
     from ..core.scheduler import Engine
 
     if len(args) > 1 or (args and model):
@@ -98,6 +100,9 @@ def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as
     if file is not None or draft or as_json:
         raise BriskError("--batch does not combine with --file, --draft or --json")
     objs = read_jsonl(batch)  # before loading a model: a bad file fails at once
+    for obj in objs:
+        for key in unknown_keys(obj):
+            print(f"warning: {batch}:{obj['_line']}: unknown key {key!r} (ignored)", file=sys.stderr)
     llm = c.load_llm(model or (args[0] if args else None), device, dtype, ctx)
     defaults = c.sampling_params(llm, *flags)
     requests = []

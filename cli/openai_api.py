@@ -22,6 +22,21 @@ from ..core.sampling import SamplingParams
 from ..core.scheduler import EngineThread, Sequence
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+# OpenAI fields brisk does not implement: refused (400) rather than silently ignored, unless they
+# hold their "off" value (false, null, an empty list, a plain-text response format)
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
+               "logit_bias", "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty")
+
+
+def _is_off(key: str, value) -> bool:
+    """Whether a field's value asks for nothing beyond plain generation."""
+    if key == "response_format":
+        return value is None or (isinstance(value, dict) and value.get("type") == "text")
+    if key == "tool_choice":
+        return value in (None, "none")
+    if key == "best_of":
+        return value in (None, 1)
+    return value in (None, False, [], {}, 0, "")
 
 
 class APIError(Exception):
@@ -41,7 +56,7 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
     max_tokens: the chat default (completions default to 16, as OpenAI's do)."""
     def check_key(request: HTTPRequest):
         # a dependency rather than middleware: BaseHTTPMiddleware hides client disconnects
-        if api_key is not None:
+        if api_key is not None and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", "invalid_api_key")
@@ -57,6 +72,10 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
     @app.exception_handler(HTTPException)
     async def _http_error(_, e: HTTPException):  # unknown routes, wrong methods
         return error_response(e.status_code, str(e.detail))
+
+    @app.get("/health")
+    async def health():  # for load balancers and scripts waiting for the server: no key needed
+        return {"status": "ok", "model": served_name}
 
     @app.get("/v1/models")
     async def models():
@@ -102,6 +121,9 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
             raise APIError(400, "only n=1 is supported", param="n")
         if not isinstance(body.get("stream", False), bool):
             raise APIError(400, "'stream' must be true or false", param="stream")
+        for key in UNSUPPORTED:
+            if key in body and not _is_off(key, body[key]):
+                raise APIError(400, f"'{key}' is not supported by brisk serve", "unsupported_parameter", key)
         return body
 
     async def _complete(request: HTTPRequest, body: dict, options: dict, chat: bool):

@@ -50,6 +50,7 @@ def serve(
             raise BriskError("model given twice (positional and --model)")
         name = model or model_pos
         sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
+        _check_port(host, port)  # before the model load, which takes a while
         llm = c.load_llm(name, device, dtype, ctx)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, 1.0, None)
         served = served_name or name or llm.name.removesuffix(" (default)")
@@ -59,6 +60,21 @@ def serve(
                             f"KV pool {runner.engine.pool.nbytes / 2**20:.0f} MiB"
                             + (" · API key required" if api_key else ""), highlight=False)
         try:
-            uvicorn.run(api, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+            # "info": uvicorn's access log, one line per request
+            uvicorn.run(api, host=host, port=port, log_level="info", timeout_graceful_shutdown=2)
         finally:
             runner.close()
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    from ..core.errors import BriskError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(infos[0][4])
+    except OSError as e:
+        raise BriskError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

@@ -14,6 +14,12 @@ from .scheduler import Request
 
 SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
                    "repetition_penalty": float, "seed": int}
+# what a `generate --batch` line may hold; anything else is most likely a typo ("temprature")
+BATCH_KEYS = {"prompt", "messages", "raw", "system", "id", "max_tokens", "stop", *SAMPLING_FIELDS}
+
+
+def unknown_keys(obj: dict) -> list[str]:
+    return sorted(k for k in obj if k not in BATCH_KEYS and k != "_line")
 
 
 def _typed(obj: dict, key: str, kind, default=None):

@@ -291,3 +291,23 @@ def test_chat_multiline_message_is_one_turn(tiny_llama_dir):
     assert r.returncode == 0 and "turns 1" in r.stdout, r.stdout + r.stderr
     rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "2"], [b'"""\ra\rb\r"""\r/stats\r\x04'])
     assert rc == 0 and "turns 1" in out, out
+
+
+def test_generate_interrupted_exits_130():
+    """Ctrl-C (SIGINT) mid-answer: what was generated is printed, and the exit status says so."""
+    import signal
+    import time
+
+    p = subprocess.Popen(BRISK + ["generate", "Count from one to one thousand in words.", "-n", "3000",
+                                  "--temperature", "0"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, preexec_fn=default_sigint)
+    try:
+        first = p.stdout.read(8)  # the answer has started
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert first and p.returncode == 130, (p.returncode, err)
+    assert "Traceback" not in err.decode()

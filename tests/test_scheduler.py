@@ -222,3 +222,19 @@ def test_bench_batch_rows(tiny_llama_dir):
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
     assert [row["test"] for row in rows] == ["tg8 x1", "tg8 x3"] and all(row["tok_s"] > 0 for row in rows)
+
+
+def test_generate_batch_warns_of_unknown_keys(tiny_llama_dir, tmp_path):
+    """A misspelt field ("temprature") is not silently ignored: a warning names it and its line."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from brisk.cli.main import app
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi", "max_tokens": 2}) + "\n"
+                   + json.dumps({"prompt": "ho", "temprature": 0.2, "max_tokens": 2}) + "\n")
+    r = CliRunner().invoke(app, ["generate", str(tiny_llama_dir), "--batch", str(src), "-o", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert "in.jsonl:2: unknown key 'temprature'" in r.stderr and "in.jsonl:1" not in r.stderr

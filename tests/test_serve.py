@@ -229,3 +229,37 @@ def test_smollm2_real_chat_answer(smollm2):
         assert "Paris" in r.choices[0].message.content
     finally:
         s.close()
+
+
+def test_health_needs_no_key(server):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/health")
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+
+
+@pytest.mark.parametrize("field,value", [("logprobs", True), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("response_format", {"type": "json_object"}), ("presence_penalty", 0.5)])
+def test_unsupported_fields_are_refused(server, field, value):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    status, out = server.raw("POST", "/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == field and "not supported" in out["error"]["message"]
+    off = {**body, field: {"logprobs": False, "tools": [], "response_format": {"type": "text"},
+                           "presence_penalty": 0}[field]}
+    assert server.raw("POST", "/v1/chat/completions", off)[0] == 200
+
+
+def test_serve_refuses_a_busy_port_before_loading(tiny_llama_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-c", "from brisk.cli.main import run; run()", "serve", "no/such-model",
+                            "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr  # not a model error
