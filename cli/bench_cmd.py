@@ -7,8 +7,6 @@ import sys
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from . import common as c
 from .main import app
@@ -60,7 +58,7 @@ def bench(
         if threads:
             torch.set_num_threads(threads)
         c.check_draft(draft, draft_k)
-        rows = []
+        out = _Rows("json" if as_json else "csv" if as_csv else "table", torch.get_num_threads())
         pps, tgs = _list(n_prompt, int), _list(n_gen, int)
         batches = _list(batch, int) if batch else []
         if batch and (draft or not batches or min(batches) < 1):
@@ -72,28 +70,51 @@ def bench(
                 llm = c.load_llm(model or model_pos, dev, dt, max(pps + tgs + [16]) + 1 + (128 if draft else 0),
                                  quiet=as_json or as_csv, quantize=quant)  # --draft: room for its prompt
                 for p in ([] if batches else pps):
-                    rows += benchmark.run(llm, p, 0, reps)
+                    out.add(benchmark.run(llm, p, 0, reps))
                 for n in tgs:
-                    rows += benchmark.run_batch(llm, batches, n, reps) if batches else benchmark.run(llm, 0, n, reps)
+                    out.add(benchmark.run_batch(llm, batches, n, reps) if batches else benchmark.run(llm, 0, n, reps))
                 if draft:  # plain and speculative decoding of real text, one pair of rows per -n
                     from ..core.speculative import bench_rows
 
                     speculator = c.load_speculator(llm, draft, draft_k, quiet=True)
                     for n in tgs:
-                        rows += bench_rows(llm, speculator, n, reps) if n else []
+                        out.add(bench_rows(llm, speculator, n, reps) if n else [])
                 del llm
-    if as_json:
-        print(json.dumps([r.to_dict() for r in rows], indent=1))
-    elif as_csv:
-        w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0].to_dict()) if rows else [])
-        w.writeheader()
+    out.finish()
+
+
+class _Rows:
+    """The rows, printed as each is measured (as llama-bench does) in table and CSV form; JSON
+    at the end (one document)."""
+
+    COLUMNS = ("model", "device", "dtype", "quant", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB")
+
+    def __init__(self, form: str, threads: int):
+        self.form, self.threads, self.rows = form, threads, []
+
+    def add(self, rows) -> None:
         for r in rows:
-            w.writerow(r.to_dict())
-    else:
-        t = Table(title=f"brisk bench · {torch.get_num_threads()} threads")
-        for col in ("model", "device", "dtype", "quant", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB"):
-            t.add_column(col, justify="right" if col not in ("model", "device", "dtype", "quant", "test") else "left")
-        for r in rows:
-            t.add_row(r.model, r.device, r.dtype, r.quant, r.test, f"{r.tok_s:.1f} ± {r.spread:.1f}", f"{r.ttft_s:.3f}",
-                      f"{r.model_bytes / 1e6:.0f}", f"{r.gb_s:.1f}", f"{r.peak_mem_bytes / 1e6:.0f}")
-        Console().print(t)
+            if not self.rows:
+                self._header(r)
+            self.rows.append(r)
+            if self.form == "table":
+                cells = (r.model, r.device, r.dtype, r.quant, r.test, f"{r.tok_s:.1f} ± {r.spread:.1f}",
+                         f"{r.ttft_s:.3f}", f"{r.model_bytes / 1e6:.0f}", f"{r.gb_s:.1f}", f"{r.peak_mem_bytes / 1e6:.0f}")
+                print("| " + " | ".join(cells) + " |", flush=True)
+            elif self.form == "csv":
+                self.csv.writerow(r.to_dict())
+                sys.stdout.flush()
+
+    def _header(self, first) -> None:
+        if self.form == "table":
+            peak = "peak mem MB" if first.device.startswith("cuda") else "peak RSS MB (process)"
+            print(f"brisk bench · {self.threads} threads", flush=True)
+            print("| " + " | ".join(self.COLUMNS[:-1] + (peak,)) + " |")
+            print("|" + "---|" * len(self.COLUMNS), flush=True)
+        elif self.form == "csv":
+            self.csv = csv.DictWriter(sys.stdout, fieldnames=list(first.to_dict()))
+            self.csv.writeheader()
+
+    def finish(self) -> None:
+        if self.form == "json":
+            print(json.dumps([r.to_dict() for r in self.rows], indent=1))

@@ -41,8 +41,15 @@ from . import bench_cmd, chat_cmd, eval_cmd, generate_cmd, quantize_cmd, serve_c
 
 def run() -> None:
     """Console-script entry: user errors become one line on stderr and a non-zero exit."""
+    import warnings
+
     from ..core.errors import BriskError
 
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        # warnings raised while generating (not only at load) read like the loader's: one line each
+        print(f"warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = one_line
     try:
         rv = app(standalone_mode=False, prog_name="brisk")
         sys.exit(rv if isinstance(rv, int) else 0)

@@ -23,7 +23,7 @@ class BenchRow:
     model_bytes: int
     gb_s: float  # bytes the step reads per second (weights for tg, approx.)
     peak_mem_bytes: int
-    quant: str = "none"  # the quantized layer kinds, e.g. "Int4Linear+Int8Linear"
+    quant: str = "none"  # the weight formats in use, e.g. "int4+int8"
     acceptance: float | None = None  # speculative decoding rows: drafts accepted / drafted
 
     def to_dict(self) -> dict:
@@ -33,6 +33,12 @@ class BenchRow:
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def reset_peak_memory(device) -> None:
+    """Each row reports its own peak on CUDA; the CPU's peak RSS is the process's so far."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory(device) -> int:
@@ -78,6 +84,7 @@ def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
     model_bytes = llm.load_info.param_bytes
     common = dict(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
                   model_bytes=model_bytes, quant=llm.quantization)
+    reset_peak_memory(llm.device)
     if n_prompt:
         time_prefill(llm, min(n_prompt, 64), gen)  # warm-up
         speeds = [n_prompt / time_prefill(llm, n_prompt, gen) for _ in range(reps)]
@@ -126,6 +133,7 @@ def run_batch(llm, concurrencies: list[int], n_gen: int, reps: int) -> list[Benc
     time_batch(llm, max(concurrencies), 4, gen)  # warm-up
     rows = []
     for c in concurrencies:
+        reset_peak_memory(llm.device)
         runs = [time_batch(llm, c, n_gen, gen) for _ in range(reps)]
         speeds = [e.stats.decode_tokens / e.stats.decode_s for e, _ in runs]
         med = statistics.median(speeds)

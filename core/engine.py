@@ -190,6 +190,15 @@ def model_bytes(net: torch.nn.Module) -> int:
 
 
 def describe_quantization(net: torch.nn.Module) -> str:
-    """A short word for tables: "none", or the quantized layer kinds, e.g. "Int4Linear"."""
-    kinds = sorted({type(m).__name__ for m in net.modules() if isinstance(m, QuantLinear)})
+    """A short word for tables: "none", or the weight formats in use, e.g. "int4+int8", "gptq-4bit"."""
+    kinds = sorted({_format_word(m) for m in net.modules() if isinstance(m, QuantLinear)})
     return "+".join(kinds) if kinds else "none"
+
+
+def _format_word(layer: QuantLinear) -> str:
+    name = type(layer).__name__
+    if name in ("GPTQLinear", "AWQLinear"):
+        return f"{name[:-6].lower()}-{layer.bits}bit"
+    if name == "NF4Linear":
+        return layer.quant_type
+    return name.removesuffix("Linear").lower()  # Int4Linear -> int4, Int8Linear -> int8

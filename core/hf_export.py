@@ -7,6 +7,7 @@ form transformers reads for the Llama family (llama, qwen2) and Gemma 3.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -131,8 +132,11 @@ def write_shards(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes
         size += nbytes
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    umask = os.umask(0)
+    os.umask(umask)
     for fname, shard in zip(names, shards):
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        os.chmod(folder / fname, 0o666 & ~umask)  # safetensors creates files 0600; others read a model
     if n > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {k: fname for fname, shard in zip(names, shards) for k in shard}}

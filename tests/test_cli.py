@@ -311,3 +311,11 @@ def test_generate_interrupted_exits_130():
             p.kill()
     assert first and p.returncode == 130, (p.returncode, err)
     assert "Traceback" not in err.decode()
+
+
+def test_warnings_during_generation_are_one_line(tiny_llama_dir):
+    """-q nf4 on the CPU warns (no kernel) at its first matmul: one 'warning:' line, no source line."""
+    r = brisk("generate", str(tiny_llama_dir), "hi", "-n", "2", "-q", "nf4")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert lines and all(x.startswith("warning: ") for x in lines), r.stderr

@@ -466,3 +466,14 @@ few metres are the hardest. Once the bicycle is moving at walking pace or faster
 handlebars are enough, and most riders make them without noticing. The same principle explains why it
 is easier to balance on a moving bicycle than on a stationary one, and why a bicycle pushed along
 without a rider can travel a surprising distance before it falls over."""
+
+
+def test_output_files_are_readable_by_others(tiny_llama_dir, tmp_path):
+    """The weights get the same permissions as the JSON files beside them (the umask's), not the
+    0600 that safetensors creates files with."""
+    import os
+
+    out = tmp_path / "out"
+    assert quantize(tiny_llama_dir, out, "--method", "int8").exit_code == 0
+    mode = lambda name: os.stat(out / name).st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json")
