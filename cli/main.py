@@ -31,7 +31,7 @@ def _version(value: bool):
 
 
 @app.callback()
-def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+def main(version: bool = typer.Option(False, "--version", metavar="", callback=_version, is_eager=True,
                                       help="Show the version and exit.")):
     pass
 
