@@ -38,8 +38,8 @@ def bench(
     batch: Optional[str] = typer.Option(None, "--batch", help="Comma list of concurrencies, e.g. 1,4,16: instead "
                                         "of the pp/tg rows, the aggregate decode tok/s of that many sequences "
                                         "generating -n tokens each together (continuous batching, paged KV)."),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the rows as JSON."),
-    as_csv: bool = typer.Option(False, "--csv", metavar="", help="Print the rows as CSV."),
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+    as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV."),
 ):
     """Measure prompt processing (pp) and token generation (tg) speed, first-token time and memory.
 

@@ -29,7 +29,7 @@ def eval_(
     base_quantize: str = typer.Option("auto", "--base-quantize", help="--quantize for the base model."),
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Perplexity of MODEL on a text file (sliding windows, like Hugging Face's perplexity guide).
 

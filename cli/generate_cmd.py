@@ -30,9 +30,9 @@ def generate(
     stop: Optional[List[str]] = c.StopOpt,
     draft: Optional[str] = c.DraftOpt,
     draft_k: str = c.DraftKOpt,
-    raw: bool = typer.Option(False, "--raw", metavar="", help="Send the prompt as is, without the chat template."),
+    raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (chat-template models)."),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object (text, token counts, speeds) at the end."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token counts, speeds) at the end."),
     batch: Optional[Path] = typer.Option(None, "--batch", help="A JSONL file of requests, generated together with "
                                          "continuous batching: one object a line with \"prompt\" or \"messages\" "
                                          "and optional max_tokens, temperature, top_p, top_k, min_p, "

@@ -10,6 +10,17 @@ import typer
 # during CPU decoding (measured: ~5% slower decode, ~15% slower prefill when active).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+def _no_type_for_flags() -> None:
+    """typer (0.29) shows flags as taking a value (`--json <bool>`, `--help <bool>`): show no type for
+    an option that is a flag, as click does."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else shown(self, ctx)
+
+
+_no_type_for_flags()
+
 app = typer.Typer(
     name="brisk",
     help="Run and quantize language models locally, fast.\n\n"
@@ -31,7 +42,7 @@ def _version(value: bool):
 
 
 @app.callback()
-def main(version: bool = typer.Option(False, "--version", metavar="", callback=_version, is_eager=True,
+def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="Show the version and exit.")):
     pass
 

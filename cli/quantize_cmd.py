@@ -34,8 +34,8 @@ def quantize(
                                          "with a \"text\" field per line. Default: brisk's built-in set."),
     samples: Optional[int] = typer.Option(None, "--samples", help="gptq/awq: calibration sequences (default 32)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="gptq/awq: tokens per sequence (default 256)."),
-    force: bool = typer.Option(False, "--force", metavar="", help="Replace OUT if it exists."),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the summary as JSON instead of a table."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),
 ):
     """Quantize a model into a Hugging Face folder that brisk, transformers and vLLM load.
 
