@@ -164,11 +164,17 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _split_args(args: list[str], model: Optional[str], file: Optional[Path]) -> tuple[Optional[str], str]:
+    """(model, prompt) from the positional arguments, --file and stdin. The rule: piped or
+    redirected stdin is the prompt, or is appended to a prompt argument after a blank line (as
+    ollama does: `echo TEXT | brisk generate "Translate:"`); a terminal or /dev/null is not read.
+    With one argument and the prompt coming from stdin or --file, the argument is the model when
+    it names one."""
     from ..core.errors import BriskError
 
     if len(args) > 2:
         raise BriskError(f"expected [MODEL] [PROMPT], got {len(args)} arguments (quote the prompt)")
-    external = file is not None or not sys.stdin.isatty()
+    piped = None if file is not None else _stdin_text()
+    external = file is not None or piped is not None
     if len(args) == 2:
         model_arg, prompt = args
     elif len(args) == 1 and model is None and external and _looks_like_model(args[0]):
@@ -186,13 +192,40 @@ def _split_args(args: list[str], model: Optional[str], file: Optional[Path]) -> 
                 prompt = file.read_text()
             except (OSError, UnicodeDecodeError) as e:
                 raise BriskError(f"{file}: cannot read the prompt ({e.strerror if isinstance(e, OSError) else e})") from None
-        elif not sys.stdin.isatty():
-            prompt = sys.stdin.read()
+        elif piped is not None:
+            prompt = piped
         else:
             raise BriskError("no prompt: pass it as an argument, with --file, or on stdin")
+    elif piped and piped.strip():
+        prompt = f"{prompt}\n\n{piped}"
     if not prompt.strip():
         raise BriskError("the prompt is empty")
     return model, prompt
+
+
+def _stdin_text() -> Optional[str]:
+    """stdin's text when it is piped or redirected from a file; None for a terminal or a device
+    such as /dev/null (never read: a script's `brisk generate PROMPT` must not wait on it)."""
+    import os
+    import stat
+
+    from ..core.errors import BriskError
+
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+        if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode) or stat.S_ISSOCK(mode)):
+            return None
+        data = sys.stdin.buffer.read()
+    except (OSError, ValueError, AttributeError):  # an in-memory stream (tests, embedding): read it
+        data = sys.stdin.read()
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BriskError(f"stdin is not UTF-8 text (byte {e.start})") from None
+    return data
 
 
 def _looks_like_model(arg: str) -> bool:

@@ -19,8 +19,11 @@ BRISK = [sys.executable, "-c", "from brisk.cli.main import run; run()"]
 
 
 def brisk(*args, input=None, timeout=300):
-    return subprocess.run(BRISK + list(args), input=input, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200"}, preexec_fn=default_sigint)
+    """The command in a subprocess; stdin is `input`, or /dev/null (not the test runner's stdin,
+    which brisk would read as part of the prompt if it were a pipe)."""
+    stdin = subprocess.DEVNULL if input is None else None
+    return subprocess.run(BRISK + list(args), input=input, stdin=stdin, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200"}, preexec_fn=default_sigint)
 
 
 def assert_clean_error(r, *words):
@@ -57,6 +60,19 @@ def test_generate_stdin_and_file(tiny_llama_dir, tmp_path):
     c = brisk("generate", str(tiny_llama_dir), "The fox", "--temperature", "0", "-n", "5", "--raw")
     assert a.returncode == b.returncode == c.returncode == 0, a.stderr + b.stderr + c.stderr
     assert a.stdout == b.stdout == c.stdout and a.stdout.strip()
+
+
+def test_piped_stdin_is_appended_to_a_prompt_argument(tiny_llama_dir):
+    """`echo TEXT | brisk generate MODEL "Translate:"`: the prompt is the argument, a blank line,
+    then stdin (as ollama does); invalid UTF-8 on stdin is a one-line error."""
+    a = brisk("generate", str(tiny_llama_dir), "Translate:", "--raw", "-n", "3", "-t", "0", "--json", input="The fox")
+    b = brisk("generate", str(tiny_llama_dir), "Translate:\n\nThe fox", "--raw", "-n", "3", "-t", "0", "--json")
+    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+    ja, jb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ja["prompt_tokens"] == jb["prompt_tokens"] and ja["text"] == jb["text"]
+    r = subprocess.run(BRISK + ["generate", str(tiny_llama_dir), "-n", "2"], input=b"\xff\xfe bad", capture_output=True,
+                       timeout=300)
+    assert r.returncode == 1 and r.stderr.decode().startswith("error: stdin is not UTF-8") and b"Traceback" not in r.stderr
 
 
 @pytest.mark.slow
