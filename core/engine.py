@@ -10,7 +10,7 @@ from .checkpoint import Checkpoint, load_checkpoint
 from .device import pick_device, pick_dtype
 from .errors import BriskError
 from .model import Transformer
-from ..quant.linear import QuantEmbedding, QuantLinear, quantize_model, replace_linears
+from ..quant.linear import Int4Linear, QuantEmbedding, QuantLinear, quantize_model, replace_linears
 
 
 @dataclass
@@ -172,8 +172,13 @@ def quantize_at_load(net: Transformer, method: str) -> None:
 
         replace_linears(net, NF4Linear.from_float)  # the head stays float: no NF4 kernel on the CPU
         return
-    quantize_model(net, method, group_size=32, head=True)
-    if net.cfg.tie_embeddings and isinstance(net.lm_head, QuantLinear):
+    tied = net.cfg.tie_embeddings
+    quantize_model(net, method, group_size=32, head=not tied)
+    if tied and method == "int4" and net.lm_head.in_features % 32 == 0:
+        net.lm_head = Int4Linear.from_float(net.lm_head, 32, keep_codes=True)  # rows read as embeddings
+    elif tied:
+        quantize_model(net, method, group_size=32, head=True)
+    if tied and isinstance(net.lm_head, QuantLinear):
         net.model.embed_tokens = QuantEmbedding(net.lm_head, net.model.norm.weight.dtype)
     _exact_top_logits(net)
 

@@ -253,14 +253,16 @@ class Int4Linear(QuantLinear):
 
     def __init__(self, weight: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None = None, kernel_data: torch.Tensor | None = None,
-                 shape: tuple[int, int] | None = None):
+                 shape: tuple[int, int] | None = None, keep_codes: bool = False):
         """weight: uint8 [N, K/2] in pack_int4's layout, or None with kernel_data: the CPU kernel's
-        packed tensor (from kernel_data() of a layer built before, e.g. a load cache) and shape (N, K)."""
+        packed tensor (from kernel_data() of a layer built before, e.g. a load cache) and shape (N, K).
+        keep_codes: keep `weight` beside the kernel's copy (a tied head: embedding lookups read rows
+        of it every step, and rebuilding it from the kernel's layout costs seconds for a big vocab)."""
         N, K = shape if weight is None else (weight.shape[0], weight.shape[1] * 2)
         super().__init__(K, N, bias)
         self.group_size = group_size
         self.layout = None
-        self.keep_codes = False  # a tied head keeps `weight` too: embedding lookups read rows of it
+        self.keep_codes = keep_codes
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
@@ -325,9 +327,9 @@ class Int4Linear(QuantLinear):
         return out
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, group_size: int = 32) -> "Int4Linear":
+    def from_float(cls, linear: nn.Linear, group_size: int = 32, keep_codes: bool = False) -> "Int4Linear":
         q, scales, zeros = quantize_int4(linear.weight.detach(), group_size)
-        return cls(pack_int4(q), scales, zeros, group_size, linear.bias)
+        return cls(pack_int4(q), scales, zeros, group_size, linear.bias, keep_codes=keep_codes)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_int4(self.codes(), self.scales, self.zeros, self.group_size, dtype)

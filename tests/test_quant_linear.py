@@ -137,3 +137,18 @@ def test_refined_head_top_logits_are_float32_exact(cls):
     assert torch.equal(fine.argmax(-1), exact.argmax(-1))
     # the bf16 output of the kernel alone is visibly coarser at the top
     assert (coarse.gather(1, top) - exact.gather(1, top)).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_int4_at_load_keeps_the_tied_heads_codes(smollm2_path):
+    """-q int4 on a tied model: embedding lookups read the head's rows from codes kept at load, not
+    from the kernel layout (rebuilding that for a 49k-row vocabulary took ~7 s and 1.5 GB)."""
+    from brisk.core import GREEDY, LLM, Session
+    from brisk.quant import linear
+
+    llm = LLM.load(str(smollm2_path), device="cpu", quantize="int4")
+    assert isinstance(llm.model.lm_head, linear.Int4Linear) and llm.model.lm_head.weight is not None
+    before = linear._int4_kernel_layout.cache_info().misses
+    s = Session(llm)
+    list(s.stream(llm.prompt_ids("What is the capital of France?"), GREEDY, 8))
+    assert linear._int4_kernel_layout.cache_info().misses == before and len(s.last.tokens) == 8
