@@ -70,16 +70,18 @@ def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], 
 
     from ..core.engine import LLM
 
-    with warnings.catch_warnings(record=True) as caught:
+    def say(message, category, *_, **__):  # at once, above the spinner: some say a long wait follows
+        if not quiet and issubclass(category, UserWarning):  # not libraries' Resource/Deprecation noise
+            err_console.print(f"warning: {message}", markup=False, highlight=False, soft_wrap=True)
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = say
         if quiet or not sys.stderr.isatty():
             llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize)
         else:
             with err_console.status(f"loading {model or 'default model'}…", spinner="dots"):
                 llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize)
-    for w in caught:
-        if not quiet and issubclass(w.category, UserWarning):  # not libraries' Resource/Deprecation noise
-            print(f"warning: {w.message}", file=sys.stderr)
     return llm
 
 

@@ -47,7 +47,7 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
     pass
 
 
-from . import bench_cmd, chat_cmd, eval_cmd, generate_cmd, quantize_cmd, serve_cmd  # noqa: E402,F401  (registers the commands)
+from . import bench_cmd, cache_cmd, chat_cmd, eval_cmd, generate_cmd, quantize_cmd, serve_cmd  # noqa: E402,F401  (registers the commands)
 
 
 def run() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import warnings
@@ -239,7 +240,7 @@ def _gguf_header(path: Path):
     cfg = config_mod.from_gguf_metadata(meta, tok.vocab_size)
     if not any(t.name == "output.weight" for t in reader.tensors):
         cfg.tie_embeddings = True
-    info = {"config": cfg.to_dict(), "arch": arch,
+    info = {"config": cfg.to_dict(), "arch": arch, "source": str(path.resolve()),
             "tensors": [[t.name, list(t.shape), t.qtype, t.offset, t.nbytes] for t in reader.tensors]}
     _save_cache(cached, info, tok)
     return cfg, tok, reader.tensors, arch
@@ -288,8 +289,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
     if fresh:  # every repacked layer, not just the new ones: a cache from an older brisk may lack some
         _save_repacked(path, modules)
     if need_cache:
-        floats = _float_cache(path, table, arch, cfg)
-        tensors.update({k: floats[k] for k in need_cache})
+        tensors.update(_float_cache(path, table, arch, cfg, need_cache))
     if "rope_freqs" in tensors:
         extra["rope_freqs"] = tensors.pop("rope_freqs")
     if "model.embed_tokens" in modules:
@@ -338,23 +338,50 @@ def _save_repacked(path: Path, layers: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _float_cache(path: Path, table, arch: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor of the GGUF widened to float32 and converted to HF conventions, cached."""
+def _float_cache(path: Path, table, arch: str, cfg: ModelConfig, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` of the GGUF widened to float32 in HF conventions, from a cache beside the
+    header. The cache holds what loads have needed so far (only the types without a quantized
+    layer, for the default load); a load that needs more widens the rest once, and says so first."""
     import numpy as np
 
     from .gguf_file import dequantize_tensor
 
     file = _gguf_cache_dir(path) / "model.safetensors"
-    if file.exists():
-        return _load_safetensors(file)
+    cached = _load_safetensors(file) if file.exists() else {}
+    missing = [t for t in table if (gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight"
+                                    else "rope_freqs") in set(names) - cached.keys()]
+    if not missing:
+        return {k: cached[k] for k in names}
+    nbytes = sum(4 * math.prod(t.shape) for t in missing)
+    warnings.warn(f"first load of {path.name}{' this way' if cached else ''}: widening {len(missing)} tensors to "
+                  f"float32 once ({nbytes / 2**20:.0f} MiB cached under {CACHE_DIR}; `brisk cache --clear` frees it)")
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors = {}
-    for t in table:
+    tensors = dict(cached)
+    for t in missing:
         hf = gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight" else "rope_freqs"
-        if hf is not None:
-            tensors[hf] = _convert_tensor(dequantize_tensor(data, t), hf, arch, cfg)
+        tensors[hf] = _convert_tensor(dequantize_tensor(data, t), hf, arch, cfg)
     _save_tensors(file, tensors)
-    return tensors
+    return {k: tensors[k] for k in names}
+
+
+def cache_entries() -> list[tuple[str, int, Path]]:
+    """(the GGUF file a cache entry was made from, bytes, folder) for each entry, largest first."""
+    root = CACHE_DIR / "gguf"
+    out = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        info = d / "source.txt"
+        source = info.read_text().strip() if info.exists() else "(unknown: made by an older brisk)"
+        out.append((source, sum(f.stat().st_size for f in d.rglob("*") if f.is_file()), d))
+    return sorted(out, key=lambda e: -e[1])
+
+
+def clear_cache() -> int:
+    """Delete the cache; returns the bytes freed. Everything in it is rebuilt on demand."""
+    import shutil
+
+    freed = sum(b for _, b, _ in cache_entries())
+    shutil.rmtree(CACHE_DIR / "gguf", ignore_errors=True)
+    return freed
 
 
 def _save_tensors(file: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
@@ -380,6 +407,7 @@ def _save_cache(dest: Path, info: dict, tok) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         tok.save(tmp)
         (tmp / "brisk.json").write_text(json.dumps(info))
+        (tmp / "source.txt").write_text(str(info.get("source", "")))
         os.replace(tmp, dest)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -336,3 +336,15 @@ def test_warnings_during_generation_are_one_line(tiny_llama_dir):
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert lines and all(x.startswith("warning: ") for x in lines), r.stderr
+
+
+def test_cache_lists_and_clears(tiny_gguf_path, tmp_path):
+    env = {**os.environ, "BRISK_CACHE": str(tmp_path / "cache")}
+    run = lambda *a: subprocess.run(BRISK + list(a), capture_output=True, text=True, env=env,  # noqa: E731
+                                    stdin=subprocess.DEVNULL, timeout=300)
+    assert run("generate", str(tiny_gguf_path), "hi", "-n", "1").returncode == 0
+    r = run("cache")
+    assert r.returncode == 0 and str(tiny_gguf_path.resolve()) in r.stdout, r.stdout + r.stderr
+    r = run("cache", "--clear")
+    assert r.returncode == 0 and r.stdout.startswith("freed ")
+    assert str(tiny_gguf_path.resolve()) not in run("cache").stdout
