@@ -123,11 +123,14 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
     state = {}
     converted: dict[int, torch.Tensor] = {}
     for k in expected:
-        t = tensors[k]
+        # Popped: each source is freed once converted (a float32 copy is not held next to the
+        # model until the load ends). Sources all exist before the loop, so ids cannot collide.
+        t = tensors.pop(k)
         key = id(t)
         if key not in converted:  # tied weights stay shared
             converted[key] = t.to(device=device, dtype=dtype)
         state[k] = converted[key]
+        del t
     try:
         net.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:
