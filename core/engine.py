@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
+from torch import nn
 
 from .checkpoint import Checkpoint, load_checkpoint
 from .device import pick_device, pick_dtype
 from .errors import BriskError
 from .model import Transformer
-from ..quant.linear import Int4Linear, QuantEmbedding, QuantLinear, quantize_model, replace_linears
+from ..quant.linear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, replace_linears
 
 
 @dataclass
@@ -41,7 +43,9 @@ class LLM:
         t0 = time.perf_counter()
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
-        ckpt = load_checkpoint(model, keep_quantized=quantize == "auto")
+        # int8/int4 keep a GGUF's blocks too: the layers already of that width stay as they are, the
+        # others are converted one layer at a time (never the whole model in float)
+        ckpt = load_checkpoint(model, keep_quantized=quantize in ("auto", "int8", "int4"))
         if ckpt.quant_config and quantize != "auto":
             raise BriskError(f"{ckpt.name} is already quantized ({ckpt.quant_config.get('quant_method', '?')}); "
                              "--quantize applies to float and GGUF checkpoints")
@@ -167,20 +171,28 @@ def _place_quantized(net: Transformer, ckpt: Checkpoint) -> None:
 
 
 def quantize_at_load(net: Transformer, method: str) -> None:
-    """--quantize int8|int4|nf4 on a float model: replace its float linear layers in place.
-    The output layer is quantized too (a fifth of a small model's bytes); when it is tied to the
-    embedding, lookups then read the quantized head and the float table is dropped."""
+    """--quantize int8|int4|nf4: every linear layer to that format, in place. Float layers are
+    quantized; for int8/int4, layers a GGUF stored at the other width go through float one at a
+    time, and those already of the format stay. The output layer is quantized too (a fifth of a
+    small model's bytes); when it is tied to the embedding, lookups then read the quantized head
+    (which keeps its int4 codes for that) and the float table is dropped."""
     if method == "nf4":
         from ..quant.bnb_format import NF4Linear
 
         replace_linears(net, NF4Linear.from_float)  # the head stays float: no NF4 kernel on the CPU
         return
     tied = net.cfg.tie_embeddings
-    quantize_model(net, method, group_size=32, head=not tied)
-    if tied and method == "int4" and net.lm_head.in_features % 32 == 0:
-        net.lm_head = Int4Linear.from_float(net.lm_head, 32, keep_codes=True)  # rows read as embeddings
-    elif tied:
-        quantize_model(net, method, group_size=32, head=True)
+    want = Int4Linear if method == "int4" else Int8Linear
+    for name, m in list(net.named_modules()):
+        if isinstance(m, want) or not isinstance(m, (nn.Linear, QuantLinear)):
+            continue
+        source = SimpleNamespace(weight=m.dequantize(torch.float32), bias=m.bias) if isinstance(m, QuantLinear) else m
+        if method == "int4" and source.weight.shape[1] % 32:
+            continue  # stays as it is rather than pad: only odd-shaped heads hit this
+        layer = (Int4Linear.from_float(source, 32, keep_codes=tied and name == "lm_head") if method == "int4"
+                 else Int8Linear.from_float(source))
+        parent, _, attr = name.rpartition(".")
+        setattr(net.get_submodule(parent) if parent else net, attr, layer)
     if tied and isinstance(net.lm_head, QuantLinear):
         net.model.embed_tokens = QuantEmbedding(net.lm_head, net.model.norm.weight.dtype)
     _exact_top_logits(net)

@@ -152,3 +152,19 @@ def test_int4_at_load_keeps_the_tied_heads_codes(smollm2_path):
     s = Session(llm)
     list(s.stream(llm.prompt_ids("What is the capital of France?"), GREEDY, 8))
     assert linear._int4_kernel_layout.cache_info().misses == before and len(s.last.tokens) == 8
+
+
+@pytest.mark.slow
+def test_int4_at_load_keeps_a_ggufs_4bit_blocks(smollm2_path):
+    """-q int4 on a Q4_1 GGUF: the Q4_1 layers stay exactly as stored (no float round trip, no
+    float copy of the model), the Q8_0 head is converted alone; -q int8 the other way round."""
+    from brisk.core import LLM
+    from brisk.quant import linear
+
+    auto = LLM.load(str(smollm2_path), device="cpu")
+    int4 = LLM.load(str(smollm2_path), device="cpu", quantize="int4")
+    a, b = auto.model.model.layers[3].mlp.down_proj, int4.model.model.layers[3].mlp.down_proj
+    assert isinstance(a, linear.Int4Linear) and torch.equal(a.codes(), b.codes()) and torch.equal(a.scales, b.scales)
+    assert int4.quantization == "int4" and isinstance(int4.model.lm_head, linear.Int4Linear)
+    int8 = LLM.load(str(smollm2_path), device="cpu", quantize="int8")
+    assert int8.quantization == "int8" and torch.equal(int8.model.lm_head.weight, auto.model.lm_head.weight)
