@@ -348,3 +348,14 @@ def test_cache_lists_and_clears(tiny_gguf_path, tmp_path):
     r = run("cache", "--clear")
     assert r.returncode == 0 and r.stdout.startswith("freed ")
     assert str(tiny_gguf_path.resolve()) not in run("cache").stdout
+
+
+def test_bench_table_rows_and_format_words(tiny_llama_dir):
+    """The table is printed row by row (a markdown line per measurement, after its header) and
+    names formats as users write them (int4, not Int4Linear)."""
+    r = brisk("bench", str(tiny_llama_dir), "-p", "8", "-n", "4", "-r", "1", "-q", "int4,none")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if x.startswith("| ")]
+    assert lines[0].startswith("| model |") and len(lines) == 5  # the header, then pp8 and tg4 per format
+    assert [x.split(" | ")[3] for x in lines[1:]] == ["int4", "int4", "none", "none"]
+    assert "Linear" not in r.stdout
