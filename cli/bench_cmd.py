@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from . import common as c
-from .main import app
+from .app import app
 
 
 def _list(value: str, cast=str) -> list:

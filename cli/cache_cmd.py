@@ -4,7 +4,7 @@ from __future__ import annotations
 import typer
 
 from . import common as c
-from .main import app
+from .app import app
 
 
 @app.command()

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from . import common as c
-from .main import app
+from .app import app
 
 HELP = ("/reset  forget the conversation · /system TEXT  set the system message · /save FILE · "
         "/load FILE · /stats · /exit (or Ctrl-D). Ctrl-C stops an answer. \"\"\" on a line of its own "

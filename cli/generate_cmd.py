@@ -10,7 +10,7 @@ import typer
 
 from ..core.errors import BriskError
 from . import common as c
-from .main import app
+from .app import app
 
 
 @app.command()

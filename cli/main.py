@@ -10,43 +10,7 @@ import typer
 # during CPU decoding (measured: ~5% slower decode, ~15% slower prefill when active).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-def _no_type_for_flags() -> None:
-    """typer (0.29) shows flags as taking a value (`--json <bool>`, `--help <bool>`): show no type for
-    an option that is a flag, as click does."""
-    from typer.core import TyperOption
-
-    shown = TyperOption.display_type_rich
-    TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else shown(self, ctx)
-
-
-_no_type_for_flags()
-
-app = typer.Typer(
-    name="brisk",
-    help="Run and quantize language models locally, fast.\n\n"
-         "MODEL is a Hugging Face folder, a hub id (org/name[@revision]), a .gguf file, "
-         "or omitted for the embedded default (SmolLM2-135M-Instruct).",
-    no_args_is_help=True,
-    add_completion=True,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-
-def _version(value: bool):
-    if value:
-        from importlib.metadata import version
-
-        typer.echo(f"brisk {version('brisk')}")
-        raise typer.Exit()
-
-
-@app.callback()
-def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                      help="Show the version and exit.")):
-    pass
-
-
+from .app import app  # noqa: E402
 from . import bench_cmd, cache_cmd, chat_cmd, eval_cmd, generate_cmd, quantize_cmd, serve_cmd  # noqa: E402,F401  (registers the commands)
 
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import common as c
-from .main import app
+from .app import app
 
 
 @app.command()

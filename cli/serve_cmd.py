@@ -6,7 +6,7 @@ from typing import Optional
 import typer
 
 from . import common as c
-from .main import app
+from .app import app
 
 
 @app.command()

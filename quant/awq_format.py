@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import packing
-from .formats import FormatError
+from .errors import FormatError
 from .zero_point_linear import ZeroPointLinear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of a word holds

@@ -33,6 +33,7 @@ import json
 import torch
 from torch import nn
 
+from .errors import FormatError
 from .linear import Int8Linear, SCALE_DTYPE
 from .nf4 import (NESTED_BLOCKSIZE, NF4Linear, codebook, double_quantize, dynamic_code,  # noqa: F401
                   quantize_blockwise_4bit, undo_double_quant)
@@ -40,12 +41,6 @@ from .nf4 import (NESTED_BLOCKSIZE, NF4Linear, codebook, double_quantize, dynami
 QUANT_TYPES = ("nf4", "fp4")
 METHODS = ("nf4", "fp4", "int8")
 _FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _error(message: str) -> Exception:
-    from .formats import FormatError  # formats imports this module lazily: no cycle
-
-    return FormatError(message)
 
 
 def detect(qcfg: dict) -> bool:
@@ -138,7 +133,7 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
         return _load_int8(tensors, prefix, bias)
     w = tensors.get(f"{prefix}.weight")
     if w is not None and w.dtype in (torch.uint8, torch.int8):
-        raise _error(f"{prefix}: packed bitsandbytes weight without its quant_state / SCB")
+        raise FormatError(f"{prefix}: packed bitsandbytes weight without its quant_state / SCB")
     return None
 
 
@@ -146,7 +141,7 @@ def _pop(tensors: dict, key: str) -> torch.Tensor:
     try:
         return tensors.pop(key)
     except KeyError:
-        raise _error(f"bitsandbytes checkpoint lacks {key}") from None
+        raise FormatError(f"bitsandbytes checkpoint lacks {key}") from None
 
 
 def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
@@ -155,9 +150,9 @@ def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
         quant_type, blocksize = state["quant_type"], int(state["blocksize"])
         N, K = (int(d) for d in state["shape"])
     except (ValueError, KeyError, TypeError) as e:
-        raise _error(f"{state_key}: unreadable quant_state ({e})") from None
+        raise FormatError(f"{state_key}: unreadable quant_state ({e})") from None
     if quant_type not in QUANT_TYPES:
-        raise _error(f"{prefix}: unknown 4-bit type {quant_type!r}")
+        raise FormatError(f"{prefix}: unknown 4-bit type {quant_type!r}")
     packed = _pop(tensors, f"{prefix}.weight")
     if packed.dtype != torch.uint8:  # bnb_4bit_quant_storage other than uint8: the same bytes
         packed = packed.contiguous().view(-1).view(torch.uint8)
@@ -167,12 +162,12 @@ def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
         nested = _pop(tensors, f"{prefix}.weight.nested_absmax")
         nested_code = _pop(tensors, f"{prefix}.weight.nested_quant_map")
         if "nested_offset" not in state:
-            raise _error(f"{state_key}: double-quantized layer without nested_offset")
+            raise FormatError(f"{state_key}: double-quantized layer without nested_offset")
         absmax = undo_double_quant(absmax, nested, nested_code, float(state["nested_offset"]),
                                    int(state.get("nested_blocksize", NESTED_BLOCKSIZE)))
     n = N * K
     if packed.numel() != (n + 1) // 2 or absmax.numel() != -(-n // blocksize) or code.numel() != 16:
-        raise _error(f"{prefix}: 4-bit tensors do not match the shape [{N}, {K}] and blocksize {blocksize}")
+        raise FormatError(f"{prefix}: 4-bit tensors do not match the shape [{N}, {K}] and blocksize {blocksize}")
     return NF4Linear(packed, absmax.float(), code, (N, K), blocksize, quant_type, bias)
 
 
@@ -180,7 +175,7 @@ def _load_int8(tensors: dict, prefix: str, bias) -> Int8Linear:
     weight, scb = _pop(tensors, f"{prefix}.weight"), _pop(tensors, f"{prefix}.SCB")
     fmt = tensors.pop(f"{prefix}.weight_format", None)
     if fmt is not None and int(fmt.reshape(-1)[0]) != 0:  # 0 = row-major; the tiled GPU layouts are gone
-        raise _error(f"{prefix}: int8 weight_format {int(fmt.reshape(-1)[0])} (only row-major is supported)")
+        raise FormatError(f"{prefix}: int8 weight_format {int(fmt.reshape(-1)[0])} (only row-major is supported)")
     if weight.dtype != torch.int8 or weight.dim() != 2 or scb.shape != (weight.shape[0],):
-        raise _error(f"{prefix}: int8 weight {tuple(weight.shape)} {weight.dtype} does not match SCB {tuple(scb.shape)}")
+        raise FormatError(f"{prefix}: int8 weight {tuple(weight.shape)} {weight.dtype} does not match SCB {tuple(scb.shape)}")
     return Int8Linear(weight.contiguous(), (scb.float() / 127).to(SCALE_DTYPE), bias)

@@ -18,11 +18,11 @@ import importlib
 import torch
 from torch import nn
 
+from .errors import FormatError
+
 _MODULES = ("gptq_format", "awq_format", "bnb_format")
 
 
-class FormatError(ValueError):
-    """A quantized checkpoint this code cannot read (the message names what and why)."""
 
 
 def find_format(qcfg: dict):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import packing
-from .formats import FormatError
+from .errors import FormatError
 from .zero_point_linear import ZeroPointLinear
 
 FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values with this layout
