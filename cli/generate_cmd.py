@@ -138,7 +138,7 @@ def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as
     if output is None:
         sys.stdout.writelines(lines)
     else:
-        _write_atomic(output, "".join(lines))
+        _write_output(output, "".join(lines))
     s = summary(seqs, wall, engine)
     mb = 1 / 2**20
     print(f"{s['requests']} requests in {s['wall_s']:.1f} s · {s['requests_per_s']:.2f} req/s · "
@@ -150,16 +150,12 @@ def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as
           + (f" · wrote {output}" if output else ""), file=sys.stderr)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary sibling, so an interrupted run never leaves half a file."""
-    import os
+def _write_output(path: Path, text: str) -> None:
+    from ..core.files import write_text_atomic
 
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise BriskError(f"{path}: cannot write ({e.strerror})") from None
 
 

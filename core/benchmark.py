@@ -60,14 +60,12 @@ def time_prefill(llm, n_prompt: int, gen: torch.Generator) -> float:
 
 
 @torch.inference_mode()
-def time_decode(llm, n_gen: int, cache=None) -> float:
+def time_decode(llm, n_gen: int, step=None) -> float:
     """n_gen greedy steps after one token, as generation runs them (graph replays on CUDA; the
-    argmax's .item() is the one host sync per step, as in generation). Pass the same cache to
-    reuse its captured graphs."""
-    cache = cache or llm.model.new_cache(n_gen + 1)
-    cache.truncate(0)
-    step = getattr(cache, "_bench_step", None) or decode_step(llm.model, cache)
-    cache._bench_step = step
+    argmax's .item() is the one host sync per step, as in generation). `step`: a decode_step()
+    to reuse across calls (its captured graphs with it); a fresh cache's by default."""
+    if step is None:
+        step = decode_step(llm.model, llm.model.new_cache(n_gen + 1))
     tok = llm.tokenizer.bos_id or 1
     step(tok, 0)
     _sync(llm.device)
@@ -93,9 +91,9 @@ def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
                              ttft_s=n_prompt / med, gb_s=model_bytes * med / n_prompt / 1e9,
                              peak_mem_bytes=peak_memory(llm.device), **common))
     if n_gen:
-        cache = llm.model.new_cache(n_gen + 1)
-        time_decode(llm, n_gen, cache)  # warm-up (captures the CUDA graphs)
-        speeds = [n_gen / time_decode(llm, n_gen, cache) for _ in range(reps)]
+        step = decode_step(llm.model, llm.model.new_cache(n_gen + 1))
+        time_decode(llm, n_gen, step)  # warm-up (captures the CUDA graphs)
+        speeds = [n_gen / time_decode(llm, n_gen, step) for _ in range(reps)]
         med = statistics.median(speeds)
         rows.append(BenchRow(test=f"tg{n_gen}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
                              ttft_s=1 / med, gb_s=model_bytes * med / 1e9,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import BriskError
+from .files import write_text_atomic
 from .generate import Session
 from .sampling import SamplingParams
 
@@ -75,13 +76,9 @@ class Chat:
         """Write the conversation as JSON (~ expanded; written whole or not at all)."""
         data = {"system": self.system, "messages": self.messages}
         path = Path(path).expanduser()
-        tmp = path.with_name(f".{path.name}.partial")
         try:
-            tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-            tmp.replace(path)
+            write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         except OSError as e:
-            if tmp.exists():
-                tmp.unlink()
             raise BriskError(f"cannot save to {path}: {e.strerror or e}") from None
 
     def load(self, path: str | Path) -> None:

@@ -56,43 +56,32 @@ if triton is not None:
         tl.store(Y + pid * D + d, (x * c + xr * s).to(Y.dtype.element_ty))
 
     @triton.jit
-    def _gated(G, U, Y, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        g = tl.load(G + i, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(U + i, mask=m, other=0.0).to(tl.float32)
+    def _act(g, GELU: tl.constexpr):
         if GELU:  # tanh approximation: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            a = 0.5 * g * (1 + (2 * tl.sigmoid(2 * z) - 1))
-        else:
-            a = g * tl.sigmoid(g)
-        tl.store(Y + i, (a.to(Y.dtype.element_ty).to(tl.float32) * u).to(Y.dtype.element_ty), mask=m)
+            return 0.5 * g * (1 + (2 * tl.sigmoid(2 * z) - 1))
+        return g * tl.sigmoid(g)
 
     @triton.jit
-    def _gated_halves(GU, Y, F, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    def _gated(G, U, Y, n, g_row, u_row, GELU: tl.constexpr, BLOCK: tl.constexpr):
+        # act(g) * u, the activation rounded to Y's dtype first as the eager code does. Rows of n:
+        # g and u in separate tensors (row strides n) or side by side in one (row strides 2n).
         row = tl.program_id(0)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = i < F
-        g = tl.load(GU + row * 2 * F + i, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(GU + row * 2 * F + F + i, mask=m, other=0.0).to(tl.float32)
-        if GELU:
-            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            a = 0.5 * g * (1 + (2 * tl.sigmoid(2 * z) - 1))
-        else:
-            a = g * tl.sigmoid(g)
-        tl.store(Y + row * F + i, (a.to(Y.dtype.element_ty).to(tl.float32) * u).to(Y.dtype.element_ty), mask=m)
+        m = i < n
+        g = tl.load(G + row * g_row + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + row * u_row + i, mask=m, other=0.0).to(tl.float32)
+        a = _act(g, GELU)
+        tl.store(Y + row * n + i, (a.to(Y.dtype.element_ty).to(tl.float32) * u).to(Y.dtype.element_ty), mask=m)
 
 
 def gated_halves(gu: torch.Tensor, gelu: bool) -> torch.Tensor:
     """gated() on the output of a joined gate/up matmul: [..., 2F] -> act(gu[..., :F]) * gu[..., F:]."""
     F2 = gu.shape[-1]
-    g2 = gu.reshape(-1, F2)
-    if g2.stride(-1) != 1 or g2.stride(0) != F2:
-        g2 = g2.contiguous()
+    g2 = gu.reshape(-1, F2).contiguous()
     F = F2 // 2
     y = torch.empty(g2.shape[0], F, dtype=gu.dtype, device=gu.device)
-    BLOCK = 1024
-    _gated_halves[(g2.shape[0], triton.cdiv(F, BLOCK))](g2, y, F, GELU=gelu, BLOCK=BLOCK, num_warps=4)
+    _gated[(g2.shape[0], triton.cdiv(F, 1024))](g2, g2[:, F:], y, F, F2, F2, GELU=gelu, BLOCK=1024, num_warps=4)
     return y.view(*gu.shape[:-1], F)
 
 
@@ -124,8 +113,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
 def gated(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor:
     """act(g) * u (SiLU, or GELU-tanh), rounding act(g) to the dtype first as the eager code does."""
     g, u = g.contiguous(), u.contiguous()
+    n = g.shape[-1]
     y = torch.empty_like(g)
-    n = g.numel()
-    BLOCK = 1024
-    _gated[(triton.cdiv(n, BLOCK),)](g, u, y, n, GELU=gelu, BLOCK=BLOCK, num_warps=4)
+    rows = g.numel() // n
+    _gated[(rows, triton.cdiv(n, 1024))](g, u, y, n, n, n, GELU=gelu, BLOCK=1024, num_warps=4)
     return y

@@ -91,6 +91,7 @@ class Session:
         self.cache = llm.new_cache()
         self.ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.last: GenerationResult | None = None
+        self._step = None  # the one-token step on this cache (its CUDA graphs), made on first use
 
     def reset(self) -> None:
         self.cache.truncate(0)
@@ -181,6 +182,6 @@ class Session:
 
     def _decode_step(self):
         """One step's function for this session's cache (on CUDA its captured graphs: kept)."""
-        if getattr(self, "_step", None) is None:
+        if self._step is None:
             self._step = decode_step(self.llm.model, self.cache)
         return self._step

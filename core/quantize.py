@@ -35,6 +35,7 @@ from torch import nn
 
 from . import calibration, hf_export
 from .errors import BriskError
+from .files import write_text_atomic
 
 METHODS = ("gptq", "awq", "nf4", "fp4", "int8")
 CALIBRATED = ("gptq", "awq")
@@ -606,7 +607,7 @@ def _prepare_partial(partial: Path, key: str, opts: QuantOptions, done: dict, re
             report("restart", reason="the unfinished run there used other arguments or another model")
         shutil.rmtree(partial)
     (partial / "layers").mkdir(parents=True)
-    _write_atomic(partial / "manifest.json", json.dumps({"key": key, "options": asdict(opts), "layers": {}}))
+    write_text_atomic(partial / "manifest.json", json.dumps({"key": key, "options": asdict(opts), "layers": {}}))
 
 
 def _layer_path(partial: Path, i: int) -> Path:
@@ -623,19 +624,13 @@ def _save_layer(partial: Path, i: int, tensors: dict, stats: LayerStats) -> None
     manifest = partial / "manifest.json"
     info = json.loads(manifest.read_text())
     info["layers"][str(i)] = {"seconds": stats.seconds, "errors": stats.errors}
-    _write_atomic(manifest, json.dumps(info))
+    write_text_atomic(manifest, json.dumps(info))
 
 
 def _load_layer(partial: Path, i: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(_layer_path(partial, i)))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _assemble(net, cfg, ckpt, config, qcfg, opts, dtype, partial: Path, max_shard_bytes: int) -> None:
