@@ -64,8 +64,8 @@ def sequential(llm, ids, max_tokens):
 def batched(llm, ids, max_tokens, concurrency):
     from brisk.core import GREEDY
     from brisk.core.jobs import percentile, summary
-    from brisk.core.paged_cache import BLOCK_SIZE
-    from brisk.core.scheduler import Engine, Request
+    from brisk.core.kv.paged import BLOCK_SIZE
+    from brisk.core.batching import Engine, Request
 
     bs = BLOCK_SIZE
     kv = sum(-(-(len(p) + max_tokens) // bs) * bs for p in ids[:concurrency])  # what `concurrency` sequences need

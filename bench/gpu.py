@@ -23,7 +23,9 @@ import torch
 
 from brisk.core.config import ModelConfig  # noqa: E402
 from brisk.core.cuda_graph import decode_step  # noqa: E402
-from brisk.core.model import Transformer  # noqa: E402
+from brisk.core.kernel_passes import apply_device_kernels  # noqa: E402
+from brisk.core.kv import ContiguousKV  # noqa: E402
+from brisk.core.model import LAST, Transformer  # noqa: E402
 from brisk.quant import triton_matmul as tm  # noqa: E402
 from brisk.quant.linear import quantize_model  # noqa: E402
 
@@ -209,7 +211,7 @@ def build_8b(dtype=torch.bfloat16) -> Transformer:
             else:
                 p.normal_(0, 0.02, generator=gen)
     net.setup_rope(4096, torch.device("cuda"))
-    net.fuse_projections()
+    apply_device_kernels(net, torch.device("cuda"))
     return net.eval().requires_grad_(False)
 
 
@@ -231,13 +233,12 @@ def time_decode(net, n: int = 256, reps: int = 5, prompt: int = 32, graphs: bool
     import os
 
     os.environ["BRISK_CUDA_GRAPHS"] = "1" if graphs else "0"
-    cache = net.new_cache(prompt + n + 1)
+    cache = ContiguousKV.for_model(net, prompt + n + 1)
     step = decode_step(net, cache)
     ids = torch.randint(0, net.cfg.vocab_size, (1, prompt), device="cuda")
     speeds = []
     for r in range(reps + 1):
-        cache.truncate(0)
-        tok = int(net(ids, cache, last_only=True)[0, -1].argmax())
+        tok = int(net(ids, 0, cache, logit_rows=LAST)[0, -1].argmax())
         torch.cuda.synchronize()
         t = time.perf_counter()
         for pos in range(prompt, prompt + n):
@@ -257,7 +258,7 @@ def quantized_copy(net, method: str, group: int = 32):
         replace_linears(q, NF4Linear.from_float, head=False)
     else:
         quantize_model(q, method, group_size=group, head=True)
-    q.fuse_projections()
+    apply_device_kernels(q, torch.device("cuda"))
     return q
 
 
@@ -343,23 +344,20 @@ def prefill(state):
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode():
-        cache = net.new_cache(600)
+        cache = ContiguousKV.for_model(net, 600)
         ids = torch.randint(0, net.cfg.vocab_size, (1, 512), device="cuda")
         for _ in range(2):
-            cache.truncate(0)
-            net(ids, cache, last_only=True)
+            net(ids, 0, cache, logit_rows=LAST)
         times = []
         for _ in range(5):
-            cache.truncate(0)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            net(ids, cache, last_only=True)
+            net(ids, 0, cache, logit_rows=LAST)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         RESULTS["pp512_tok_s"] = 512 / statistics.median(times)
-        cache.truncate(0)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            net(ids, cache, last_only=True)
+            net(ids, 0, cache, logit_rows=LAST)
             torch.cuda.synchronize()
         names = {e.key for e in prof.key_averages()}
         attn = sorted(n for n in names if any(s in n.lower() for s in ("flash", "fmha", "attention", "sdpa", "efficient")))
@@ -376,7 +374,7 @@ class _Tokens:
 
 
 def fake_llm(net):
-    from brisk.core.engine import LLM, LoadInfo
+    from brisk.core.llm import LLM, LoadInfo
 
     ckpt = SimpleNamespace(name="llama3-8b-shaped (random)")
     return LLM(net, _Tokens(), ckpt, torch.device("cuda"), torch.bfloat16, 4096, LoadInfo(0, step_bytes(net), 0))

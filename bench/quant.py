@@ -53,7 +53,7 @@ def rtn_int4(base, group: int, sym: bool) -> dict:
     """Round-to-nearest 4-bit at GPTQ's/AWQ's group size: their yardstick (sym, asym); quality only."""
     import torch
 
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
     from brisk.core.evaluate import evaluate as run_eval
     from brisk.quant.gptq import rtn
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from brisk.core.kv import ContiguousKV
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PASSAGE = ("The lighthouse on Gull Point was built in 1871 from granite quarried on the island itself. "
@@ -110,23 +112,20 @@ def costs(llm, draft_models):
     ids = torch.tensor([llm.prompt_ids("Tell me a story.")])
 
     def timed(model, c, n, reps=9):
-        base = c.length
         ts = []
-        for _ in range(reps):
-            c.truncate(base)
+        for _ in range(reps):  # at the positions after the prompt, written over each time
             t = time.perf_counter()
-            model(ids[:, :n], c)
+            model(ids[:, :n], ids.shape[1], c)
             ts.append(time.perf_counter() - t)
-        c.truncate(base)
         return sorted(ts)[reps // 2] * 1e3
 
     with torch.inference_mode():
-        llm.model(ids, cache)
+        llm.model(ids, 0, cache)
         for n in (1, 2, 5, 9):
             out[f"target pass, {n} token{'s' * (n > 1)}"] = timed(llm.model, cache, n)
         for name, model in draft_models.items():
-            c = model.new_cache(64)
-            model(ids, c)
+            c = ContiguousKV.for_model(model, 64)
+            model(ids, 0, c)
             out[f"{name} draft step"] = timed(model, c, 1)
     return out
 

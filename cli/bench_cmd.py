@@ -48,7 +48,7 @@ def bench(
     import torch
 
     from ..core import benchmark
-    from ..core.engine import LLM
+    from ..core.llm import LLM
 
     with c.user_errors():
         from ..core.errors import BriskError

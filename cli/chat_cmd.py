@@ -143,7 +143,7 @@ def _command(line: str, conv, out: Console) -> bool:
             r = conv.session.last
             t = conv.totals
             msg = (f"turns {t['turns']} · prompt tokens {t['prompt_tokens']} · prefilled {t['prefilled_tokens']} "
-                   f"· generated {t['generated_tokens']} · cached {conv.session.cache.length}/{conv.session.cache.max_len}")
+                   f"· generated {t['generated_tokens']} · cached {len(conv.session.ids)}/{conv.session.cache.max_len}")
             if r is not None:
                 msg += (f"\nlast answer: {len(r.tokens)} tokens, prefill {r.prefilled_tokens} tokens at "
                         f"{r.prefill_tps:.1f} tok/s, decode {r.decode_tps:.1f} tok/s, first token {r.ttft_s:.2f} s")
@@ -158,5 +158,5 @@ def _command(line: str, conv, out: Console) -> bool:
         else:
             raise BriskError(f"unknown command {cmd}; {HELP}")
     except BriskError as e:
-        out.print(f"error: {e}", style="red", markup=False)
+        out.print(f"error: {e.cli_message()}", style="red", markup=False)
     return True

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ..core.errors import BriskError
 
@@ -37,12 +38,12 @@ DraftKOpt = typer.Option("auto", "--draft-k", help="Tokens drafted per round: a 
 
 @contextlib.contextmanager
 def user_errors():
-    """BriskError -> 'error: ...' on stderr and exit 1, never a traceback."""
+    """BriskError -> 'error: ...' on stderr (options named as flags) and exit 1, never a traceback."""
     try:
         yield
     except BriskError as e:
-        err_console.print(f"[red]error:[/red] {e}", soft_wrap=True, markup=True) if sys.stderr.isatty() \
-            else print(f"error: {e}", file=sys.stderr)
+        err_console.print(f"[red]error:[/red] {escape(e.cli_message())}", soft_wrap=True, markup=True) \
+            if sys.stderr.isatty() else print(f"error: {e.cli_message()}", file=sys.stderr)
         raise typer.Exit(1)
 
 
@@ -68,7 +69,7 @@ def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], 
     quantized kernel) become one 'warning:' line each."""
     import warnings
 
-    from ..core.engine import LLM
+    from ..core.llm import LLM
 
     def say(message, category, *_, **__):  # at once, above the spinner: some say a long wait follows
         if not quiet and issubclass(category, UserWarning):  # not libraries' Resource/Deprecation noise

@@ -87,14 +87,14 @@ def eval_(
 
 
 def _read(path: Path) -> str:
-    from ..core.errors import BriskError
+    from ..core.errors import FileError
 
     try:
         content = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise BriskError(f"{path}: no such file") from None
+        raise FileError("no such file", path) from None
     except (OSError, UnicodeDecodeError) as e:
-        raise BriskError(f"{path}: cannot read the text ({e.strerror if isinstance(e, OSError) else e})") from None
+        raise FileError(f"cannot read the text ({e.strerror if isinstance(e, OSError) else e})", path) from None
     if not content.strip():
-        raise BriskError(f"{path}: the text is empty")
+        raise FileError("the text is empty", path)
     return content

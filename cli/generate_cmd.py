@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from ..core.errors import BriskError
+from ..core.errors import BriskError, FileError
 from . import common as c
 from .app import app
 
@@ -93,7 +93,7 @@ def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..core.jobs import read_jsonl, request_from, summary, unknown_keys
-    from ..core.scheduler import Engine
+    from ..core.batching import Engine
 
     if len(args) > 1 or (args and model):
         raise BriskError("with --batch, give only the model (the prompts come from the file)")
@@ -109,15 +109,15 @@ def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as
     for obj in objs:
         try:
             requests.append(request_from(llm, obj, defaults, max_tokens, stop, template_prompt=not raw, system=system))
-        except BriskError as e:
-            raise BriskError(f"{batch}:{obj['_line']}: {e}") from None
+        except BriskError as e:  # named as the file names them (temperature, not --temperature)
+            raise FileError(str(e), batch, obj["_line"]) from None
     engine = Engine(llm, max_batch=max_concurrency)
     seqs = []
     for obj, req in zip(objs, requests):
         try:
             seqs.append(engine.add(req))
         except BriskError as e:
-            raise BriskError(f"{batch}:{obj['_line']}: {e}") from None
+            raise FileError(str(e), batch, obj["_line"]) from None
     t0 = time.perf_counter()
     show = sys.stderr.isatty()
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
@@ -156,7 +156,7 @@ def _write_output(path: Path, text: str) -> None:
     try:
         write_text_atomic(path, text)
     except OSError as e:
-        raise BriskError(f"{path}: cannot write ({e.strerror})") from None
+        raise FileError(f"cannot write ({e.strerror})", path) from None
 
 
 def _split_args(args: list[str], model: Optional[str], file: Optional[Path]) -> tuple[Optional[str], str]:
@@ -187,7 +187,8 @@ def _split_args(args: list[str], model: Optional[str], file: Optional[Path]) -> 
             try:
                 prompt = file.read_text()
             except (OSError, UnicodeDecodeError) as e:
-                raise BriskError(f"{file}: cannot read the prompt ({e.strerror if isinstance(e, OSError) else e})") from None
+                reason = e.strerror if isinstance(e, OSError) else e
+                raise FileError(f"cannot read the prompt ({reason})", file) from None
         elif piped is not None:
             prompt = piped
         else:

@@ -29,7 +29,7 @@ def run() -> None:
         rv = app(standalone_mode=False, prog_name="brisk")
         sys.exit(rv if isinstance(rv, int) else 0)
     except BriskError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.cli_message()}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -16,10 +16,10 @@ from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..core.errors import BriskError
+from ..core.errors import BriskError, InvalidValue, PromptTooLong
 from ..core.jobs import request_from
 from ..core.sampling import SamplingParams
-from ..core.scheduler import EngineThread, Sequence
+from ..core.batching import EngineThread, Sequence
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 # OpenAI fields brisk does not implement: refused (400) rather than silently ignored, unless they
@@ -43,6 +43,16 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def api_error(e: BriskError, prompt_field: str) -> APIError:
+    """A request that brisk's core refused, as the OpenAI API reports it: by the error's class.
+    prompt_field: the body field that holds the prompt ("messages" or "prompt")."""
+    if isinstance(e, PromptTooLong):
+        return APIError(400, str(e), "context_length_exceeded", prompt_field)
+    if isinstance(e, InvalidValue):
+        return APIError(400, str(e), "invalid_value", e.name)
+    return APIError(400, str(e))
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
@@ -127,17 +137,13 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
         return body
 
     async def _complete(request: HTTPRequest, body: dict, options: dict, chat: bool):
-        try:
-            req = request_from(llm, body, sampling, stop=(), **options)
-        except BriskError as e:
-            raise APIError(400, str(e)) from None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         try:
+            req = request_from(llm, body, sampling, stop=(), **options)
             seq = runner.submit(req, lambda s, text, done: loop.call_soon_threadsafe(queue.put_nowait, (text, done)))
         except BriskError as e:
-            code = "context_length_exceeded" if "context" in str(e) else None
-            raise APIError(400, str(e), code) from None
+            raise api_error(e, "messages" if chat else "prompt") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         meta = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": served_name}

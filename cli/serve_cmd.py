@@ -43,7 +43,7 @@ def serve(
         import uvicorn
 
         from ..core.errors import BriskError
-        from ..core.scheduler import Engine, EngineThread
+        from ..core.batching import Engine, EngineThread
         from .openai_api import create_app
 
         if model and model_pos:
@@ -57,7 +57,7 @@ def serve(
         runner = EngineThread(Engine(llm, max_batch=max_concurrency, kv_tokens=kv_tokens))
         api = create_app(llm, runner, sampling, served, api_key, max_tokens)
         c.err_console.print(f"serving {served} on http://{host}:{port}/v1 · {max_concurrency} sequences at once · "
-                            f"KV pool {runner.engine.pool.nbytes / 2**20:.0f} MiB"
+                            f"KV pool {runner.engine.kv.nbytes / 2**20:.0f} MiB"
                             + (" · API key required" if api_key else ""), highlight=False)
         try:
             # "info": uvicorn's access log, one line per request

@@ -4,7 +4,7 @@ Names are imported lazily so that `brisk --help` and error paths do not pay for 
 """
 from importlib import import_module
 
-_EXPORTS = {"LLM": "engine", "Chat": "chat", "Session": "generate", "GenerationResult": "generate",
+_EXPORTS = {"LLM": "llm", "Chat": "chat", "Session": "generate", "GenerationResult": "output_stream",
             "SamplingParams": "sampling", "GREEDY": "sampling", "BriskError": "errors"}
 __all__ = list(_EXPORTS)
 

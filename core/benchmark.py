@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .cuda_graph import decode_step
+from .model import LAST
 
 
 @dataclass
@@ -49,12 +50,12 @@ def peak_memory(device) -> int:
 
 @torch.inference_mode()
 def time_prefill(llm, n_prompt: int, gen: torch.Generator) -> float:
-    cache = llm.model.new_cache(n_prompt + 1)
+    cache = llm.new_cache(n_prompt + 1)
     ids = torch.randint(0, llm.config.vocab_size, (1, n_prompt), generator=gen).to(llm.device)
     _sync(llm.device)
     t = time.perf_counter()
     for s in range(0, n_prompt, 512):
-        llm.model(ids[:, s:s + 512], cache, last_only=True)
+        llm.model(ids[:, s:s + 512], s, cache, logit_rows=LAST)
     _sync(llm.device)
     return time.perf_counter() - t
 
@@ -65,7 +66,7 @@ def time_decode(llm, n_gen: int, step=None) -> float:
     argmax's .item() is the one host sync per step, as in generation). `step`: a decode_step()
     to reuse across calls (its captured graphs with it); a fresh cache's by default."""
     if step is None:
-        step = decode_step(llm.model, llm.model.new_cache(n_gen + 1))
+        step = decode_step(llm.model, llm.new_cache(n_gen + 1))
     tok = llm.tokenizer.bos_id or 1
     step(tok, 0)
     _sync(llm.device)
@@ -91,7 +92,7 @@ def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
                              ttft_s=n_prompt / med, gb_s=model_bytes * med / n_prompt / 1e9,
                              peak_mem_bytes=peak_memory(llm.device), **common))
     if n_gen:
-        step = decode_step(llm.model, llm.model.new_cache(n_gen + 1))
+        step = decode_step(llm.model, llm.new_cache(n_gen + 1))
         time_decode(llm, n_gen, step)  # warm-up (captures the CUDA graphs)
         speeds = [n_gen / time_decode(llm, n_gen, step) for _ in range(reps)]
         med = statistics.median(speeds)
@@ -109,7 +110,7 @@ def time_batch(llm, concurrency: int, n_gen: int, gen: torch.Generator):
     """`concurrency` sequences of BATCH_PROMPT random tokens, each generating n_gen tokens, all at
     once through the continuous-batching engine; the pool holds just what they need. Returns the
     engine (its stats time the decode steps) and the sequences."""
-    from .scheduler import Engine, Request
+    from .batching import Engine, Request
 
     engine = Engine(llm, max_batch=concurrency, kv_tokens=concurrency * (BATCH_PROMPT + n_gen))
     prompts = torch.randint(0, llm.config.vocab_size, (concurrency, BATCH_PROMPT), generator=gen).tolist()

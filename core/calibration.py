@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import BriskError
+from .errors import FileError, InvalidValue
 
 BUILTIN_NAME = "calibration_text.txt"  # shipped as package data; documents separated by blank lines
 
@@ -27,23 +27,23 @@ def builtin_texts() -> list[str]:
 
 def load_texts(path: str | Path | None) -> list[str]:
     """Documents from `path` (plain text: one document; .jsonl: one {"text": ...} per line),
-    or the built-in set when path is None. Missing, unreadable or empty input is a BriskError."""
+    or the built-in set when path is None. Missing, unreadable or empty input is a FileError."""
     if path is None:
         return builtin_texts()
     path = Path(path)
     if not path.is_file():
-        raise BriskError(f"--calib {path}: no such file")
+        raise FileError("no such file", path)
     try:
         raw = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise BriskError(f"--calib {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        raise FileError(f"cannot read it ({getattr(e, 'strerror', None) or e})", path) from None
     if path.suffix == ".jsonl":
         texts = [_jsonl_text(path, n, line) for n, line in enumerate(raw.splitlines(), 1) if line.strip()]
     else:
         texts = [raw]
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise BriskError(f"--calib {path}: the file holds no text")
+        raise FileError("the file holds no text", path)
     return texts
 
 
@@ -51,9 +51,9 @@ def _jsonl_text(path: Path, lineno: int, line: str) -> str:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise BriskError(f"--calib {path}:{lineno}: invalid JSON ({e.msg})") from None
+        raise FileError(f"invalid JSON ({e.msg})", path, lineno) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-        raise BriskError(f'--calib {path}:{lineno}: expected an object with a "text" string')
+        raise FileError('expected an object with a "text" string', path, lineno)
     return obj["text"]
 
 
@@ -70,15 +70,18 @@ def calibration_batch(tokenizer, texts: list[str], samples: int, seq_len: int) -
     """[samples, seq_len] token ids: the documents tokenized into one stream (each starting with
     BOS where the model expects one), cut into evenly spaced windows. Windows overlap when the
     text is shorter than samples * seq_len tokens; a text shorter than one window is an error."""
-    if samples < 1 or seq_len < 2:
-        raise BriskError("--samples must be >= 1 and --seq-len >= 2")
+    if samples < 1:
+        raise InvalidValue("samples", samples, "must be >= 1")
+    if seq_len < 2:
+        raise InvalidValue("seq_len", seq_len, "must be >= 2")
     stream: list[int] = []
     for t in texts:
         stream += tokenizer.encode(t + "\n\n", add_special=True)
     n = len(stream)
     if n < seq_len:
-        raise BriskError(f"the calibration text has {n} tokens, fewer than --seq-len {seq_len}: "
-                         "give more text or a smaller --seq-len")
+        raise InvalidValue("seq_len", seq_len, f"must be at most {n}, the calibration text's length in tokens",
+                           template=f"the calibration text has {n} tokens, fewer than {{option}} {seq_len}: "
+                           "give more text or a smaller {option}")
     ids = torch.tensor(stream, dtype=torch.long)
     last = n - seq_len
     starts = [round(i * last / (samples - 1)) if samples > 1 else 0 for i in range(samples)]

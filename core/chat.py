@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from .errors import BriskError
+from .errors import BriskError, FileError, PromptTooLong
 from .files import write_text_atomic
 from .generate import Session
 from .sampling import SamplingParams
@@ -47,7 +47,7 @@ class Chat:
             messages, dropped = messages[cut:], dropped + 1
             ids = self._render(messages)
         if len(ids) >= self.session.cache.max_len:
-            raise BriskError(f"the message is {len(ids)} tokens, more than the context ({self.session.cache.max_len})")
+            raise PromptTooLong(len(ids), self.session.cache.max_len, what="message")
         return messages, ids, dropped
 
     def send(self, text: str) -> Iterator[str]:
@@ -79,7 +79,7 @@ class Chat:
         try:
             write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         except OSError as e:
-            raise BriskError(f"cannot save to {path}: {e.strerror or e}") from None
+            raise FileError(f"cannot save the chat ({e.strerror or e})", path) from None
 
     def load(self, path: str | Path) -> None:
         try:
@@ -88,7 +88,7 @@ class Chat:
             ok = all(isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
                      and isinstance(m.get("content"), str) for m in messages)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise BriskError(f"{path}: not a saved chat ({e})") from None
+            raise FileError(f"not a saved chat ({e})", path) from None
         if not ok:
-            raise BriskError(f"{path}: messages must be objects with a role and a string content")
+            raise FileError("messages must be objects with a role and a string content", path)
         self.system, self.messages = data.get("system"), messages

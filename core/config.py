@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field, asdict
 from typing import Any
 
-from .errors import BriskError
+from .errors import FileError, UnsupportedFormat
 
 # HF `architectures` / `model_type` and GGUF `general.architecture` names we run.
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "smollm"}
@@ -51,8 +51,8 @@ class ModelConfig:
 
 
 
-def _unsupported(name: str) -> BriskError:
-    return BriskError(f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED)}")
+def _unsupported(name: str) -> UnsupportedFormat:
+    return UnsupportedFormat(f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED)}")
 
 
 def _gemma3_layer_types(n_layers: int, pattern: int = 6) -> list[str]:
@@ -78,13 +78,13 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             tie_embeddings=cfg.get("tie_word_embeddings", model_type == "gemma3_text"),
         )
     except KeyError as e:
-        raise BriskError(f"config.json lacks {e.args[0]!r}") from None
+        raise FileError(f"config.json lacks {e.args[0]!r}") from None
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
         scaling = None
     if model_type != "gemma3_text":
         if scaling and scaling.get("rope_type", scaling.get("type")) != "llama3":
-            raise BriskError(f"rope scaling {scaling!r} is not supported (only llama3)")
+            raise UnsupportedFormat(f"rope scaling {scaling!r} is not supported (only llama3)")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
         return ModelConfig(arch="llama", rope_scaling=scaling, qkv_bias=model_type == "qwen2",
                            sliding_window=window,
@@ -97,7 +97,7 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     types = [("sliding" if t == "sliding_attention" else "full") for t in types] if types else \
         _gemma3_layer_types(common["n_layers"], cfg.get("sliding_window_pattern", 6))
     if (cfg.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
-        raise BriskError("Gemma 3 rope scaling (the 4B+ long-context variants) is not supported yet")
+        raise UnsupportedFormat("Gemma 3 rope scaling (the 4B+ long-context variants) is not supported yet")
     return ModelConfig(
         arch="gemma3", act="gelu_tanh", norm_offset=1.0, qk_norm=True, sandwich_norm=True,
         embed_scale=math.sqrt(dim), attn_scale=cfg.get("query_pre_attn_scalar", common["head_dim"]) ** -0.5,
@@ -123,10 +123,10 @@ def from_gguf_metadata(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
             rope_theta=get("rope.freq_base", 10000.0 if arch != "gemma3" else 1e6),
         )
     except TypeError:
-        raise BriskError(f"GGUF metadata for {arch!r} is incomplete") from None
+        raise FileError(f"GGUF metadata for {arch!r} is incomplete") from None
     if None in common.values():
         missing = [k for k, v in common.items() if v is None]
-        raise BriskError(f"GGUF metadata lacks {', '.join(missing)}")
+        raise FileError(f"GGUF metadata lacks {', '.join(missing)}")
     if arch == "gemma3":
         window = get("attention.sliding_window", 512)
         return ModelConfig(
@@ -135,5 +135,5 @@ def from_gguf_metadata(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
             layer_types=_gemma3_layer_types(n_layers), rope_local_theta=10000.0, **common)
     scaling = None
     if get("rope.scaling.type") not in (None, "none"):
-        raise BriskError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
+        raise UnsupportedFormat(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
     return ModelConfig(arch="llama", qkv_bias=arch == "qwen2", rope_scaling=scaling, **common)

@@ -14,18 +14,20 @@ import os
 
 import torch
 
+from .kv import FixedKeys
+
 FIRST_BUCKET = 256
 
 
 def decode_step(model, cache):
-    """A function (token, pos) -> logits [V] that runs one decode step on `cache` and advances
-    it: graph replays on CUDA (unless BRISK_CUDA_GRAPHS=0), the eager model elsewhere."""
+    """A function (token, pos) -> logits [V] that runs one decode step on `cache` (a ContiguousKV):
+    graph replays on CUDA (unless BRISK_CUDA_GRAPHS=0), the eager model elsewhere."""
     device = cache.k[0].device
     if device.type == "cuda" and os.environ.get("BRISK_CUDA_GRAPHS", "1") != "0":
         return GraphedDecoder(model, cache)
 
     def eager(token: int, pos: int) -> torch.Tensor:
-        return model(torch.tensor([[token]], device=device), cache, start=pos)[0, -1]
+        return model(torch.tensor([[token]], device=device), pos, cache)[0, -1]
     return eager
 
 
@@ -53,11 +55,10 @@ class GraphedDecoder:
         self.pos.fill_(pos)
         graph, logits = self.graphs.get(keys) or self._capture(keys)
         graph.replay()
-        self.cache.length = pos + 1
         return logits
 
     def _step(self, keys: int) -> torch.Tensor:
-        return self.model(self.token, self.cache, start=self.pos, keys=keys)[0, -1]
+        return self.model(self.token, self.pos, FixedKeys(self.cache, keys))[0, -1]
 
     def _capture(self, keys: int):
         # Warm up on a side stream first (as torch's docs ask): lazy init, Triton compiles and

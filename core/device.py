@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import BriskError
+from .errors import InvalidValue
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -13,9 +13,10 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise BriskError("--device cuda: no CUDA GPU is available (torch sees none)")
+        raise InvalidValue("device", name, "needs a CUDA GPU, and torch sees none",
+                           template="{option} cuda: no CUDA GPU is available (torch sees none)")
     if name != "cpu" and not name.startswith("cuda"):
-        raise BriskError(f"--device {name!r}: use auto, cpu or cuda")
+        raise InvalidValue("device", name, "must be auto, cpu or cuda")
     return torch.device(name)
 
 
@@ -27,7 +28,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     if name not in DTYPES:
-        raise BriskError(f"--dtype {name!r}: use auto, float32, bfloat16 or float16")
+        raise InvalidValue("dtype", name, "must be auto, float32, bfloat16 or float16")
     return DTYPES[name]
 
 

@@ -15,15 +15,15 @@ from typing import Callable
 
 import torch
 
-from .errors import BriskError
+from .errors import BriskError, InvalidValue
 
 
 def windows(n_tokens: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
     """(begin, end, first scored position) of each window over n_tokens tokens."""
     if ctx < 2:
-        raise BriskError(f"--ctx {ctx}: a window needs at least 2 tokens")
+        raise InvalidValue("ctx", ctx, "must be >= 2 (a window needs at least 2 tokens)")
     if not 1 <= stride <= ctx:
-        raise BriskError(f"--stride {stride}: must be between 1 and the window length ({ctx})")
+        raise InvalidValue("stride", stride, f"must be between 1 and the window length ({ctx})")
     out, scored_to = [], 1  # position 0 has nothing before it
     for begin in range(0, n_tokens, stride):
         end = min(begin + ctx, n_tokens)
@@ -60,10 +60,8 @@ class EvalResult:
 def _log_probs(llm, ids: list[int], first: int, vocab: int | None) -> torch.Tensor:
     """Log-probabilities [n, vocab] of the next token at window positions first-1 .. len(ids)-2
     (the predictions of ids[first:])."""
-    model = llm.model
-    cache = model.new_cache(len(ids))
     with torch.inference_mode():
-        logits = model(torch.tensor([ids], device=llm.device), cache)[0, first - 1:len(ids) - 1]
+        logits = llm.model(torch.tensor([ids], device=llm.device), 0, llm.new_cache(len(ids)))[0, first - 1:len(ids) - 1]
     logits = logits.float()
     if vocab is not None:  # padded embedding rows beyond the tokenizer's vocabulary
         logits = logits[:, :vocab]
@@ -82,7 +80,8 @@ def evaluate(llm, ids: list[int], ctx: int, stride: int, base=None,
             raise BriskError(f"{llm.name} and {base.name} do not share a tokenizer ({diff})")
     for m in (llm, base):
         if m is not None and ctx > m.ctx:
-            raise BriskError(f"--ctx {ctx} exceeds the context {m.name} was loaded with ({m.ctx})")
+            raise InvalidValue("ctx", ctx, f"must be at most {m.ctx} (more exceeds the context {m.name} "
+                               "was loaded with)")
     # Distributions over the model's whole output layer, unless the two models' layers differ in
     # size (padding rows): then both over the tokenizer's vocabulary, renormalized.
     vocab = None

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import BriskError
+from .errors import FileError, UnsupportedFormat
 
 # GGUF value types: (numpy dtype or struct code) for the scalar types.
 _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
@@ -37,12 +37,12 @@ class GGUFFile:
         try:
             self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:
-            raise BriskError(f"{path}: cannot read ({e})") from None
+            raise FileError(f"cannot read ({e})", path) from None
         self.pos = 0
         try:
             self._parse()
         except (IndexError, ValueError, struct.error, UnicodeDecodeError, OverflowError) as e:
-            raise BriskError(f"{path}: corrupt or truncated GGUF header ({type(e).__name__}: {e})") from None
+            raise FileError(f"corrupt or truncated GGUF header ({type(e).__name__}: {e})", path) from None
 
     # -- low-level readers; each checks bounds, so a corrupt count fails instead of allocating
     def _take(self, n: int) -> np.ndarray:
@@ -85,7 +85,7 @@ class GGUFFile:
             raise ValueError("bad magic")
         version = self._scalar("<u4")
         if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version}")
+            raise UnsupportedFormat(f"GGUF version {version} is not supported (brisk reads 2 and 3)", self.path)
         n_tensors, n_kv = self._scalar("<u8"), self._scalar("<u8")
         if n_tensors > 1_000_000 or n_kv > 1_000_000:
             raise ValueError(f"implausible counts ({n_tensors} tensors, {n_kv} keys)")
@@ -142,7 +142,7 @@ def dequantize_tensor(data: np.ndarray, t: TensorInfo) -> torch.Tensor:
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             arr = gguf.quants.dequantize(raw.reshape(-1, t.shape[-1] // block * size), qtype)
         except NotImplementedError:
-            raise BriskError(f"GGUF tensor {t.name}: type {qtype.name} is not supported") from None
+            raise UnsupportedFormat(f"GGUF tensor {t.name}: type {qtype.name} is not supported") from None
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(t.shape)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from .errors import BriskError
+from .errors import FileError, UnsupportedFormat
 
 # tokenizer.ggml.token_type values (the same numbers SentencePiece uses)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -38,14 +38,14 @@ def build_tokenizer(meta: dict) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
-        raise BriskError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+        raise FileError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if kind == "gpt2":
         tk = _byte_level_bpe(meta, tokens)
     elif kind == "llama":
         tk = _sentencepiece_bpe(meta, tokens, types)
     else:
-        raise BriskError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
+        raise UnsupportedFormat(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
     _add_whole_tokens(tk, tokens, types)
     return tk
 

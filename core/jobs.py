@@ -8,9 +8,9 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from .errors import BriskError
+from .errors import BriskError, FileError, InvalidValue, PromptTooLong
 from .sampling import SamplingParams
-from .scheduler import Request
+from .batching import Request
 
 SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
                    "repetition_penalty": float, "seed": int}
@@ -28,33 +28,36 @@ def _typed(obj: dict, key: str, kind, default=None):
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
-        raise BriskError(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+        raise InvalidValue(key, v, f"must be {'an integer' if kind is int else 'a number'}")
     if kind is float and not math.isfinite(v):
-        raise BriskError(f"'{key}' must be finite, got {v!r}")
+        raise InvalidValue(key, v, "must be finite")
     return kind(v)
 
 
-def text_content(content) -> str:
-    """A message's content: a string, or OpenAI's list of parts of which only text is supported."""
+def text_content(content, name: str = "content") -> str:
+    """A message's content: a string, or OpenAI's list of parts of which only text is supported.
+    name: the field, for the error."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
-            raise BriskError("only text content parts are supported")
+            raise InvalidValue(name, [p.get("type") for p in content], "may hold only text parts")
         return "".join(p["text"] for p in content)
-    raise BriskError("a message's content must be a string or a list of text parts")
+    raise InvalidValue(name, content, "must be a string or a list of text parts")
 
 
 def messages_of(obj: dict) -> list[dict]:
     msgs = obj.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise BriskError("'messages' must be a non-empty list")
+        raise InvalidValue("messages", msgs, "must be a non-empty list")
     out = []
-    for m in msgs:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise BriskError("each message needs a role: system, user or assistant")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise InvalidValue(f"messages[{i}]", m, "must be an object with a role and a content")
+        if m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise InvalidValue(f"messages[{i}].role", m.get("role"), "must be system, user or assistant")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": text_content(m.get("content"))})
+        out.append({"role": role, "content": text_content(m.get("content"), f"messages[{i}].content")})
     return out
 
 
@@ -71,13 +74,13 @@ def prompt_ids(llm, obj: dict, template_prompt: bool = True, system: str | None 
         return tok.encode(text, add_special=False)
     prompt = obj.get("prompt")
     if not isinstance(prompt, str):
-        raise BriskError("'prompt' (a string) or 'messages' is required")
+        raise InvalidValue("prompt", prompt, "must be a string (or give messages instead)")
     raw = obj.get("raw", not template_prompt)
     if not isinstance(raw, bool):
-        raise BriskError(f"'raw' must be true or false, got {raw!r}")
+        raise InvalidValue("raw", raw, "must be true or false")
     sys_msg = obj.get("system", system)
     if sys_msg is not None and not isinstance(sys_msg, str):
-        raise BriskError("'system' must be a string")
+        raise InvalidValue("system", sys_msg, "must be a string")
     return llm.prompt_ids(prompt, raw=raw, system=sys_msg)
 
 
@@ -89,20 +92,24 @@ def stop_strings(obj: dict, default=()) -> tuple[str, ...]:
         return (stop,)
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return tuple(stop)
-    raise BriskError("'stop' must be a string or a list of strings")
+    raise InvalidValue("stop", stop, "must be a string or a list of strings")
 
 
 def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop=(),
                  template_prompt: bool = True, system: str | None = None, max_tokens_key="max_tokens") -> Request:
-    """A scheduler Request from a JSON object; fields absent from it take the given defaults."""
+    """A scheduler Request from a JSON object; fields absent from it take the given defaults.
+    A prompt that does not fit llm's context is refused here, before any engine sees it."""
     if not isinstance(obj, dict):
         raise BriskError("each request must be a JSON object")
     fields = {k: _typed(obj, k, kind) for k, kind in SAMPLING_FIELDS.items() if obj.get(k) is not None}
     n = _typed(obj, max_tokens_key, int, max_tokens)
     if n < 1:
-        raise BriskError(f"'{max_tokens_key}' must be >= 1, got {n}")
-    return Request(prompt_ids(llm, obj, template_prompt, system), replace(sampling, **fields).validate(), n,
-                   stop_strings(obj, stop))
+        raise InvalidValue(max_tokens_key, n, "must be >= 1")
+    sampling = replace(sampling, **fields).validate()
+    ids = prompt_ids(llm, obj, template_prompt, system)
+    if len(ids) >= llm.ctx:  # as the engine would refuse it: no room left to generate
+        raise PromptTooLong(len(ids), llm.ctx)
+    return Request(ids, sampling, n, stop_strings(obj, stop))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -110,7 +117,7 @@ def read_jsonl(path: Path) -> list[dict]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise BriskError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+        raise FileError(f"cannot read ({getattr(e, 'strerror', None) or e})", path) from None
     out = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -118,12 +125,12 @@ def read_jsonl(path: Path) -> list[dict]:
         try:
             obj = json.loads(line)
         except ValueError as e:
-            raise BriskError(f"{path}:{i}: not JSON ({e})") from None
+            raise FileError(f"not JSON ({e})", path, i) from None
         if not isinstance(obj, dict):
-            raise BriskError(f"{path}:{i}: expected a JSON object")
+            raise FileError("expected a JSON object", path, i)
         out.append({"_line": i, **obj})
     if not out:
-        raise BriskError(f"{path}: no requests")
+        raise FileError("no requests", path)
     return out
 
 
@@ -138,7 +145,7 @@ def percentile(xs: list[float], q: float) -> float:
 def summary(seqs, wall_s: float, engine) -> dict:
     lat = [s.latency_s for s in seqs]
     gen = sum(len(s.result.tokens) for s in seqs)
-    st, pool = engine.stats, engine.pool
+    st, pool = engine.stats, engine.kv
     return {"requests": len(seqs), "wall_s": round(wall_s, 3), "requests_per_s": round(len(seqs) / wall_s, 3),
             "generated_tokens": gen, "generated_tok_s": round(gen / wall_s, 2),
             "prompt_tokens": sum(s.result.prompt_tokens for s in seqs),

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import BriskError
+from .errors import InvalidValue
 
 
 @dataclass
@@ -19,15 +19,15 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         if not (self.temperature >= 0):
-            raise BriskError(f"--temperature must be >= 0, got {self.temperature}")
+            raise InvalidValue("temperature", self.temperature, "must be >= 0")
         if self.top_k < 0:
-            raise BriskError(f"--top-k must be >= 0, got {self.top_k}")
+            raise InvalidValue("top_k", self.top_k, "must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise BriskError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise InvalidValue("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.min_p < 1:
-            raise BriskError(f"--min-p must be in [0, 1), got {self.min_p}")
+            raise InvalidValue("min_p", self.min_p, "must be in [0, 1)")
         if not self.repetition_penalty > 0:
-            raise BriskError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidValue("repetition_penalty", self.repetition_penalty, "must be > 0")
         return self
 
     @property

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from .cuda_graph import decode_step
-
-from .errors import BriskError
-from .generate import PREFILL_CHUNK, common_prefix
+from .errors import BriskError, InvalidValue
+from .generate import common_prefix, prefill
+from .kv import ContiguousKV
 from .sampling import SamplingParams, apply_repetition_penalty, probabilities
 
 K_MAX = 12  # most drafts per round for --draft-k auto: beyond it acceptance^K makes drafts worthless
@@ -42,9 +42,9 @@ class Drafter:
 
     name = "drafter"
 
-    def start(self, session) -> None:
-        """A generation begins in `session` (its prompt is in the cache): catch up with it, outside
-        the timed rounds (it is not a per-token cost)."""
+    def start(self, ids: list[int], kv) -> None:
+        """A generation begins: the target's cache `kv` holds `ids` (the prompt). Catch up with
+        it, outside the timed rounds (it is not a per-token cost)."""
 
     def bucket(self, ctx: list[int]) -> int | None:
         return 0
@@ -70,7 +70,7 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model, max_len: int, vocab_size: int, name: str = "model", share_cache: bool = False):
         self.model, self.name, self.share_cache = model, name, share_cache
-        self.cache = None if share_cache else model.new_cache(max_len)
+        self.cache = None if share_cache else ContiguousKV.for_model(model, max_len)
         self.max_len = max_len
         self.ids: list[int] = []  # the tokens whose K/V the draft cache holds
         self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
@@ -93,17 +93,12 @@ class ModelDrafter(Drafter):
     def sync(self, ctx: list[int]) -> torch.Tensor:
         """Bring the cache to ctx (rolling back what the target rejected, running what is
         missing); returns the logits after ctx's last token."""
-        if self.share_cache:  # the target's cache holds ctx[:-1]: its accepted tokens
-            keep = len(ctx) - 1
-            self.ids = ctx[:-1]
-        else:
-            keep = min(common_prefix(self.ids, ctx), len(ctx) - 1)
-        self.cache.truncate(keep)
+        # shared: the target's cache holds ctx[:-1], its accepted tokens
+        keep = len(ctx) - 1 if self.share_cache else min(common_prefix(self.ids, ctx), len(ctx) - 1)
         if len(ctx) - keep == 1:  # the steady state: one token, a decode step (a graph on CUDA)
             logits = self._step()(ctx[-1], keep)
-        for s in range(keep, len(ctx) if len(ctx) - keep > 1 else keep, PREFILL_CHUNK):
-            chunk = torch.tensor([ctx[s:s + PREFILL_CHUNK]], device=self.device)
-            logits = self.model(chunk, self.cache, last_only=True)[0, -1]
+        else:
+            logits = prefill(self.model, self.cache, ctx, keep, self.device)
         self.ids = list(ctx)
         return logits
 
@@ -113,11 +108,11 @@ class ModelDrafter(Drafter):
             self._step_fn, self._step_cache = decode_step(self.model, self.cache), self.cache
         return self._step_fn
 
-    def start(self, session):
+    def start(self, ids, kv):
         if self.share_cache:
-            self.cache = session.cache
-        elif 0 < len(session.ids) < self.max_len:
-            self.sync(session.ids)
+            self.cache = kv
+        elif 0 < len(ids) < self.max_len:
+            self.sync(ids)
 
     def propose(self, ctx, k, params, gen, seen):
         logits = self.sync(ctx)  # one token in steady state (two after a round all accepted)
@@ -316,64 +311,62 @@ def verify(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
 
 # ---------------------------------------------------------------- the decode loop
 
+@dataclass
+class Draft:
+    """A round's guesses: the tokens, the distributions they were drawn from (None: point masses
+    or greedy), the K policy's bucket, and when drafting ended (to time the verifying pass)."""
+    tokens: list[int]
+    q: torch.Tensor | None = None
+    bucket: int | None = None
+    seconds: float = 0.0
+    done_at: float = 0.0
+
+
 class Speculator:
-    """Plugs into Session (session.speculator): replaces its one-token-per-step decode loop."""
+    """The generation loop (generate.Session) asks it, each step: propose() drafts after the
+    context; the loop runs the pending token and the drafts in one target pass; verify() says how
+    many drafts stand and the target's next token; accept() records the round."""
 
     def __init__(self, drafter: Drafter, k: int | str = "auto"):
         if k != "auto" and (not isinstance(k, int) or k < 1):
-            raise BriskError(f"--draft-k must be a positive integer or auto, got {k!r}")
+            raise InvalidValue("draft_k", k, "must be a positive integer or auto")
         self.drafter, self.k = drafter, k
         self.policy = KPolicy(k)  # kept across generations: what it learned about costs carries over
+        self.stats: dict = self.new_stats()
 
-    def tokens(self, session, token: int, sampler, seen: torch.Tensor | None, budget: int) -> Iterator[int]:
-        """Like Session._tokens: yields tokens one by one, and when the consumer stops asking,
-        leaves the cache holding exactly session.ids (the last token handed out is not in it)."""
-        model, cache, dev = session.llm.model, session.cache, session.llm.device
-        params, gen = sampler.params, sampler.generator
-        ids = session.ids
-        stats = {"drafter": self.drafter.name, "k": self.k, "rounds": 0, "drafted": 0, "accepted": 0,
-                 "acceptance_rate": 0.0, "mean_accepted": 0.0}
-        if session.last is not None:
-            session.last.spec = stats
-        emitted = 0
-        try:
-            while True:
-                yield token
-                emitted += 1
-                if emitted == 1:
-                    self.drafter.start(session)
-                ctx = ids + [token]
-                if seen is not None:  # the repetition penalty's ids: the context, then each draft
-                    seen = _extend(seen, [token])
-                bucket = self.drafter.bucket(ctx)
-                room = min(budget - emitted, cache.max_len - len(ctx), self.drafter.capacity() - len(ctx)) - 1
-                k = self.policy.choose(bucket, room) if bucket is not None else 0
-                t0 = time.perf_counter()
-                drafts, q = self.drafter.propose(ctx, k, params, gen, seen) if k > 0 else ([], None)
-                t1 = time.perf_counter()
-                if drafts:  # start=: a drafter that shares the cache has moved its length on
-                    logits = model(torch.tensor([[token] + drafts], device=dev), cache, start=len(ids))[0]
-                else:  # nothing to verify: a plain decode step (a graph replay on CUDA)
-                    logits = session._decode_step()(token, len(ids))[None]
-                ids.append(token)
-                n, nxt = verify(logits, drafts, q, params, gen, seen)
-                cache.truncate(len(ids) + n)  # forget the rejected drafts' K/V
-                self.policy.record(bucket, len(drafts), n, t1 - t0, time.perf_counter() - t1)
-                if drafts:
-                    stats["rounds"] += 1
-                    stats["drafted"] += len(drafts)
-                    stats["accepted"] += n
-                    stats["acceptance_rate"] = round(stats["accepted"] / stats["drafted"], 4)
-                    stats["mean_accepted"] = round(stats["accepted"] / stats["rounds"], 3)
-                if seen is not None:
-                    seen = _extend(seen, drafts[:n])
-                for d in drafts[:n]:
-                    yield d
-                    emitted += 1
-                    ids.append(d)
-                token = nxt
-        finally:
-            cache.truncate(len(ids))  # when stopped mid-round: drop the K/V of drafts never handed out
+    def new_stats(self) -> dict:
+        """Counters for one generation (the loop attaches them to its result)."""
+        self.stats = {"drafter": self.drafter.name, "k": self.k, "rounds": 0, "drafted": 0, "accepted": 0,
+                      "acceptance_rate": 0.0, "mean_accepted": 0.0}
+        return self.stats
+
+    def start(self, ids: list[int], kv) -> None:
+        """The target's cache `kv` holds the prompt `ids`; drafting begins."""
+        self.drafter.start(ids, kv)
+
+    def propose(self, ctx: list[int], room: int, sampler, seen: torch.Tensor | None) -> Draft:
+        """Drafts to follow ctx (the context and the pending token): at most `room`."""
+        bucket = self.drafter.bucket(ctx)
+        k = self.policy.choose(bucket, min(room, self.drafter.capacity() - len(ctx) - 1)) if bucket is not None else 0
+        t0 = time.perf_counter()
+        tokens, q = self.drafter.propose(ctx, k, sampler.params, sampler.generator, seen) if k > 0 else ([], None)
+        t1 = time.perf_counter()
+        return Draft(tokens, q, bucket, t1 - t0, t1)
+
+    def verify(self, draft: Draft, logits: torch.Tensor, sampler, seen: torch.Tensor | None) -> tuple[int, int]:
+        """logits [len(draft)+1, V] from the target pass; (drafts kept, the target's next token)."""
+        return verify(logits, draft.tokens, draft.q, sampler.params, sampler.generator, seen)
+
+    def accept(self, draft: Draft, n: int) -> None:
+        """Record a round: the K policy learns acceptance and costs, the counters add up."""
+        self.policy.record(draft.bucket, len(draft.tokens), n, draft.seconds, time.perf_counter() - draft.done_at)
+        if draft.tokens:
+            st = self.stats
+            st["rounds"] += 1
+            st["drafted"] += len(draft.tokens)
+            st["accepted"] += n
+            st["acceptance_rate"] = round(st["accepted"] / st["drafted"], 4)
+            st["mean_accepted"] = round(st["accepted"] / st["rounds"], 3)
 
 
 # ---------------------------------------------------------------- `brisk bench --draft`
@@ -427,9 +420,9 @@ def parse_k(value: str | int | None) -> int | str:
     try:
         k = int(value)
     except (TypeError, ValueError):
-        raise BriskError(f"--draft-k must be a positive integer or auto, got {value!r}") from None
+        raise InvalidValue("draft_k", value, "must be a positive integer or auto") from None
     if k < 1:
-        raise BriskError(f"--draft-k must be a positive integer or auto, got {value!r}")
+        raise InvalidValue("draft_k", value, "must be a positive integer or auto")
     return k
 
 
@@ -448,8 +441,8 @@ def make_speculator(llm, draft: str, k: str | int | None = "auto") -> Speculator
         return Speculator(ModelDrafter(quantized_copy(llm.model, SELF_METHODS[draft], llm.ctx),
                                        llm.ctx, llm.config.vocab_size, name=draft, share_cache=True), k)
     if draft.startswith("self:"):
-        raise BriskError(f"--draft {draft}: use self:int8 or self:int4")
-    from .engine import LLM
+        raise InvalidValue("draft", draft, "", template=f"{{option}} {draft}: use self:int8 or self:int4")
+    from .llm import LLM
 
     other = LLM.load(draft, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."), ctx=llm.ctx)
     check_pair(llm, other)
@@ -480,6 +473,7 @@ def quantized_copy(model, method: str, max_len: int):
     quantized version.
     """
     from ..quant.linear import quantize_model
+    from .kernel_passes import apply_device_kernels
     from .model import Transformer
 
     with torch.device("meta"):
@@ -488,6 +482,5 @@ def quantized_copy(model, method: str, max_len: int):
     draft.rope_factors = model.rope_factors
     draft.setup_rope(max_len, model.model.norm.weight.device)
     quantize_model(draft, method, head=True)
-    if draft.model.norm.weight.is_cuda:
-        draft.fuse_projections()
+    apply_device_kernels(draft, draft.model.norm.weight.device)
     return draft.eval().requires_grad_(False)

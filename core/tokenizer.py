@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tokenizers
 
-from .errors import BriskError
+from .errors import BriskError, FileError
 
 # Spellings of special tokens that end a turn: generation stops on them too, as llama.cpp does,
 # because chat models end an answer with these rather than with their EOS token.
@@ -66,12 +66,12 @@ class Tokenizer:
         path = Path(path)
         tj = path / "tokenizer.json"
         if not tj.is_file():
-            raise BriskError(f"{path}: no tokenizer.json (brisk needs the 'fast' tokenizer file; "
-                             "re-save the tokenizer with transformers to create it)")
+            raise FileError("no tokenizer.json (brisk needs the 'fast' tokenizer file; "
+                            "re-save the tokenizer with transformers to create it)", path)
         try:
             backend = tokenizers.Tokenizer.from_file(str(tj))
         except Exception as e:
-            raise BriskError(f"{tj}: unreadable tokenizer ({e})") from None
+            raise FileError(f"unreadable tokenizer ({e})", tj) from None
         cfg = _read_json(path / "tokenizer_config.json")
         smap = _read_json(path / "special_tokens_map.json")
         gen = _read_json(path / "generation_config.json")
@@ -255,7 +255,7 @@ def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise BriskError(f"{path}: unreadable JSON ({e})") from None
+        raise FileError(f"unreadable JSON ({e})", path) from None
     return data if isinstance(data, dict) else {}
 
 

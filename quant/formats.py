@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import FormatError
+from .linear import replace_modules
 
 _MODULES = ("gptq_format", "awq_format", "bnb_format")
 
@@ -42,18 +43,20 @@ def load_quantized_linears(model: nn.Module, tensors: dict[str, torch.Tensor], q
     ordinary state-dict load."""
     fmt = find_format(qcfg)
     replaced = []
-    for name, module in list(model.named_modules()):
+
+    def load(name, module):
         if not isinstance(module, nn.Linear) or f"{name}.weight" in tensors and not _is_packed(tensors, name):
-            continue
+            return None
         bias = tensors.pop(f"{name}.bias", None)
         layer = fmt.load_linear(tensors, name, qcfg, bias)
         if layer is None:
             if bias is not None:
                 tensors[f"{name}.bias"] = bias
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+            return None
         replaced.append(name)
+        return layer
+
+    replace_modules(model, load)
     return replaced
 
 

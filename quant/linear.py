@@ -92,7 +92,12 @@ def _say_fallback_once(kind: str, device: str) -> None:
 
 
 class QuantLinear(nn.Module):
-    """Shared plumbing: flatten to 2D, run the kernel or the fallback, cast back, add the bias."""
+    """The one forward of every quantized linear layer: flatten to 2D, run the subclass's kernel
+    for the input's device (`_matmul`) or, where it has none, its fallback (`_fallback`), cast
+    back, add the bias. Subclasses supply their kernel data, `_matmul` (preparing the input as
+    their kernel wants it; a kernel that returns bf16 passes its output through `refine`),
+    `dequantize`, and where they have a faster way than dequantizing the whole weight, `rows`
+    and `_fallback`."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -103,24 +108,33 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.use_kernel and x.device.type == "cpu":
-            y = self._kernel(x2.to(SCALE_DTYPE))
-            if self.refine_top:
-                y = self.refine(x2, y)
-        elif (y := self._gpu_kernel(x2)) is None:
-            _say_fallback_once(type(self).__name__, x.device.type)
-            y = F.linear(x2, self.dequantize(x.dtype))
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = self._matmul(x2)
+        if y is None:
+            y = self._fallback(x2)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, K] times the weight through the layer's kernel for x's device, or None where
+        there is none."""
+        return None
+
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] times the weight where no kernel runs: dequantize it, then F.linear."""
+        _say_fallback_once(type(self).__name__, x.device.type)
+        return F.linear(x, self.dequantize(x.dtype))
+
     def refine(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Recompute each row's `refine_top` largest outputs in float32.
+        """The bf16 output y of a kernel, with each row's `refine_top` largest outputs recomputed
+        in float32 (y as it is where refine_top is 0).
 
         The CPU kernels take and return bf16: 8 bits of mantissa, so logits near 25 come out in
         steps of 0.125 and close candidates tie (measured: SmolLM2's first answer token flipped).
         As the output layer, only the top of the distribution decides greedy and top-k/top-p
         sampling, so those few logits are made exact against the stored weights; the rest keep
         bf16 precision, a relative error of ~0.4% on probabilities that are tiny anyway."""
+        if not self.refine_top:
+            return y
         y = y.float()
         top = y.topk(min(self.refine_top, self.out_features), dim=-1).indices  # [M, k]
         exact = torch.einsum("mk,mjk->mj", x.float(), self.rows(top, torch.float32))
@@ -132,13 +146,6 @@ class QuantLinear(nn.Module):
     def rows(self, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Dequantized rows `ids` of the weight (embedding lookups from a tied output layer)."""
         return F.embedding(ids, self.dequantize(dtype))  # subclasses gather before dequantizing
-
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _gpu_kernel(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [M, K] times the weight through a fused GPU kernel, or None where there is none."""
-        return None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -166,10 +173,9 @@ class Int8Linear(QuantLinear):
     def rows(self, ids, dtype=torch.float32):
         return (self.weight[ids].float() * self.scales[ids].float()[..., None]).to(dtype)
 
-    def _kernel(self, x):
-        return torch._weight_int8pack_mm(x, self.weight, self.scales)
-
-    def _gpu_kernel(self, x):
+    def _matmul(self, x):
+        if self.use_kernel and x.device.type == "cpu":
+            return self.refine(x, torch._weight_int8pack_mm(x.to(SCALE_DTYPE), self.weight, self.scales))
         return triton_matmul.int8_matmul(x, self.weight, self.scales) if triton_matmul.usable(x) else None
 
 
@@ -341,14 +347,14 @@ class Int4Linear(QuantLinear):
         w = dequantize_int4(self.weight[flat], self.scales[flat], self.zeros[flat], self.group_size, dtype)
         return w.view(*ids.shape, self.in_features)
 
-    def _kernel(self, x):
-        return torch._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, self._scales_zeros)
-
-    def _gpu_kernel(self, x):
+    def _matmul(self, x):
+        if self.use_kernel and x.device.type == "cpu":
+            return self.refine(x, torch._weight_int4pack_mm_for_cpu(x.to(SCALE_DTYPE), self._packed, self.group_size,
+                                                                    self._scales_zeros))
         if self.layout == "tinygemm" and x.is_cuda:
             y = torch._weight_int4pack_mm(x.to(SCALE_DTYPE), self._packed, self.group_size, self._scales_zeros)
             # bf16 in and out: a float32 model's output layer gets its top logits exact (refine)
-            return self.refine(x, y) if self.refine_top and x.dtype == torch.float32 else y
+            return self.refine(x, y) if x.dtype == torch.float32 else y
         if self.weight is None or not triton_matmul.usable(x) or self.group_size not in GROUP_SIZES:
             return None
         return triton_matmul.int4_matmul(x, self.weight, self.scales, self.zeros, self.group_size)
@@ -452,14 +458,21 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, head: bo
     return replace_linears(model, lambda linear: quantize_linear(linear, method, group_size), head, skip)
 
 
+def replace_modules(model: nn.Module, make) -> nn.Module:
+    """The one replacement walk: each submodule m named `name` becomes make(name, m) where that is
+    not None (quantized layers at load, kernels for a device, a checkpoint's own layers); the
+    walk's list is taken first, so replacements are not walked again. Returns the model."""
+    for name, m in list(model.named_modules()):
+        new = make(name, m) if name else None
+        if new is not None and new is not m:
+            parent_name, _, attr = name.rpartition(".")
+            with torch.no_grad():
+                setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+    return model
+
+
 def replace_linears(model: nn.Module, make, head: bool = False, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
     """Replace each nn.Linear of `model` (in place) by make(linear), but not those named with a
     `skip` prefix unless `head`; returns the model."""
-    targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and (head or not name.startswith(skip))]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        with torch.no_grad():
-            setattr(parent, attr, make(linear))
-    return model
+    return replace_modules(model, lambda name, m: make(m) if isinstance(m, nn.Linear) and
+                           (head or not name.startswith(skip)) else None)

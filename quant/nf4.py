@@ -231,20 +231,20 @@ class NF4Linear(QuantLinear):
                    + (" -- install bitsandbytes for its CUDA kernels" if device.type == "cuda" else ""))
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (bnb := self._fast_path(x.device)) is not None:
-            y = bnb.matmul_4bit(x, self.weight.t(), self._quant_state(x.dtype))
-            return y if self.bias is None else y + self.bias.to(y.dtype)
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if (bnb := self._fast_path(x.device)) is None:
+            return None
+        return bnb.matmul_4bit(x, self.weight.t(), self._quant_state(x.dtype))
+
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """No kernel: the weight dequantized a slab of rows at a time."""
         N, R = self.out_features, self._slab_rows
         if N <= R:
-            y = F.linear(x2, self._rows(0, N).to(x.dtype))
-        else:
-            y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
-            for r in range(0, N, R):
-                y[:, r:r + R] = F.linear(x2, self._rows(r, min(r + R, N)).to(x.dtype))
-        y = y.view(*x.shape[:-1], N)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+            return F.linear(x, self._rows(0, N).to(x.dtype))
+        y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+        for r in range(0, N, R):
+            y[:, r:r + R] = F.linear(x, self._rows(r, min(r + R, N)).to(x.dtype))
+        return y
 
     def _quant_state(self, dtype):
         qs = getattr(self, "_qs", None)

@@ -22,12 +22,11 @@ On CUDA the same codes, scales and zeros (bf16) run through the Triton int4 kern
 (triton_matmul.py) in Int4Linear's layout, act-order permutation included.
 
 Anything else (other bit widths, no triton, shapes the kernels reject) dequantizes and runs
-F.linear: slower, the checkpoint's weights exactly.
+F.linear (QuantLinear's fallback, with its one-time warning): slower, the checkpoint's weights exactly.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import triton_matmul
 from .linear import QuantLinear, pack_int4, unpack_int4, unpack_int4_kernel
@@ -109,19 +108,19 @@ class ZeroPointLinear(QuantLinear):
             q = torch.empty_like(q).index_copy_(1, self._perm.cpu(), q)  # undo the column permutation
         return q.to(self.scales.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if getattr(self, "_perm", None) is not None and self.use_kernel:
-            x2 = x2.index_select(1, self._perm)
-        if self.use_kernel and x.device.type == "cpu" and self._packed is not None:
-            y = torch._weight_int4pack_mm_for_cpu(x2.to(self._scales_zeros.dtype), self._packed, self.kernel_group,
-                                                  self._scales_zeros)
-        elif self.use_kernel and getattr(self, "_q4", None) is not None and triton_matmul.usable(x2):
-            y = triton_matmul.int4_matmul(x2, self._q4, self._s4, self._z4, self.kernel_group)
-        else:
-            y = F.linear(x.reshape(-1, self.in_features), self.dequantize(x.dtype))
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        # The CPU kernel's bf16 output is not refined (refine_top): with no rows() of its own, a
+        # head would dequantize its whole weight per call for it.
+        if not self.use_kernel:
+            return None
+        if getattr(self, "_perm", None) is not None:
+            x = x.index_select(1, self._perm)  # the act-order permutation of the kernel's columns
+        if x.device.type == "cpu" and self._packed is not None:
+            return torch._weight_int4pack_mm_for_cpu(x.to(self._scales_zeros.dtype), self._packed, self.kernel_group,
+                                                     self._scales_zeros)
+        if getattr(self, "_q4", None) is not None and triton_matmul.usable(x):
+            return triton_matmul.int4_matmul(x, self._q4, self._s4, self._z4, self.kernel_group)
+        return None
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", bits={self.bits}, kernel={self.use_kernel}"

@@ -116,7 +116,7 @@ def fixture_logits(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], ob
     """brisk's logits for a committed fixture, the references recorded with it, and the LLM."""
     from safetensors.torch import load_file
 
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     ref = load_file(str(FIXTURES / name / "reference.safetensors"))
     llm = LLM.load(str(FIXTURES / name), device="cpu", dtype="float32")

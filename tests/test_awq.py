@@ -102,7 +102,7 @@ def test_gptqmodel_awq_checkpoint_loads(monkeypatch, exact):
 def test_brisk_awq_checkpoints_load_in_gptqmodel(monkeypatch, tiny_llama_dir, tmp_path, group_size):
     pytest.importorskip("gptqmodel", reason="GPTQModel is not installed (pip install gptqmodel==7.6.0)")
     monkeypatch.setattr(ZeroPointLinear, "exact", True)
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     def quantize(w):
         x = torch.randn(256, w.shape[1])

@@ -46,7 +46,7 @@ def test_codebooks_match_the_ones_bitsandbytes_wrote():
 
 @pytest.mark.parametrize("name", FOUR_BIT + ["bnb_int8"])
 def test_fixture_loads_with_matching_logits(name):
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     llm = LLM.load(str(FIXTURES / name), device="cpu", dtype="float32")
     ref = load_file(FIXTURES / name / "reference.safetensors")
@@ -181,7 +181,7 @@ def _write_quantized(src: Path, dest: Path, method: str) -> None:
 def test_brisk_checkpoint_loads_in_transformers(method, tiny_llama_dir, tmp_path):
     _bnb()
     tf = pytest.importorskip("transformers")
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     dest = tmp_path / method
     _write_quantized(tiny_llama_dir, dest, method)

@@ -359,3 +359,14 @@ def test_bench_table_rows_and_format_words(tiny_llama_dir):
     assert lines[0].startswith("| model |") and len(lines) == 5  # the header, then pp8 and tg4 per format
     assert [x.split(" | ")[3] for x in lines[1:]] == ["int4", "int4", "none", "none"]
     assert "Linear" not in r.stdout
+
+
+def test_invalid_values_name_the_flag_and_batch_lines_the_field(tiny_llama_dir, tmp_path):
+    """The core names an option as the Python API does (top_p); the command line prints its flag,
+    and for a line of a --batch file the field as the file spells it."""
+    r = runner.invoke(app, ["generate", str(tiny_llama_dir), "hi", "--top-p", "2"])
+    assert r.exit_code == 1 and r.stderr.strip() == "error: --top-p must be in (0, 1], got 2.0", r.output
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"prompt": "hi", "top_p": 2}) + "\n")
+    r = runner.invoke(app, ["generate", str(tiny_llama_dir), "--batch", str(batch)])
+    assert r.exit_code == 1 and r.stderr.strip() == f"error: {batch}:1: top_p must be in (0, 1], got 2.0", r.output

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from brisk.core import GREEDY, LLM, Session
-from brisk.core.scheduler import Engine, Request
+from brisk.core.batching import Engine, Request
 from brisk.core.speculative import make_speculator
 from brisk.quant.linear import Int4Linear, Int8Linear
 

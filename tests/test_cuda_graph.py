@@ -11,6 +11,7 @@ import torch
 from brisk.core import LLM
 from brisk.core import cuda_graph
 from brisk.core.generate import Session
+from brisk.core.kv import FixedKeys
 from brisk.core.sampling import SamplingParams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -23,16 +24,16 @@ def test_fixed_shape_step_matches_the_ordinary_step(kind, request):
     key range larger than the sequence and a cache that holds garbage past it."""
     llm = LLM.load(str(request.getfixturevalue(kind)), device="cpu", dtype="float32", ctx=64)
     model = llm.model
-    ref, fixed = model.new_cache(64), model.new_cache(64)
+    ref, fixed = llm.new_cache(64), llm.new_cache(64)
     for t in fixed.k + fixed.v:
         t.normal_()  # unused slots are masked, never read into the result
     prompt = torch.randint(3, llm.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
-    model(prompt, ref)
-    model(prompt, fixed)
+    model(prompt, 0, ref)
+    model(prompt, 0, fixed)
     tok = 7
     for pos in range(5, 25):
-        a = model(torch.tensor([[tok]]), ref)[0, -1]
-        b = model(torch.tensor([[tok]]), fixed, start=torch.tensor([pos]), keys=32)[0, -1]
+        a = model(torch.tensor([[tok]]), pos, ref)[0, -1]
+        b = model(torch.tensor([[tok]]), torch.tensor([pos]), FixedKeys(fixed, 32))[0, -1]
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         tok = int(a.argmax())
 

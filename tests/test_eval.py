@@ -24,7 +24,7 @@ def brisk(*args, timeout=300):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir):
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32", quantize="none")
 
@@ -76,7 +76,7 @@ def test_kl_of_a_model_against_itself_is_zero(tiny):
 
 
 def test_int8_against_float_is_close_but_not_equal(tiny, tiny_llama_dir):
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     q = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32", quantize="int8")
     res = evaluate(q, tiny.tokenizer.encode(TEXT), 32, 16, base=tiny)

@@ -57,16 +57,17 @@ def test_gated_halves(gelu):
 
 
 def test_joined_projections_give_the_same_logits(tiny_llama_dir, tiny_qwen2_dir):
-    """fuse_projections (q/k/v, gate/up in one matmul each; Qwen2 has q/k/v biases): same logits,
-    same state dict, and the joined layer is dropped once a layer is replaced."""
+    """The fused-kernel pass (q/k/v, gate/up in one matmul each; Qwen2 has q/k/v biases; Triton
+    norms, rope and activation): same logits, same state dict."""
     from brisk.core import LLM
+    from brisk.core.kernel_passes import use_fused_kernels
     from brisk.quant.linear import Int8Linear, concat_linears
 
     for path in (tiny_llama_dir, tiny_qwen2_dir):
         llm = LLM.load(str(path), device="cpu", dtype="float32")
         ids = list(range(3, 30))
         ref, keys = llm.logits(ids), set(llm.model.state_dict())
-        llm.model.fuse_projections()
+        use_fused_kernels(llm.model)
         assert "_qkv" in llm.model.model.layers[0].self_attn.__dict__
         torch.testing.assert_close(llm.logits(ids), ref, rtol=1e-5, atol=1e-5)
         assert set(llm.model.state_dict()) == keys

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from brisk.core import GREEDY, LLM, BriskError, Chat, SamplingParams, Session
-from brisk.core.generate import StopMatcher
+from brisk.core.output_stream import StopMatcher
 from brisk.core.sampling import probabilities
 
 
@@ -111,7 +111,7 @@ def test_chat_second_turn_prefills_only_new_tokens(tiny):
     first = "".join(chat.send("hello there"))
     r1 = chat.session.last
     assert r1.prefilled_tokens == r1.prompt_tokens
-    cached_before = chat.session.cache.length
+    cached_before = len(chat.session.ids)
     "".join(chat.send("and again"))
     r2 = chat.session.last
     # The whole first exchange was reused: only the tokens after it were run.
@@ -145,3 +145,27 @@ def test_chat_save_load_roundtrip(tiny, tmp_path):
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(BriskError):
         other.load(tmp_path / "bad.json")
+
+
+def test_output_stream_rules(tiny):
+    """The one OutputStream behind Session, Engine and speculation: EOS ends unseen, a stop string
+    is cut and never shown, the budget ends with the held-back tail released."""
+    from brisk.core.output_stream import OutputStream
+
+    tok = tiny.tokenizer
+    ids = tok.encode("hello world, hello again", add_special=False)
+    eos = next(iter(tiny.eos_ids))
+    out = OutputStream(tok, {eos}, (), 100, 3)
+    text = "".join(out.push(t) for t in ids) + out.push(eos)
+    assert out.finished and out.result.finish_reason == "eos" and out.result.tokens == ids
+    assert text == out.result.text == tok.decode(ids)
+    out = OutputStream(tok, {eos}, (", hello",), 100, 3)
+    text = ""
+    for t in ids:
+        text += out.push(t)
+        if out.finished:
+            break
+    assert out.result.finish_reason == "stop" and text == out.result.text == tok.decode(ids).split(", hello")[0]
+    out = OutputStream(tok, {eos}, ("zzz",), 2, 3)
+    text = "".join(out.push(t) for t in ids[:2])
+    assert out.result.finish_reason == "length" and text == tok.decode(ids[:2]) and out.result.decode_s >= 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from brisk.core import LLM
-from brisk.core.engine import model_bytes
+from brisk.core.llm import model_bytes
 from brisk.quant import gguf_blocks
 from brisk.quant.linear import Int4Linear, Int8Linear, QuantEmbedding
 

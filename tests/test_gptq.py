@@ -195,7 +195,7 @@ def test_brisk_checkpoints_load_in_gptqmodel(monkeypatch, tiny_llama_dir, tmp_pa
     it did not write itself, hence gptq_v2 for those; brisk reads both.)"""
     pytest.importorskip("gptqmodel", reason="GPTQModel is not installed (pip install gptqmodel==7.6.0)")
     monkeypatch.setattr(ZeroPointLinear, "exact", True)
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     def quantize(w):
         g = GPTQ(w)

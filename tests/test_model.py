@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from brisk.core import LLM
+from brisk.core.model import LAST
 
 
 def _hf_model(path):
@@ -30,12 +31,12 @@ def _hf_greedy(hf, ids: list[int], steps: int) -> list[int]:
 
 def _brisk_greedy(llm, ids: list[int], steps: int) -> list[int]:
     cache = llm.new_cache()
-    logits = llm.model(torch.tensor([ids]), cache, last_only=True)
+    logits = llm.model(torch.tensor([ids]), 0, cache, logit_rows=LAST)
     out = []
-    for _ in range(steps):
+    for i in range(steps):
         tok = int(logits[0, -1].argmax())
         out.append(tok)
-        logits = llm.model(torch.tensor([[tok]]), cache)
+        logits = llm.model(torch.tensor([[tok]]), len(ids) + i, cache)
     return out
 
 
@@ -80,20 +81,20 @@ def test_kv_cache_decoding_equals_full_recomputation(tiny_gemma3_dir, tiny_llama
         full = llm.logits(ids)
         cache = llm.new_cache()
         with torch.inference_mode():
-            parts = [llm.model(torch.tensor([ids[:17]]), cache)[0]]
+            parts = [llm.model(torch.tensor([ids[:17]]), 0, cache)[0]]
             for i in range(17, len(ids)):
-                parts.append(llm.model(torch.tensor([[ids[i]]]), cache)[0])
+                parts.append(llm.model(torch.tensor([[ids[i]]]), i, cache)[0])
         assert torch.allclose(torch.cat(parts), full, atol=1e-5)
 
 
-def test_cache_truncate_then_rewrite(tiny_llama_dir):
+def test_cache_rewrite_from_a_position(tiny_llama_dir):
+    """Writing from position 10 on replaces what the cache held there (a rewritten chat turn)."""
     llm = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
     a, b = list(range(10, 30)), list(range(10, 20)) + list(range(50, 60))
     cache = llm.new_cache()
     with torch.inference_mode():
-        llm.model(torch.tensor([a]), cache)
-        cache.truncate(10)
-        tail = llm.model(torch.tensor([b[10:]]), cache)[0]
+        llm.model(torch.tensor([a]), 0, cache)
+        tail = llm.model(torch.tensor([b[10:]]), 10, cache)[0]
     assert torch.allclose(tail, llm.logits(b)[10:], atol=1e-5)
 
 

@@ -6,12 +6,30 @@ import pytest
 import torch
 
 from brisk.core import LLM
-from brisk.core.paged_cache import BlockPool, PagedStep, Row, block_hash
+from brisk.core.batching import BlockPool, block_hash
+from brisk.core.kv import PagedKV, PagedStep, Row
 
 
 def pool(n_blocks=8, block_size=4) -> BlockPool:
-    return BlockPool(n_layers=2, n_kv_heads=1, head_dim=4, n_blocks=n_blocks, block_size=block_size,
-                     dtype=torch.float32, device="cpu")
+    return BlockPool(n_blocks=n_blocks, block_size=block_size)
+
+
+class Paged:
+    """A block pool and its paged KV for a model, as the batching engine pairs them."""
+
+    def __init__(self, model, n_blocks, block_size):
+        cfg = model.cfg
+        self.model, self.pool = model, BlockPool(n_blocks, block_size)
+        self.kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, block_size, torch.float32, "cpu")
+
+    def allocate(self, n_tokens):
+        blocks = self.pool.allocate(self.pool.blocks_for(n_tokens))
+        self.kv.first_use(blocks)
+        return blocks
+
+    def forward(self, rows):
+        step = PagedStep.build(self.kv, rows, "cpu")
+        return self.model(step.tokens[None], step.positions, step, logit_rows=step.logit_rows)[0]
 
 
 def test_allocate_release_and_exhaustion():
@@ -31,11 +49,12 @@ def test_allocate_release_and_exhaustion():
 
 
 def test_fresh_blocks_are_zeroed():
-    p = pool()  # block 0 (padding for decode block tables) is zeroed at once, the rest on first use
-    p.k[:, 1:].fill_(float("nan"))
-    p.v[:, 1:].fill_(float("nan"))
-    b = p.allocate(3)
-    assert not p.k[:, b].isnan().any() and not p.v[:, b].isnan().any()
+    kv = PagedKV(2, 1, 4, 8, 4, torch.float32, "cpu")  # block 0 (decode tables' padding) is zeroed at once
+    kv.k[:, 1:].fill_(float("nan"))
+    kv.v[:, 1:].fill_(float("nan"))
+    b = pool().allocate(3)
+    kv.first_use(b)
+    assert not kv.k[:, b].isnan().any() and not kv.v[:, b].isnan().any()
 
 
 def test_named_blocks_are_shared_then_cached_then_evicted():
@@ -92,8 +111,8 @@ def test_batched_paged_forward_matches_single_stream(tiny):
     torch.manual_seed(0)
     seqs = [torch.randint(2, 300, (n,)).tolist() for n in (13, 7, 41, 1)]
     ref = [tiny.logits(s) for s in seqs]
-    p = tiny.model.new_pool(64, 4)
-    tables = [p.allocate(p.blocks_for(len(s))) for s in seqs]
+    p = Paged(tiny.model, 64, 4)
+    tables = [p.allocate(len(s)) for s in seqs]
     done = [0] * len(seqs)
     chunks = [5, 3, 17, 1]
     while any(d < len(s) for d, s in zip(done, seqs)):
@@ -106,7 +125,7 @@ def test_batched_paged_forward_matches_single_stream(tiny):
             where.append((i, done[i] + n - 1))
             done[i] += n
             chunks[i] = 1 if done[i] > 10 else chunks[i]  # then decode
-        logits = tiny.model.forward_batch(PagedStep.build(p, rows, "cpu"))
+        logits = p.forward(rows)
         for j, (i, pos) in enumerate(where):
             torch.testing.assert_close(logits[j], ref[i][pos], atol=2e-5, rtol=1e-4)
 
@@ -119,17 +138,17 @@ def test_shared_prefix_blocks_give_the_same_logits(tiny_llama_dir):
     torch.manual_seed(1)
     prefix = torch.randint(2, 300, (12,)).tolist()
     a, b = prefix + [5, 6, 7], prefix + [40, 41, 42, 43, 44]
-    p = llm.model.new_pool(32, 4)
-    ta = p.allocate(p.blocks_for(len(a)))
-    llm.model.forward_batch(PagedStep.build(p, [Row(a, 0, ta)], "cpu"))
+    p = Paged(llm.model, 32, 4)
+    ta = p.allocate(len(a))
+    p.forward([Row(a, 0, ta)])
     shared = ta[:3]
-    before = p.k[:, shared].clone()
-    p.share(shared)
-    tb = shared + p.allocate(p.blocks_for(len(b)) - 3)
-    with_sharing = llm.model.forward_batch(PagedStep.build(p, [Row(b[12:], 12, tb)], "cpu"))
-    assert torch.equal(p.k[:, shared], before)
-    fresh = llm.model.new_pool(32, 4)
-    tf = fresh.allocate(fresh.blocks_for(len(b)))
-    without = llm.model.forward_batch(PagedStep.build(fresh, [Row(b, 0, tf)], "cpu"))
+    before = p.kv.k[:, shared].clone()
+    p.pool.share(shared)
+    tb = shared + p.allocate(len(b) - 12)
+    with_sharing = p.forward([Row(b[12:], 12, tb)])
+    assert torch.equal(p.kv.k[:, shared], before)
+    fresh = Paged(llm.model, 32, 4)
+    tf = fresh.allocate(len(b))
+    without = fresh.forward([Row(b, 0, tf)])
     torch.testing.assert_close(with_sharing, without, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(with_sharing[0], llm.logits(b)[-1], atol=1e-5, rtol=1e-4)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from brisk.quant.linear import (Int4Linear, Int8Linear, dequantize_int4, pack_int4, quantize_int4, quantize_int8,
@@ -96,7 +97,7 @@ def test_bad_arguments():
 @pytest.mark.parametrize("method,tol", [("int8", 0.03), ("int4", 0.25)])
 def test_quantized_tiny_model_logits_close(tiny_llama_dir, method, tol):
     from brisk.core import LLM
-    from brisk.core.model import Linear
+    from torch.nn import Linear
 
     llm = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
     ids = llm.prompt_ids("The quick brown fox jumps over the lazy dog.", raw=True)
@@ -168,3 +169,72 @@ def test_int4_at_load_keeps_a_ggufs_4bit_blocks(smollm2_path):
     assert int4.quantization == "int4" and isinstance(int4.model.lm_head, linear.Int4Linear)
     int8 = LLM.load(str(smollm2_path), device="cpu", quantize="int8")
     assert int8.quantization == "int8" and torch.equal(int8.model.lm_head.weight, auto.model.lm_head.weight)
+
+
+# ---------------------------------------------------------------- one forward for every kind
+
+def _zero_point_layer(fmt: str, bits: int = 4, group_size: int = 32, act_order: bool = False):
+    """A GPTQ or AWQ layer [96, 256] with bias, loaded as a checkpoint's would be."""
+    from brisk.quant import awq_format, gptq_format
+
+    torch.manual_seed(bits + group_size)
+    N, K, G = 96, 256, 256 // group_size
+    q = torch.randint(0, 2 ** bits, (N, K), dtype=torch.int32)
+    zeros = torch.randint(1, 2 ** bits, (G, N), dtype=torch.int32)
+    scales = (torch.rand(G, N) * 0.02).half().float()
+    if fmt == "awq":
+        t, cfg = awq_format.pack_layer(q, zeros, scales), awq_format.quantization_config(group_size=group_size)
+    else:
+        g_idx = torch.arange(K) // group_size
+        if act_order:
+            g_idx = g_idx[torch.randperm(K)]
+        t = gptq_format.pack_layer(q, zeros, scales, g_idx, bits)
+        cfg = gptq_format.quantization_config(bits, group_size, desc_act=act_order)
+    return (awq_format if fmt == "awq" else gptq_format).load_linear({f"l.{k}": v for k, v in t.items()}, "l", cfg,
+                                                                        torch.randn(N) * 0.1)
+
+
+def _nf4(layer):
+    from brisk.quant.nf4 import NF4Linear
+
+    return NF4Linear.from_float(layer, "nf4", 64)
+
+
+KINDS = {
+    "int8": (Int8Linear.from_float, True),
+    "int4": (lambda layer: Int4Linear.from_float(layer, 64), True),
+    "gptq act-order": (lambda layer: _zero_point_layer("gptq", 4, 32, act_order=True), True),
+    "gptq 8-bit": (lambda layer: _zero_point_layer("gptq", 8, 128), False),
+    "awq": (lambda layer: _zero_point_layer("awq", 4, 64), True),
+    "nf4": (_nf4, False),
+}
+
+
+def test_quantized_layers_share_one_forward():
+    """Every kind runs QuantLinear.forward; subclasses supply only _matmul, dequantize (and rows,
+    _fallback where they have faster ones)."""
+    from brisk.quant import awq_format, bnb_format, gptq_format  # noqa: F401  (define the other kinds)
+    from brisk.quant.linear import QuantLinear
+
+    kinds, todo = set(), [QuantLinear]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            kinds.add(sub)
+            todo.append(sub)
+    assert {"Int8Linear", "Int4Linear", "ZeroPointLinear", "GPTQLinear", "AWQLinear", "NF4Linear"} \
+        <= {k.__name__ for k in kinds}
+    assert [k.__name__ for k in kinds if "forward" in vars(k)] == []
+
+
+@pytest.mark.filterwarnings("ignore:.*dequantiz")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_kind_computes_its_dequantized_weight(layer, kind, dtype):
+    make, kernel = KINDS[kind]
+    q = make(layer)
+    assert q.use_kernel == kernel
+    x = torch.randn(2, 3, q.in_features).to(dtype)
+    y = q(x)
+    assert y.dtype == dtype and y.shape == (2, 3, q.out_features)
+    ref = F.linear(x.float(), q.dequantize(), q.bias)
+    assert rel_err(y, ref) < (0.01 if dtype == torch.float32 else 0.02)  # bf16 activations or outputs

@@ -47,7 +47,7 @@ def kl_top1(base, other, ids):
 
 
 def float_llm(path):
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     return LLM.load(None if path is None else str(path), device="cpu", dtype="float32", quantize="none")
 
@@ -144,10 +144,10 @@ def test_existing_output_needs_force(tiny_llama_dir, tmp_path):
 def test_not_enough_disk(tiny_llama_dir, tmp_path, monkeypatch):
     import shutil
 
-    from brisk.core import quantize as q
+    from brisk.core.quantize import resume
 
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(q.shutil, "disk_usage", lambda p: usage._replace(free=10_000))
+    monkeypatch.setattr(resume.shutil, "disk_usage", lambda p: usage._replace(free=10_000))
     r = quantize(tiny_llama_dir, tmp_path / "out", "--method", "gptq", *CALIB)
     assert r.exit_code == 1 and "not enough disk space" in r.stderr, r.output
     assert list(tmp_path.iterdir()) == []
@@ -218,7 +218,7 @@ def test_other_arguments_start_over(tiny_llama_dir, tmp_path):
     ("nf4", [], 4e-4), ("fp4", ["--double-quant"], 8e-4), ("int8", [], 2e-6),
 ])
 def test_output_loads_back_close_to_float(tiny_llama_dir, tmp_path, method, extra, max_kl):
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
     from brisk.quant.formats import find_format
 
     out = tmp_path / "out"
@@ -281,27 +281,29 @@ def tiny_mha_dir(tiny_qwen2_dir, tmp_path_factory):
 def test_awq_folding_keeps_the_function(kind, request):
     """Every AWQ scale folded (norm weights with and without Gemma's 1 + w, v_proj rows and bias,
     up_proj rows), the float block computes what it did."""
-    from brisk.core.quantize import _NoCache, awq_groups, fold_scales
+    from brisk.core.kv import NoKV
+    from brisk.core.quantize import awq_groups, fold_scales
 
     llm = float_llm(request.getfixturevalue(kind))
     net = llm.model
     block = net.model.layers[0]
     x = torch.randn(2, 12, llm.config.dim)
-    rope, mask = [(c[:12], s[:12]) for c, s in net.rope], net._masks(0, 12, "cpu")
+    rope, kv = net.rope_at(0, 12), NoKV()
+    kv.begin(0, 12)
     with torch.no_grad():
-        before = block(x, rope, _NoCache, 0, mask)
+        before = block(x, rope, kv)
         groups = awq_groups(block)
         assert len(groups) == (4 if kind == "tiny_mha_dir" else 3)
         gen = torch.Generator().manual_seed(0)
         for prev, names in groups:
             k = block.get_submodule(names[0]).in_features
             fold_scales(block, prev, names, torch.rand(k, generator=gen) * 3 + 0.2)
-        torch.testing.assert_close(block(x, rope, _NoCache, 0, mask), before, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(block(x, rope, kv), before, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind, max_kl", [("tiny_mha_dir", 1.5e-4), ("tiny_gemma3_dir", 4e-3)])  # gemma3: 6 layers
 def test_awq_and_gptq_other_architectures(kind, max_kl, request, tmp_path):
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     model = request.getfixturevalue(kind)
     base = float_llm(model)
@@ -315,7 +317,7 @@ def test_awq_and_gptq_other_architectures(kind, max_kl, request, tmp_path):
 
 def test_gptq_beats_round_to_nearest(tiny_llama_dir, tmp_path):
     """The same bits and groups, rounded to nearest, move the model's output further."""
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
     from brisk.quant.gptq import rtn
 
     out = tmp_path / "out"
@@ -331,7 +333,7 @@ def test_gptq_beats_round_to_nearest(tiny_llama_dir, tmp_path):
 
 def test_sharded_output(tiny_qwen2_dir, tmp_path):
     """A small shard limit gives shards and an index; the model (tied embeddings, q/k/v biases) reloads."""
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     one, many = tmp_path / "one", tmp_path / "many"
     opts = QuantOptions(method="gptq", samples=8, seq_len=64)
@@ -354,7 +356,7 @@ def test_gguf_input(tiny_gguf_path, tmp_path):
     the model close to the GGUF's float weights (dim 16 fits no group size: one group per row)."""
     import transformers as tf
 
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     out = tmp_path / "out"
     r = quantize(tiny_gguf_path, out, "--method", "gptq", "--bits", "8", *CALIB, "--json")
@@ -378,7 +380,7 @@ def test_gguf_input_loads_in_transformers(method, tiny_gguf_path, tmp_path):
 
     tf = pytest.importorskip("transformers")
     pytest.importorskip("bitsandbytes")
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     out = tmp_path / "out"
     assert quantize(tiny_gguf_path, out, "--method", method).exit_code == 0
@@ -428,7 +430,7 @@ def test_default_model_nf4_interrupted_and_resumed(tmp_path):
     again: transformers reads the config, brisk reloads it close to the same format made at load."""
     import transformers as tf
 
-    from brisk.core.engine import LLM
+    from brisk.core.llm import LLM
 
     out = tmp_path / "smol-nf4"
     manifest = tmp_path / "smol-nf4.partial" / "manifest.json"

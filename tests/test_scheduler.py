@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from brisk.core import GREEDY, LLM, BriskError, SamplingParams, Session
-from brisk.core.scheduler import Engine, Request
+from brisk.core.batching import Engine, Request
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from brisk.core import GREEDY, LLM, Session
-from brisk.core.scheduler import Engine, EngineThread
+from brisk.core.batching import Engine, EngineThread
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -263,3 +263,24 @@ def test_serve_refuses_a_busy_port_before_loading(tiny_llama_dir):
         r = subprocess.run([sys.executable, "-c", "from brisk.cli.main import run; run()", "serve", "no/such-model",
                             "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr  # not a model error
+
+
+@pytest.mark.parametrize("path, body, code, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+     "invalid_value", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, "invalid_value", "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "invalid_value", "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]},
+     "invalid_value", "messages[1].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 400}]}, "context_length_exceeded",
+     "messages"),
+    ("/v1/completions", {"prompt": "x " * 400}, "context_length_exceeded", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}, None, None),
+])
+def test_core_errors_map_to_openai_codes_by_class(server, path, body, code, param):
+    """The error's class picks the code and names the field (param); messages name fields, not flags."""
+    status, out = server.raw("POST", path, {"model": "tiny", **body})
+    err = out["error"]
+    assert status == 400 and (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param), out
+    assert "--" not in err["message"]

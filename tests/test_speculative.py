@@ -10,6 +10,7 @@ import torch
 
 from brisk.core import GREEDY, LLM, BriskError, SamplingParams, Session
 from brisk.core import speculative as spec
+from brisk.core.kv import ContiguousKV
 from brisk.core.sampling import probabilities
 from brisk.core.speculative import KPolicy, ModelDrafter, NgramDrafter, Speculator, make_speculator
 
@@ -75,7 +76,7 @@ def test_greedy_identical_to_plain(tiny, prompts, speculators, draft, k):
         assert "".join(pieces) == "".join(plain_pieces) == s.last.text
         assert s.last.finish_reason == plain.last.finish_reason
         # the session ends in the same state: the cache holds the same tokens
-        assert s.ids == plain.ids and s.cache.length == plain.cache.length == len(s.ids)
+        assert s.ids == plain.ids
         st = s.last.spec
         assert st["drafter"] and st["k"] == k and st["accepted"] <= st["drafted"]
         if draft != "paired" and k != "auto":
@@ -105,7 +106,7 @@ def test_stop_eos_and_length_exactly_as_plain(tiny, prompts, speculators, draft)
         got, got_pieces = run(tiny, ids, n=30, stop=(stop,), speculator=sp)
         assert want.last.finish_reason == got.last.finish_reason == "stop"
         assert "".join(got_pieces) == "".join(want_pieces) and stop not in got.last.text
-        assert got.last.tokens == want.last.tokens and got.ids == want.ids and got.cache.length == len(got.ids)
+        assert got.last.tokens == want.last.tokens and got.ids == want.ids
         for n in (1, 3, 7):  # max_tokens: never one token more
             got, _ = run(tiny, ids, n=n, speculator=sp)
             assert got.last.tokens == toks[:n] and got.last.finish_reason == "length"
@@ -119,7 +120,7 @@ def test_stop_eos_and_length_exactly_as_plain(tiny, prompts, speculators, draft)
         tiny.eos_ids = eos
     assert want.last.finish_reason == got.last.finish_reason == "eos"
     assert got.last.tokens == want.last.tokens and toks[5] not in got.last.tokens
-    assert got.ids == want.ids and got.cache.length == len(got.ids)
+    assert got.ids == want.ids
 
 
 def test_session_reuse_across_prompts(tiny, prompts, speculators):
@@ -246,12 +247,11 @@ def test_verify_rule_units():
 
 def assert_cache_holds(model, cache, ids):
     """The cache's K/V equal those of plain decoding of exactly `ids`, one token at a time."""
-    assert cache.length == len(ids)
-    ref = model.new_cache(len(ids) + 1)
+    ref = ContiguousKV.for_model(model, len(ids) + 1)
     with torch.inference_mode():
-        for t in ids:
-            model(torch.tensor([[t]]), ref)
-    n = cache.length
+        for i, t in enumerate(ids):
+            model(torch.tensor([[t]]), i, ref)
+    n = len(ids)
     for layer in range(len(cache.k)):
         torch.testing.assert_close(cache.k[layer][:, :, :n], ref.k[layer][:, :, :n], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(cache.v[layer][:, :, :n], ref.v[layer][:, :, :n], atol=1e-5, rtol=1e-4)
@@ -265,7 +265,7 @@ def test_caches_rolled_back_to_accepted_tokens(tiny, prompts, paired_dir):
     assert st["accepted"] < st["drafted"]  # there were rejected rounds
     assert_cache_holds(tiny.model, s.cache, s.ids)
     sp.drafter.propose(s.ids, 4, GREEDY, None, None)  # the draft cache now holds 3 drafts...
-    assert len(sp.drafter.ids) == len(s.ids) + 3 and sp.drafter.cache.length == len(s.ids) + 3
+    assert len(sp.drafter.ids) == len(s.ids) + 3
     sp.drafter.sync(s.ids)  # ...and rolls back when it next syncs with the accepted text
     assert sp.drafter.ids == s.ids
     assert_cache_holds(draft.model, sp.drafter.cache, s.ids)
@@ -302,7 +302,7 @@ def test_bad_draft_specs(tiny):
     with pytest.raises(BriskError, match="self:int8 or self:int4"):
         make_speculator(tiny, "self:int2")
     for k in ("0", "x", -1):
-        with pytest.raises(BriskError, match="--draft-k"):
+        with pytest.raises(BriskError, match="draft_k"):
             make_speculator(tiny, "ngram", k)
     assert make_speculator(tiny, "ngram", "3").k == 3
 

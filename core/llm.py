@@ -10,9 +10,11 @@ from torch import nn
 
 from .checkpoint import Checkpoint, load_checkpoint
 from .device import pick_device, pick_dtype
-from .errors import BriskError
+from .errors import BriskError, FileError, InvalidValue
+from .kernel_passes import apply_device_kernels
+from .kv import ContiguousKV
 from .model import Transformer
-from ..quant.linear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, replace_linears
+from ..quant.linear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, replace_linears, replace_modules
 
 
 @dataclass
@@ -39,7 +41,7 @@ class LLM:
         quantized, a GPTQ/AWQ/bitsandbytes checkpoint stays in its format, a float one stays float);
         "none" widens everything to `dtype`; int8/int4/nf4 quantize float layers at load."""
         if quantize not in QUANTIZE_CHOICES:
-            raise BriskError(f"--quantize {quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
+            raise InvalidValue("quantize", quantize, "", template=f"{{option}} {quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
         t0 = time.perf_counter()
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
@@ -52,24 +54,22 @@ class LLM:
         net = build_model(ckpt, dev, dt)
         if quantize in ("int8", "int4", "nf4"):
             quantize_at_load(net, quantize)
-        if dev.type == "cuda":
-            net.fuse_projections()  # last: after every layer has its final kind
+        apply_device_kernels(net, dev)  # last: after every layer has its final kind
         ctx = min(ctx or 4096, ckpt.config.max_seq_len)
         if ctx < 16:
-            raise BriskError(f"--ctx {ctx}: too small")
+            raise InvalidValue("ctx", ctx, "", template=f"{{option}} {ctx}: too small")
         net.setup_rope(ctx, dev)
         info = LoadInfo(time.perf_counter() - t0, model_bytes(net), ckpt.file_bytes)
         ckpt.tensors = {}  # the model owns the weights now
         return cls(net, ckpt.tokenizer, ckpt, dev, dt, ctx, info)
 
-    def new_cache(self):
-        return self.model.new_cache(self.ctx)
+    def new_cache(self, max_len: int | None = None, batch: int = 1) -> ContiguousKV:
+        return ContiguousKV.for_model(self.model, max_len or self.ctx, batch)
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Logits for every position of ids, from a fresh cache (tests, eval)."""
-        cache = self.model.new_cache(max(len(ids), 1))
-        return self.model(torch.tensor([ids], device=self.device), cache)[0].float()
+        return self.model(torch.tensor([ids], device=self.device), 0, self.new_cache(max(len(ids), 1)))[0].float()
 
 
     # ------------------------------------------------------------ convenience API
@@ -117,13 +117,13 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
         if isinstance(net.lm_head, QuantLinear):  # tied and quantized: look embeddings up in the head
             net.model.embed_tokens = QuantEmbedding(net.lm_head, dtype)
         elif "model.embed_tokens.weight" not in tensors:
-            raise BriskError(f"{ckpt.name}: checkpoint has no embedding weights")
+            raise FileError("checkpoint has no embedding weights", ckpt.name)
         else:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     expected = {k for k, v in net.state_dict().items() if v.is_meta}
     missing = sorted(expected - tensors.keys())
     if missing:
-        raise BriskError(f"{ckpt.name}: checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
+        raise FileError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]}", ckpt.name)
     state = {}
     converted: dict[int, torch.Tensor] = {}
     for k in expected:
@@ -138,7 +138,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
     try:
         net.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:
-        raise BriskError(f"{ckpt.name}: weights do not match config.json ({str(e).splitlines()[-1].strip()})") from None
+        raise FileError(f"weights do not match config.json ({str(e).splitlines()[-1].strip()})", ckpt.name) from None
     if "rope_freqs" in ckpt.extra:
         net.rope_factors = ckpt.extra["rope_freqs"]
     if cfg.tie_embeddings and not isinstance(net.lm_head, QuantLinear):
@@ -164,10 +164,8 @@ def _place_quantized(net: Transformer, ckpt: Checkpoint) -> None:
         try:
             load_quantized_linears(net, ckpt.tensors, ckpt.quant_config)
         except FormatError as e:
-            raise BriskError(f"{ckpt.name}: {e}") from None
-    for name, layer in modules.items():
-        parent, _, attr = name.rpartition(".")
-        setattr(net.get_submodule(parent) if parent else net, attr, layer)
+            raise FileError(str(e), ckpt.name) from None
+    replace_modules(net, lambda name, m: modules.get(name))
 
 
 def quantize_at_load(net: Transformer, method: str) -> None:
@@ -183,16 +181,17 @@ def quantize_at_load(net: Transformer, method: str) -> None:
         return
     tied = net.cfg.tie_embeddings
     want = Int4Linear if method == "int4" else Int8Linear
-    for name, m in list(net.named_modules()):
+
+    def convert(name, m):
         if isinstance(m, want) or not isinstance(m, (nn.Linear, QuantLinear)):
-            continue
+            return None
         source = SimpleNamespace(weight=m.dequantize(torch.float32), bias=m.bias) if isinstance(m, QuantLinear) else m
         if method == "int4" and source.weight.shape[1] % 32:
-            continue  # stays as it is rather than pad: only odd-shaped heads hit this
-        layer = (Int4Linear.from_float(source, 32, keep_codes=tied and name == "lm_head") if method == "int4"
-                 else Int8Linear.from_float(source))
-        parent, _, attr = name.rpartition(".")
-        setattr(net.get_submodule(parent) if parent else net, attr, layer)
+            return None  # stays as it is rather than pad: only odd-shaped heads hit this
+        return (Int4Linear.from_float(source, 32, keep_codes=tied and name == "lm_head") if method == "int4"
+                else Int8Linear.from_float(source))
+
+    replace_modules(net, convert)
     if tied and isinstance(net.lm_head, QuantLinear):
         net.model.embed_tokens = QuantEmbedding(net.lm_head, net.model.norm.weight.dtype)
     _exact_top_logits(net)

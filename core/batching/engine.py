@@ -1,0 +1,203 @@
+"""Continuous batching: many sequences share one model call per step and one paged KV pool.
+
+The engine loop: the scheduler plans the step (scheduler.py), the step's rows run in one forward
+over the paged KV, each sequence that reached the end of its tokens samples with its own
+parameters and feeds its output stream, and finished sequences leave at once, returning their
+blocks. Engine is single-threaded and driven by step(); EngineThread runs it in the background for
+the HTTP server, taking submissions and cancellations from other threads.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import BriskError, InvalidValue, PromptTooLong
+from ..kv import PagedKV, PagedStep, Row
+from ..kv.paged import BLOCK_SIZE
+from .block_pool import BlockPool
+from .kv_manager import KVManager
+from .scheduler import STEP_TOKENS, Request, Scheduler, Sequence
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_s: float = 0.0
+    decode_steps: int = 0  # steps made of decode rows only
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    prefilled_tokens: int = 0
+    shared_tokens: int = 0  # prompt tokens found in cached blocks instead of computed
+    preemptions: int = 0
+    peak_blocks: int = 0  # most blocks referenced at once
+    peak_tokens: int = 0  # most tokens held at once
+
+    def to_dict(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+def default_kv_tokens(ctx: int) -> int:
+    """Pool size when none is given: two full contexts, at least 16k tokens (pages that are never
+    touched cost no memory on the CPU)."""
+    return max(2 * ctx, 16384)
+
+
+class Engine:
+    def __init__(self, llm, max_batch: int = 16, kv_tokens: int | None = None,
+                 block_size: int = BLOCK_SIZE, step_tokens: int = STEP_TOKENS, prefix_sharing: bool = True):
+        if max_batch < 1:
+            raise BriskError(f"max batch {max_batch}: must be >= 1")
+        self.llm, self.model, self.device = llm, llm.model, llm.device
+        self.ctx = llm.ctx
+        n_blocks = -(-(kv_tokens or default_kv_tokens(llm.ctx)) // block_size)
+        n_blocks = max(n_blocks, -(-self.ctx // block_size) + 1)  # always room for one full-context sequence
+        cfg, w = llm.config, self.model.model.norm.weight
+        self.kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, block_size, w.dtype, w.device)
+        self.pool = BlockPool(n_blocks, block_size)
+        self.kv_manager = KVManager(self.pool, self.kv, prefix_sharing)
+        self.scheduler = Scheduler(self.kv_manager, max_batch, step_tokens)
+        self.stats = EngineStats()
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    # ---------------------------------------------------------------- requests
+    def make_sequence(self, request: Request, on_event=None) -> Sequence:
+        """Check a request and wrap it (no engine state is touched: any thread may call this)."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise BriskError("the prompt is empty")
+        if n >= self.ctx:
+            raise PromptTooLong(n, self.ctx)
+        if request.max_tokens < 1:
+            raise InvalidValue("max_tokens", request.max_tokens, "must be >= 1")
+        return Sequence(request, self.llm.tokenizer, self.llm.eos_ids, self.ctx, on_event)
+
+    def add(self, request: Request | Sequence) -> Sequence:
+        seq = request if isinstance(request, Sequence) else self.make_sequence(request)
+        self.scheduler.add(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a request wherever it is; its blocks go back to the pool."""
+        self.scheduler.remove(seq)
+        if not seq.finished:
+            seq.out.finish("cancelled")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def run(self, requests: list[Request]) -> list[Sequence]:
+        """Generate for all requests (batch mode); sequences come back in the requests' order."""
+        seqs = [self.add(r) for r in requests]
+        while self.has_work():
+            self.step()
+        return seqs
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, str, bool]]:
+        """One forward pass. Returns (sequence, new text, finished) for the sequences that moved."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        rows = [Row(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks,
+                    want_logits=seq.computed + n == len(seq.tokens)) for seq, n in plan]
+        decoding = [n == 1 and seq.computed >= len(seq.request.prompt_ids) for seq, n in plan]
+        step = PagedStep.build(self.kv, rows, self.device)
+        logits = self.model(step.tokens[None], step.positions, step, logit_rows=step.logit_rows)[0]
+        events, j = [], 0
+        greedy = logits.argmax(-1).tolist() if logits.shape[0] else []
+        for (seq, n), row in zip(plan, rows):
+            seq.computed += n
+            self.kv_manager.publish(seq)
+            if not row.want_logits:
+                continue
+            p = seq.request.sampling
+            seen = None if p.repetition_penalty == 1.0 else torch.tensor(seq.tokens, device=self.device)
+            token = greedy[j] if p.greedy and seen is None else seq.sampler(logits[j], seen)
+            j += 1
+            piece = seq.out.push(token)
+            if seq.result.finish_reason != "eos":  # EOS ends the sequence unseen
+                seq.tokens.append(token)
+            events.append((seq, piece, seq.finished))
+        self._track_memory()
+        for seq, _, done in events:
+            if done:
+                self.scheduler.remove(seq)
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.steps, st.step_s = st.steps + 1, st.step_s + dt
+        st.prefilled_tokens += sum(n for (_, n), d in zip(plan, decoding) if not d)  # prompts, recomputation
+        if all(decoding):
+            st.decode_steps, st.decode_s, st.decode_tokens = st.decode_steps + 1, st.decode_s + dt, st.decode_tokens + len(plan)
+        st.shared_tokens, st.preemptions = self.kv_manager.shared_tokens, self.scheduler.preemptions
+        for seq, piece, done in events:
+            if seq.on_event is not None:
+                seq.on_event(seq, piece, done)
+        return events
+
+    def _track_memory(self) -> None:
+        st = self.stats
+        st.peak_blocks = max(st.peak_blocks, self.pool.n_used)
+        st.peak_tokens = max(st.peak_tokens, self.kv_manager.held(self.running))
+
+
+class EngineThread:
+    """Runs an Engine on a background thread. submit() and cancel() may be called from any
+    thread; each sequence's on_event(seq, text, finished) is called from the engine thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: list[tuple[str, Sequence]] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="brisk-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request, on_event) -> Sequence:
+        seq = self.engine.make_sequence(request, on_event)
+        with self._cv:
+            self._inbox.append(("add", seq))
+            self._cv.notify()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        with self._cv:
+            self._inbox.append(("cancel", seq))
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not engine.has_work() and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                ops, self._inbox = self._inbox, []
+            for op, seq in ops:
+                engine.add(seq) if op == "add" else engine.cancel(seq)
+            try:
+                engine.step()
+            except Exception as e:  # fail every request in flight rather than hang them
+                for seq in engine.running + engine.waiting:
+                    seq.error = f"{type(e).__name__}: {e}"
+                    engine.cancel(seq)
+                    if seq.on_event is not None:
+                        seq.on_event(seq, "", True)

@@ -1,0 +1,97 @@
+"""Device kernels put into a loaded Transformer from outside, as gpt-fast applies quantization:
+the model (model.py) stays plain torch, and one walk over its modules swaps in, per device,
+
+- CPU, float32 weights: single-row matmuls through NumPy's OpenBLAS (blas.py says why);
+- CUDA with Triton: fused RMSNorm, rope and gated activation (fused.py), and q/k/v and gate/up
+  joined into one matmul each (quant.linear.concat_linears), saving kernel launches.
+
+Swapped modules are subclasses that change `forward` (or a hook of it) only: parameters, names
+and state dicts stay those of the model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import blas, fused
+from .model import MLP, Attention, RMSNorm
+from ..quant.linear import concat_linears, replace_modules
+
+
+class BlasLinear(nn.Linear):
+    """nn.Linear that sends single-row fp32 CPU inputs to NumPy's BLAS."""
+
+    _np = (None, None)  # (weight, its NumPy view), made on first use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if blas.usable(self.weight) and not x.requires_grad and x.numel() == x.shape[-1]:
+            if self._np[0] is not self.weight:  # object.__setattr__: not a registered parameter
+                object.__setattr__(self, "_np", (self.weight, self.weight.detach().numpy()))
+            y = blas.gemv(x, self._np[1])
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedRMSNorm(RMSNorm):
+    def forward(self, x):
+        return fused.rms_norm(x, self.weight, self.eps, self.offset)
+
+
+class FusedAttention(Attention):
+    """Rope in one kernel; q/k/v in one matmul where join_projections() could join them (the
+    joined layer is held outside the module tree, used while the originals are unchanged)."""
+
+    def project(self, x):
+        joined = self.__dict__.get("_qkv")
+        if joined is not None and joined[1] == (self.q_proj, self.k_proj, self.v_proj):
+            return joined[0](x).split(joined[2], dim=-1)
+        return super().project(x)
+
+    def rotate(self, x, cos, sin):
+        return fused.rope(x, cos, sin)
+
+
+class FusedMLP(MLP):
+    def forward(self, x):
+        joined = self.__dict__.get("_gate_up")
+        if joined is not None and joined[1] == (self.gate_proj, self.up_proj):
+            return self.down_proj(fused.gated_halves(joined[0](x), self.gelu))
+        return self.down_proj(fused.gated(self.gate_proj(x), self.up_proj(x), self.gelu))
+
+
+def apply_device_kernels(net: nn.Module, device: torch.device) -> None:
+    """Swap in the kernels for `device`; call once the layers have their final kinds (after any
+    quantization at load)."""
+    if device.type == "cpu":
+        _swap(net, {nn.Linear: BlasLinear})
+    elif device.type == "cuda" and fused.triton is not None:
+        use_fused_kernels(net)
+
+
+def use_fused_kernels(net: nn.Module) -> None:
+    """The Triton kernels for norms, rope and the activation, and joined projections (CUDA; on
+    CPU tensors too under TRITON_INTERPRET=1, which is how the tests run them)."""
+    _swap(net, {RMSNorm: FusedRMSNorm, Attention: FusedAttention, MLP: FusedMLP})
+    join_projections(net)
+
+
+def _swap(net: nn.Module, classes: dict) -> None:
+    def reclass(name, m):
+        if type(m) in classes:
+            m.__class__ = classes[type(m)]  # a subclass adding no state: nothing else to move
+        return None
+
+    replace_modules(net, reclass)
+
+
+def join_projections(net: nn.Module) -> None:
+    """Join q/k/v and gate/up into one matmul each where their kinds allow (concat_linears)."""
+    for block in net.model.layers:
+        a, m = block.self_attn, block.mlp
+        parts = (a.q_proj, a.k_proj, a.v_proj)
+        if (j := concat_linears(list(parts))) is not None:
+            a.__dict__["_qkv"] = (j, parts, [p.out_features for p in parts])
+        parts = (m.gate_proj, m.up_proj)
+        if (j := concat_linears(list(parts))) is not None:
+            m.__dict__["_gate_up"] = (j, parts)

@@ -1,0 +1,50 @@
+"""The output folder in the format the ecosystem reads: which format module writes the linears,
+the quantization_config that names it, and the folder assembled from the finished blocks (the
+embeddings, norms and lm_head stay float, as GPTQModel and AutoAWQ leave them)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from .. import hf_export
+from .options import QuantOptions
+from .resume import load_layer
+
+
+def choose_format(opts: QuantOptions, dtype: torch.dtype):
+    """The format module (quant/*_format.py) and the quantization_config for config.json."""
+    if opts.method == "gptq":
+        from ...quant import gptq_format as fmt
+
+        return fmt, fmt.quantization_config(bits=opts.bits, group_size=opts.group_size, sym=opts.sym,
+                                            desc_act=opts.act_order, damp=opts.damp)
+    if opts.method == "awq":
+        from ...quant import awq_format as fmt
+
+        return fmt, fmt.quantization_config(bits=opts.bits, group_size=opts.group_size)
+    from ...quant import bnb_format as fmt
+
+    return fmt, fmt.quantization_config(opts.method, double_quant=bool(opts.double_quant), blocksize=64,
+                                        compute_dtype=str(dtype).removeprefix("torch."), skip_modules=["lm_head"])
+
+
+def assemble(net, cfg, ckpt, config, qcfg, opts, dtype, partial: Path, max_shard_bytes: int) -> None:
+    """partial/output: config.json (+ quantization_config), shards, tokenizer, generation config."""
+    dest = partial / "output"
+    if dest.exists():
+        shutil.rmtree(dest)  # from a run that died while writing
+    dest.mkdir()
+    tensors = {"model.embed_tokens.weight": net.model.embed_tokens.weight.to(dtype)}
+    for i in range(cfg.n_layers):
+        tensors.update(load_layer(partial, i))
+    tensors["model.norm.weight"] = net.model.norm.weight.to(dtype)
+    if not cfg.tie_embeddings:
+        tensors["lm_head.weight"] = net.lm_head.weight.to(dtype)
+    hf_export.write_shards(dest, tensors, max_shard_bytes)
+    hf_export.write_json(dest / "config.json", {**config, "quantization_config": qcfg})
+    if opts.method == "gptq":  # the older AutoGPTQ loaders read it from here
+        hf_export.write_json(dest / "quantize_config.json", qcfg)
+    hf_export.write_tokenizer(ckpt, dest)
+    hf_export.write_generation_config(ckpt, dest)

@@ -1,0 +1,121 @@
+"""Each method's recipe for one block, apart from the block loop so that the loop (and resume) is
+the same for every method: a recipe takes the float block and hands back the checkpoint's tensors
+for its linears, and each linear's relative squared error."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .blocks import capture, linears
+
+AWQ_SEARCH_TOKENS = 512  # tokens (evenly strided) the AWQ scale/clip grid searches see: cost is linear in it
+
+# GPTQModel's "true sequential" order: the linears reading one input are quantized together, and
+# each step's inputs come from the block with the earlier steps' linears already quantized.
+GPTQ_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+              ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def gptq_block(block, x, rope, kv, opts):
+    from ...quant.gptq import GPTQ
+
+    lins = linears(block)
+    tensors, errors = {}, {}
+    for names in GPTQ_STEPS:
+        first = GPTQ(lins[names[0]].weight)
+        capture(block, x, rope, kv, {lins[names[0]]: first.add_batch}, stop_at=lins[names[0]])
+        for n in names:
+            g = first if n == names[0] else _same_inputs(GPTQ(lins[n].weight), first)
+            res = g.quantize(bits=opts.bits, group_size=opts.group_size, sym=opts.sym, act_order=opts.act_order,
+                             damp=opts.damp)
+            tensors.update({f"{n}.{k}": v for k, v in res.tensors().items()})
+            errors[n] = float(res.error)
+            lins[n].weight.copy_(res.dequantized)
+    return tensors, errors
+
+
+def _same_inputs(g, src):
+    """Give GPTQ `g` the Hessian `src` accumulated: the linears read the same input, and the
+    Hessian depends on the input only (it is copied before use, so sharing is safe)."""
+    g.H, g.n = src.H, src.n
+    return g
+
+
+# Which captured input each linear reads (q/k/v share one, gate/up another).
+AWQ_FEED = {"self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_attn.q_proj",
+            "self_attn.v_proj": "self_attn.q_proj", "self_attn.o_proj": "self_attn.o_proj",
+            "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.gate_proj", "mlp.down_proj": "mlp.down_proj"}
+
+
+def awq_block(block, x, rope, kv, opts):
+    """AutoAWQ's recipe: scales searched on the float block's inputs for each group of linears that
+    share an input, folded into the op before them; then a clip search per linear (not q/k, whose
+    products go through softmax) on the scaled inputs; then min/max quantization."""
+    from ...quant import awq
+
+    lins = linears(block)
+    feeds = {n: [] for n in dict.fromkeys(AWQ_FEED.values())}
+    capture(block, x, rope, kv, {lins[n]: lambda t, acc=acc: acc.append(t.reshape(-1, t.shape[-1]))
+                                 for n, acc in feeds.items()}, stop_at=lins["mlp.down_proj"])
+    inputs = {n: _subsample(torch.cat(v), AWQ_SEARCH_TOKENS) for n, v in feeds.items()}
+    groups = awq_groups(block)
+    scales = [awq.search_scales(inputs[AWQ_FEED[names[0]]], [lins[n].weight for n in names], opts.bits,
+                                opts.group_size) for _, names in groups]
+    for (prev, names), s in zip(groups, scales):  # all searched first, on the float block, as AutoAWQ does
+        fold_scales(block, prev, names, s)
+        inputs[AWQ_FEED[names[0]]] = inputs[AWQ_FEED[names[0]]] / s
+    tensors, errors = {}, {}
+    for n, lin in lins.items():
+        xs, w = inputs[AWQ_FEED[n]], lin.weight
+        clip = None if n in ("self_attn.q_proj", "self_attn.k_proj") else awq.search_clip(xs, w, opts.bits, opts.group_size)
+        res = awq.quantize(w, opts.bits, opts.group_size, clip=clip, x=xs)
+        tensors.update({f"{n}.{k}": v for k, v in res.tensors().items()})
+        errors[n] = float(res.error)
+    return tensors, errors
+
+
+def awq_groups(block) -> list[tuple[nn.Module, list[str]]]:
+    """(the op before, the linears it feeds) for each AWQ scale: the input norm before q/k/v, the MLP's
+    norm before gate/up (Gemma's pre-feedforward norm), up_proj before down_proj, and v_proj before
+    o_proj when their shapes allow it (not with grouped-query attention)."""
+    mlp_norm = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
+    groups = [(block.input_layernorm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+              (mlp_norm, ["mlp.gate_proj", "mlp.up_proj"]),
+              (block.mlp.up_proj, ["mlp.down_proj"])]
+    attn = block.self_attn
+    if attn.v_proj.weight.shape == attn.o_proj.weight.shape:
+        groups.insert(1, (attn.v_proj, ["self_attn.o_proj"]))
+    return groups
+
+
+def fold_scales(block, prev: nn.Module, names: list[str], s: torch.Tensor) -> None:
+    """Multiply the input columns of the linears `names` by s and divide the output channels of `prev`
+    by s: the block computes the same function, with the salient channels scaled up. prev is an
+    RMSNorm (Gemma's stores w for a scale of 1 + w) or a linear (rows, and bias)."""
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s[:, None])
+        if prev.bias is not None:
+            prev.bias.div_(s)
+    else:
+        prev.weight.copy_((prev.weight + prev.offset) / s - prev.offset)
+    for n in names:
+        block.get_submodule(n).weight.mul_(s)
+
+
+def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if len(x) <= n else x[torch.arange(n) * len(x) // n]
+
+
+def bnb_block(block, opts, fmt, qcfg, dtype):
+    """No calibration: each weight (rounded to the checkpoint's float dtype, what bitsandbytes would
+    quantize) is quantized on its own; the error is the weight's."""
+    tensors, errors = {}, {}
+    for n, lin in linears(block).items():
+        w = lin.weight.to(dtype)
+        t = fmt.quantize_int8(w) if opts.method == "int8" else \
+            fmt.quantize_4bit(w, quant_type=opts.method, blocksize=64, double_quant=opts.double_quant)
+        deq = fmt.load_linear({f"{n}.{k}": v for k, v in t.items()}, n, qcfg, None).dequantize(torch.float32)
+        wf = w.float()
+        errors[n] = float((deq - wf).pow(2).sum() / wf.pow(2).sum().clamp(min=1e-30))
+        tensors.update({f"{n}.{k}": v for k, v in t.items()})
+    return tensors, errors
