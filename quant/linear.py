@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import triton_matmul
+from . import native, triton_matmul
 
 SCALE_DTYPE = torch.bfloat16  # what the CPU kernels take; also the activations they take
 GROUP_SIZES = (32, 64, 128, 256)
@@ -175,6 +175,10 @@ class Int8Linear(QuantLinear):
 
     def _matmul(self, x):
         if self.use_kernel and x.device.type == "cpu":
+            if native.usable(self.in_features):  # float32 out, the same bits for a row whatever the batch
+                if self.__dict__.get("_scales32") is None:
+                    self.__dict__["_scales32"] = self.scales.float()
+                return self.refine(x, native.int8_matmul(x, self.weight, self.__dict__["_scales32"]))
             return self.refine(x, torch._weight_int8pack_mm(x.to(SCALE_DTYPE), self.weight, self.scales))
         return triton_matmul.int8_matmul(x, self.weight, self.scales) if triton_matmul.usable(x) else None
 
@@ -281,14 +285,20 @@ class Int4Linear(QuantLinear):
 
     def _fits(self, layout: str) -> bool:
         N, K, G = self.out_features, self.in_features, self.group_size
+        if layout == "native":
+            return native.usable(K, G)
         if layout == "cpu":
             return G in GROUP_SIZES and N % 32 == 0
         return tinygemm_fits(N, K, G)
 
     def _make_kernel_data(self, q: torch.Tensor) -> None:
-        """From codes [N, K]: the packed kernel data for the layer's device, where a kernel fits."""
+        """From codes [N, K]: the packed kernel data for the layer's device, where a kernel fits.
+        brisk's native kernels read pack_int4's codes as they are (layout "native")."""
         layout = "cpu" if self.scales.device.type == "cpu" else "tinygemm" if self.scales.is_cuda else None
-        if layout and self._fits(layout):
+        if layout == "cpu" and self._fits("native"):
+            self.weight = pack_int4(q) if self.weight is None else self.weight
+            self.use_kernel, self.layout = True, "native"
+        elif layout and self._fits(layout):
             self._set_kernel_data(_pack(q, layout), layout)
         else:
             self.weight = pack_int4(q)
@@ -307,7 +317,7 @@ class Int4Linear(QuantLinear):
     def from_codes(cls, q: torch.Tensor, scales, zeros, group_size: int, bias=None) -> "Int4Linear":
         """From unpacked codes [N, K] (0..15): skips a pack/unpack round trip on the kernel path."""
         N, K = q.shape
-        if scales.device.type == "cpu" and group_size in GROUP_SIZES and N % 32 == 0:
+        if scales.device.type == "cpu" and group_size in GROUP_SIZES and N % 32 == 0 and not native.usable(K, group_size):
             return cls(None, scales, zeros, group_size, bias, kernel_data=_pack(q, "cpu"), shape=(N, K))
         return cls(pack_int4(q), scales, zeros, group_size, bias)
 
@@ -323,9 +333,10 @@ class Int4Linear(QuantLinear):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         device = self.scales.device.type
-        if self.layout is not None and (self.layout == "cpu") != (device == "cpu"):
+        if self.layout is not None and (self.layout in ("cpu", "native")) != (device == "cpu"):
             # Moved between the CPU and CUDA: repack for the kernel of the new device.
-            q = unpack_int4_kernel(self._packed, self.out_features, self.in_features, self.layout)
+            q = unpack_int4(self.weight) if self.layout == "native" else \
+                unpack_int4_kernel(self._packed, self.out_features, self.in_features, self.layout)
             self._packed = self._scales_zeros = None
             self._make_kernel_data(q)
         elif self.layout is None and self.weight is not None and device != "cpu" and self._fits("tinygemm"):
@@ -348,6 +359,8 @@ class Int4Linear(QuantLinear):
         return w.view(*ids.shape, self.in_features)
 
     def _matmul(self, x):
+        if self.layout == "native" and x.device.type == "cpu":
+            return self.refine(x, native.int4_matmul(x, self.weight, self.scales, self.zeros, self.group_size))
         if self.use_kernel and x.device.type == "cpu":
             return self.refine(x, torch._weight_int4pack_mm_for_cpu(x.to(SCALE_DTYPE), self._packed, self.group_size,
                                                                     self._scales_zeros))

@@ -77,9 +77,9 @@ def test_kernel_matches_dequantized_fallback(layer, make):
 
 def test_odd_shapes_fall_back_or_stay_float():
     torch.manual_seed(1)
-    odd_out = nn.Linear(64, 300, bias=False)  # 300 rows: not the int4 kernel's tiling
+    odd_out = nn.Linear(64, 300, bias=False)  # 300 rows: not torch's int4 kernel's tiling
     q = Int4Linear.from_float(odd_out, 32)
-    assert not q.use_kernel
+    assert not q.use_kernel or q.layout == "native"  # the native kernels take any number of rows
     x = torch.randn(3, 64)
     assert rel_err(q(x), odd_out(x)) < 0.1
     model = nn.Sequential(nn.Linear(48, 64))  # 48 columns: no whole group of 32
@@ -136,8 +136,12 @@ def test_refined_head_top_logits_are_float32_exact(cls):
     top = coarse.topk(16, dim=-1).indices  # the outputs refine() recomputed
     assert torch.allclose(fine.gather(1, top), exact.gather(1, top), atol=1e-4)
     assert torch.equal(fine.argmax(-1), exact.argmax(-1))
-    # the bf16 output of the kernel alone is visibly coarser at the top
-    assert (coarse.gather(1, top) - exact.gather(1, top)).abs().max() > 1e-3
+    # the bf16 output of torch's kernel alone is visibly coarser at the top (the native kernels'
+    # output is float32 already)
+    from brisk.quant import native
+
+    if not native.usable(q.in_features):
+        assert (coarse.gather(1, top) - exact.gather(1, top)).abs().max() > 1e-3
 
 
 @pytest.mark.slow
