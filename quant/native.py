@@ -83,9 +83,10 @@ def library():
     lib.bk_q4f_matmul.argtypes = [p, p, p, i, i, i, i, p, p, p, i]
     lib.bk_threads.argtypes = [i]
     lib.bk_q8f_matmul.argtypes = [p, p, i, i, i, p, p, i]
+    lib.bk_q4f_linear.argtypes = [p, p, p, i, i, i, i, p, p, i]
     lib.bk_q8_rows.argtypes = [p, p, i, i, i, p, p, i, i, i]
     for f in (lib.bk_q4_quantize_x, lib.bk_q8_quantize_x, lib.bk_q4_rows, lib.bk_q8_rows, lib.bk_q4f_prepare_x,
-              lib.bk_q4f_rows, lib.bk_q4f_matmul, lib.bk_threads, lib.bk_q8f_matmul):
+              lib.bk_q4f_rows, lib.bk_q4f_matmul, lib.bk_threads, lib.bk_q8f_matmul, lib.bk_q4f_linear):
         f.restype = None
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
     return lib
@@ -125,16 +126,16 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
     float32 [M, N]. The activations stay float32 unless int8_activations (faster integer dot
     products, but on a 135M model KL 0.02 to the float model instead of 0.004: not the default)."""
     lib = library()
-    x = x.float().contiguous()
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
     M, K = x.shape
     N = codes.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
-    scales, zeros = scales.contiguous().view(torch.int16), zeros.contiguous().view(torch.int16)
-    if not int8_activations:
-        xp, xsum = torch.empty(M, K), torch.empty(M, K // QB)
-        lib.bk_q4f_prepare_x(x.data_ptr(), M, K, xp.data_ptr(), xsum.data_ptr())
-        lib.bk_q4f_matmul(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), N, K, group_size, M,
-                          xp.data_ptr(), xsum.data_ptr(), y.data_ptr(), level())
+    if not (codes.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        codes, scales, zeros = codes.contiguous(), scales.contiguous(), zeros.contiguous()
+    if not int8_activations:  # one call: few microseconds of Python per layer
+        lib.bk_q4f_linear(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), N, K, group_size, M,
+                          x.data_ptr(), y.data_ptr(), level())
         return y
     scratch = _scratch(M, K)
     lib.bk_q4_quantize_x(x.data_ptr(), M, K, scratch.data_ptr())

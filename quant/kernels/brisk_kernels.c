@@ -536,3 +536,13 @@ void bk_q8f_matmul(const int8_t *codes, const float *scales, int N, int K, int M
     q8f_job j = {codes, scales, x, N, K, M, level, y};
     parallel_rows(q8f_chunk, &j, N, 64);
 }
+
+/* The whole int4 product in one call (what a layer's forward makes): x prepared, rows threaded. */
+void bk_q4f_linear(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int N, int K, int G,
+                   int M, const float *x, float *y, int level) {
+    float *xp = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * (K / QB)));
+    float *xsum = xp + (size_t)M * K;
+    bk_q4f_prepare_x(x, M, K, xp, xsum);
+    bk_q4f_matmul(codes, scales, zeros, N, K, G, M, xp, xsum, y, level);
+    free(xp);
+}
