@@ -14,7 +14,7 @@ from .cuda_graph import decode_step
 from .errors import BriskError, PromptTooLong
 from .model import LAST
 from .output_stream import GenerationResult, OutputStream
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, extend_seen
 
 PREFILL_CHUNK = 512  # long prompts are prefilled in pieces: bounded activation memory
 
@@ -100,11 +100,12 @@ class Session:
         if sp is not None:
             sp.start(ids, cache)  # catching up with the prompt is not a per-token cost
         while True:
-            ctx = ids + [token]
             if seen is not None:  # the repetition penalty sees the context, then each draft
-                seen = torch.cat([seen, torch.tensor([token], device=dev)])
-            draft = sp.propose(ctx, min(budget - emitted, cache.max_len - len(ctx)) - 1, sampler, seen) \
-                if sp is not None else None
+                seen = extend_seen(seen, [token])
+            draft = None
+            if sp is not None:  # room: what the budget and the cache leave after the pending token
+                room = min(budget - emitted, cache.max_len - len(ids) - 1) - 1
+                draft = sp.propose(ids + [token], room, sampler, seen)
             if draft is not None and draft.tokens:
                 logits = model(torch.tensor([[token] + draft.tokens], device=dev), len(ids), cache)[0]
             else:
@@ -120,7 +121,7 @@ class Session:
                 emitted += 1
                 ids.append(d)
             if seen is not None and n:
-                seen = torch.cat([seen, torch.tensor(draft.tokens[:n], device=dev)])
+                seen = extend_seen(seen, draft.tokens[:n])
             yield token
             emitted += 1
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from . import blas, fused
 from .model import MLP, Attention, RMSNorm
-from ..quant.linear import concat_linears, replace_modules
+from ..quant.linear import concat_linears
 
 
 class BlasLinear(nn.Linear):
@@ -77,12 +77,9 @@ def use_fused_kernels(net: nn.Module) -> None:
 
 
 def _swap(net: nn.Module, classes: dict) -> None:
-    def reclass(name, m):
+    for m in net.modules():
         if type(m) in classes:
             m.__class__ = classes[type(m)]  # a subclass adding no state: nothing else to move
-        return None
-
-    replace_modules(net, reclass)
 
 
 def join_projections(net: nn.Module) -> None:

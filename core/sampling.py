@@ -48,6 +48,11 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return logits
 
 
+def extend_seen(seen: torch.Tensor, extra: list[int]) -> torch.Tensor:
+    """The repetition penalty's ids with `extra` appended (drafts, the next context token)."""
+    return torch.cat([seen, torch.tensor(extra, dtype=seen.dtype, device=seen.device)]) if extra else seen
+
+
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from, after temperature and truncation (float32, [..., V]).
 

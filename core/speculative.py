@@ -29,7 +29,7 @@ from .cuda_graph import decode_step
 from .errors import BriskError, InvalidValue
 from .generate import common_prefix, prefill
 from .kv import ContiguousKV
-from .sampling import SamplingParams, apply_repetition_penalty, probabilities
+from .sampling import SamplingParams, apply_repetition_penalty, extend_seen, probabilities
 
 K_MAX = 12  # most drafts per round for --draft-k auto: beyond it acceptance^K makes drafts worthless
 
@@ -120,7 +120,7 @@ class ModelDrafter(Drafter):
         while True:
             logits = self._logits(logits.float())
             if seen is not None:
-                logits = apply_repetition_penalty(logits, _extend(seen, out), params.repetition_penalty)
+                logits = apply_repetition_penalty(logits, extend_seen(seen, out), params.repetition_penalty)
             if params.greedy:
                 tok = int(logits.argmax())
             else:
@@ -175,10 +175,6 @@ class NgramDrafter(Drafter):
     def propose(self, ctx, k, params, gen, seen):
         size, end = self._match
         return (list(ctx[end:end + k]) if size else []), None
-
-
-def _extend(seen: torch.Tensor, extra: list[int]) -> torch.Tensor:
-    return torch.cat([seen, torch.tensor(extra, dtype=seen.dtype, device=seen.device)]) if extra else seen
 
 
 # ---------------------------------------------------------------- how many tokens to draft
@@ -283,7 +279,7 @@ def verify(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
     kept, the target's next token after them)."""
     k = len(drafts)
     if seen is not None:  # each position sees the drafts before it, as plain decoding would
-        logits = torch.stack([apply_repetition_penalty(logits[i], _extend(seen, drafts[:i]), params.repetition_penalty)
+        logits = torch.stack([apply_repetition_penalty(logits[i], extend_seen(seen, drafts[:i]), params.repetition_penalty)
                               for i in range(k + 1)])
     if params.greedy:
         best = logits.argmax(dim=-1).tolist()

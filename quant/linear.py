@@ -175,10 +175,10 @@ class Int8Linear(QuantLinear):
 
     def _matmul(self, x):
         if self.use_kernel and x.device.type == "cpu":
-            if native.usable(self.in_features):  # float32 out, the same bits for a row whatever the batch
+            if native.usable(self.in_features):  # float32 out (no refine needed), batch-invariant
                 if self.__dict__.get("_scales32") is None:
                     self.__dict__["_scales32"] = self.scales.float()
-                return self.refine(x, native.int8_matmul(x, self.weight, self.__dict__["_scales32"]))
+                return native.int8_matmul(x, self.weight, self.__dict__["_scales32"])
             return self.refine(x, torch._weight_int8pack_mm(x.to(SCALE_DTYPE), self.weight, self.scales))
         return triton_matmul.int8_matmul(x, self.weight, self.scales) if triton_matmul.usable(x) else None
 
@@ -359,8 +359,8 @@ class Int4Linear(QuantLinear):
         return w.view(*ids.shape, self.in_features)
 
     def _matmul(self, x):
-        if self.layout == "native" and x.device.type == "cpu":
-            return self.refine(x, native.int4_matmul(x, self.weight, self.scales, self.zeros, self.group_size))
+        if self.layout == "native" and x.device.type == "cpu":  # float32 out: no refine needed
+            return native.int4_matmul(x, self.weight, self.scales, self.zeros, self.group_size)
         if self.use_kernel and x.device.type == "cpu":
             return self.refine(x, torch._weight_int4pack_mm_for_cpu(x.to(SCALE_DTYPE), self._packed, self.group_size,
                                                                     self._scales_zeros))

@@ -78,15 +78,12 @@ def library():
     lib.bk_cpu_level.restype = i
     lib.bk_q4_quantize_x.argtypes = lib.bk_q8_quantize_x.argtypes = [p, i, i, p]
     lib.bk_q4_rows.argtypes = [p, p, p, i, i, i, i, p, p, i, i, i]
-    lib.bk_q4f_prepare_x.argtypes = [p, i, i, p, p]
-    lib.bk_q4f_rows.argtypes = [p, p, p, i, i, i, i, p, p, p, i, i, i]
-    lib.bk_q4f_matmul.argtypes = [p, p, p, i, i, i, i, p, p, p, i]
     lib.bk_threads.argtypes = [i]
     lib.bk_q8f_matmul.argtypes = [p, p, i, i, i, p, p, i]
     lib.bk_q4f_linear.argtypes = [p, p, p, i, i, i, i, p, p, i]
     lib.bk_q8_rows.argtypes = [p, p, i, i, i, p, p, i, i, i]
-    for f in (lib.bk_q4_quantize_x, lib.bk_q8_quantize_x, lib.bk_q4_rows, lib.bk_q8_rows, lib.bk_q4f_prepare_x,
-              lib.bk_q4f_rows, lib.bk_q4f_matmul, lib.bk_threads, lib.bk_q8f_matmul, lib.bk_q4f_linear):
+    for f in (lib.bk_q4_quantize_x, lib.bk_q8_quantize_x, lib.bk_q4_rows, lib.bk_q8_rows, lib.bk_threads,
+              lib.bk_q8f_matmul, lib.bk_q4f_linear):
         f.restype = None
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
     return lib

@@ -13,6 +13,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from ..kv.paged import blocks_for
+
 
 def block_hash(parent: bytes | None, tokens) -> bytes:
     """The name of a full block: its tokens and (through the parent's name) all before them."""
@@ -43,7 +45,7 @@ class BlockPool:
         return self.n_blocks - self.n_free
 
     def blocks_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.block_size)
+        return blocks_for(n_tokens, self.block_size)
 
     # ---------------------------------------------------------------- allocation
     def allocate(self, n: int) -> list[int]:

@@ -20,6 +20,11 @@ from .base import KV
 BLOCK_SIZE = 8  # tokens per block: the unfilled end of a last block is the waste (measured: 8 is as fast as 16)
 
 
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks that hold n_tokens."""
+    return -(-n_tokens // block_size)
+
+
 class PagedKV:
     """K/V storage for n_blocks blocks of block_size tokens, per layer [n_blocks, block_size, kv_heads,
     head_dim] (token-major, so a gathered block table is a [tokens, kv_heads, head_dim] run)."""
@@ -80,7 +85,6 @@ class PagedStep(KV):
     @classmethod
     def build(cls, kv: PagedKV, rows: list[Row], device) -> "PagedStep":
         bs = kv.block_size
-        blocks_for = lambda n: -(-n // bs)  # noqa: E731
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) != 1)  # decode rows first
         tokens, positions, slots, offsets = [], [], [], {}
         for i in order:
@@ -94,7 +98,7 @@ class PagedStep(KV):
         dec_blocks = dec_lens = None
         if n_decode:
             dec = [rows[i] for i in order[:n_decode]]
-            width = max(blocks_for(r.start + 1) for r in dec)
+            width = max(blocks_for(r.start + 1, bs) for r in dec)
             dec_blocks = torch.tensor([r.blocks[:width] + [0] * (width - len(r.blocks[:width])) for r in dec],
                                       device=device)
             dec_lens = torch.tensor([r.start + 1 for r in dec], device=device)
@@ -102,7 +106,7 @@ class PagedStep(KV):
         for i in order[n_decode:]:
             r = rows[i]
             end = r.start + len(r.tokens)
-            prefills.append((offsets[i], len(r.tokens), r.start, torch.tensor(r.blocks[:blocks_for(end)], device=device)))
+            prefills.append((offsets[i], len(r.tokens), r.start, torch.tensor(r.blocks[:blocks_for(end, bs)], device=device)))
         logit_rows = [offsets[i] + len(rows[i].tokens) - 1 for i in range(len(rows)) if rows[i].want_logits]
         as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         return cls(kv, as_t(tokens), as_t(positions), as_t(slots), n_decode, dec_blocks, dec_lens,

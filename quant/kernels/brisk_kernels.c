@@ -244,7 +244,7 @@ void bk_q8_rows(const int8_t *codes, const float *row_scales, int N, int K, int 
 /* ------------------------------------------------------------------ int4 weights, float32 activations
  * x is prepared once per call: each block of 32 with its even columns first (the codes' nibble
  * order) and its sum; then y = sum_b s_g * (q . x)_b + (z_g - 8 s_g) * sum_b. */
-void bk_q4f_prepare_x(const float *x, int M, int K, float *xp, float *xsum) {
+static void q4f_prepare_x(const float *x, int M, int K, float *xp, float *xsum) {
     for (int m = 0; m < M; m++)
         for (int b = 0; b < K / QB; b++) {
             const float *xb = x + (size_t)m * K + b * QB;
@@ -327,7 +327,7 @@ __attribute__((target("avx2,fma,avx512f"))) static void q4f_tile_avx512(const ui
 }
 #endif
 
-void bk_q4f_rows(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int N, int K, int G,
+static void q4f_rows(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int N, int K, int G,
                  int M, const float *xp, const float *xsum, float *y, int n0, int n1, int level) {
     int nb = K / QB, ng = K / G;
     level = clamp_level(level);
@@ -461,11 +461,11 @@ typedef struct {
 
 static void q4f_chunk(const void *a, int n0, int n1) {
     const q4f_job *j = a;
-    bk_q4f_rows(j->codes, j->scales, j->zeros, j->N, j->K, j->G, j->M, j->xp, j->xsum, j->y, n0, n1, j->level);
+    q4f_rows(j->codes, j->scales, j->zeros, j->N, j->K, j->G, j->M, j->xp, j->xsum, j->y, n0, n1, j->level);
 }
 
-/* bk_q4f_rows over all N rows, split across the pool's threads (bk_threads). */
-void bk_q4f_matmul(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int N, int K, int G,
+/* q4f_rows over all N rows, split across the pool's threads (bk_threads). */
+static void q4f_matmul(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int N, int K, int G,
                    int M, const float *xp, const float *xsum, float *y, int level) {
     q4f_job j = {codes, scales, zeros, N, K, G, M, xp, xsum, y, level};
     parallel_rows(q4f_chunk, &j, N, 64);
@@ -542,7 +542,7 @@ void bk_q4f_linear(const uint8_t *codes, const uint16_t *scales, const uint16_t 
                    int M, const float *x, float *y, int level) {
     float *xp = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * (K / QB)));
     float *xsum = xp + (size_t)M * K;
-    bk_q4f_prepare_x(x, M, K, xp, xsum);
-    bk_q4f_matmul(codes, scales, zeros, N, K, G, M, xp, xsum, y, level);
+    q4f_prepare_x(x, M, K, xp, xsum);
+    q4f_matmul(codes, scales, zeros, N, K, G, M, xp, xsum, y, level);
     free(xp);
 }
