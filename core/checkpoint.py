@@ -246,19 +246,22 @@ def _gguf_header(path: Path):
     return cfg, tok, reader.tensors, arch
 
 
-def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
-    """A GGUF checkpoint. With keep_quantized, Q4_0/Q4_1/Q4_K/Q8_0 weight matrices become quantized layers
-    straight from the file's blocks (quant/gguf_blocks.py); every other tensor is widened to float.
-    Float tensors of quantized types come from a converted copy cached beside the header (safetensors,
+def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks: bool = False) -> Checkpoint:
+    """A GGUF checkpoint. With keep_quantized, weight matrices stay quantized: with native_blocks (the
+    CPU with brisk's native kernels) every type those read stays in the file's own blocks, memory-mapped
+    (quant/gguf_linear.py); otherwise Q4_0/Q4_1/Q4_K/Q8_0 are repacked for torch's kernels
+    (quant/gguf_blocks.py, cached beside the header). Every other tensor is widened to float; float
+    tensors of quantized types come from a converted copy cached beside the header (safetensors,
     memory-mapped), so the slow dequantization happens once per file."""
     import numpy as np
 
-    from ..quant import gguf_blocks
+    from ..quant import gguf_blocks, native
     from .gguf_file import dequantize_tensor
 
     cfg, tok, table, arch = _gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    layers = _repacked_cache(path) if keep_quantized else None
+    native_blocks = native_blocks and keep_quantized
+    layers = _repacked_cache(path) if keep_quantized and not native_blocks else None
     modules, tensors, extra, need_cache, fresh, widened = {}, {}, {}, [], {}, set()
     for t in table:
         hf = gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight" else "rope_freqs"
@@ -267,6 +270,9 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
         layer = hf.removesuffix(".weight")
         if layers is not None and layer in layers:
             modules[layer] = layers[layer]
+        elif (native_blocks and len(t.shape) == 2 and native.takes(t.qtype, t.shape[1])
+                and hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))):
+            modules[layer] = _native_layer(data, t, _row_order(hf, t.shape[0], arch, cfg))
         elif (keep_quantized and len(t.shape) == 2 and gguf_blocks.fits(t.qtype, t.shape[1])
                 and hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))):
             raw = data[t.offset:t.offset + t.nbytes]
@@ -284,8 +290,8 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
         import gguf
 
         names = ", ".join(sorted(gguf.GGMLQuantizationType(q).name for q in widened))
-        warnings.warn(f"{names} weights have no quantized kernel in brisk yet: widened to float "
-                      "(Q4_0, Q4_1, Q4_K and Q8_0 stay quantized)")
+        kept = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q6_K" if native_blocks else "Q4_0, Q4_1, Q4_K and Q8_0"
+        warnings.warn(f"{names} weights have no quantized kernel in brisk yet: widened to float ({kept} stay quantized)")
     if fresh:  # every repacked layer, not just the new ones: a cache from an older brisk may lack some
         _save_repacked(path, modules)
     if need_cache:
@@ -293,12 +299,29 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True) -> Checkpoint:
     if "rope_freqs" in tensors:
         extra["rope_freqs"] = tensors.pop("rope_freqs")
     if "model.embed_tokens" in modules:
-        if not cfg.tie_embeddings:
+        if not cfg.tie_embeddings and native_blocks:
+            extra["embed_layer"] = modules.pop("model.embed_tokens")  # looked up row by row, never widened
+        elif not cfg.tie_embeddings:
             # An untied quantized embedding table is only ever gathered from: widen it.
             tensors["model.embed_tokens.weight"] = modules.pop("model.embed_tokens").dequantize()
         else:
             modules["lm_head"] = modules.pop("model.embed_tokens")
     return Checkpoint(name, "gguf", path, cfg, tensors, tok, {}, extra, modules=modules)
+
+
+def _native_layer(data, t, order: torch.Tensor | None):
+    """A GGUF weight as a GGUFLinear over the file's bytes (a copy only where rows must be reordered)."""
+    from ..quant.gguf_linear import GGUFLinear
+
+    rows = t.shape[0]
+    raw = data[t.offset:t.offset + t.nbytes].reshape(rows, -1)
+    if order is not None:
+        blocks = torch.from_numpy(raw[order.numpy()])
+    else:
+        with warnings.catch_warnings():  # read-only memory map: the kernels never write to it
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(raw)
+    return GGUFLinear(blocks, t.qtype, rows, t.shape[1])
 
 
 def _repacked_file(path: Path) -> Path:
@@ -416,7 +439,7 @@ def _save_cache(dest: Path, info: dict, tok) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_checkpoint(name: str | None, keep_quantized: bool = True) -> Checkpoint:
+def load_checkpoint(name: str | None, keep_quantized: bool = True, native_blocks: bool = False) -> Checkpoint:
     display, path = resolve(name)
     if path.is_file():
         if path.suffix in (".safetensors", ".bin", ".pt"):
@@ -425,5 +448,5 @@ def load_checkpoint(name: str | None, keep_quantized: bool = True) -> Checkpoint
             magic = f.read(4)
         if magic != b"GGUF":
             raise FileError(f"not a GGUF file (bad magic {magic!r})", name)
-        return load_gguf(display, path, keep_quantized)
+        return load_gguf(display, path, keep_quantized, native_blocks)
     return load_hf_folder(display, path)

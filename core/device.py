@@ -22,11 +22,15 @@ def pick_device(name: str = "auto") -> torch.device:
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # GPU: bf16 halves the bytes per token. CPU: fp32 measured fastest on AVX2 machines
-        # without native bf16 matmul (see bench/RESULTS.md); bf16 only wins with AMX/avx512_bf16.
+        # GPU: bf16 halves the bytes per token. CPU: float32 where brisk's native kernels run (they
+        # take and return float32, and float32 everywhere keeps a row's result independent of its
+        # batch); without them fp32 measured fastest on AVX2 machines without native bf16 matmul
+        # (see bench/RESULTS.md), bf16 only wins with AMX/avx512_bf16.
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        from ..quant import native
+
+        return torch.bfloat16 if cpu_has_fast_bf16() and not native.available() else torch.float32
     if name not in DTYPES:
         raise InvalidValue("dtype", name, "must be auto, float32, bfloat16 or float16")
     return DTYPES[name]

@@ -14,6 +14,8 @@ from .errors import BriskError, FileError, InvalidValue
 from .kernel_passes import apply_device_kernels
 from .kv import ContiguousKV
 from .model import Transformer
+from ..quant import gguf_blocks, native
+from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, replace_linears, replace_modules
 
 
@@ -47,7 +49,8 @@ class LLM:
         dt = pick_dtype(dtype, dev)
         # int8/int4 keep a GGUF's blocks too: the layers already of that width stay as they are, the
         # others are converted one layer at a time (never the whole model in float)
-        ckpt = load_checkpoint(model, keep_quantized=quantize in ("auto", "int8", "int4"))
+        ckpt = load_checkpoint(model, keep_quantized=quantize in ("auto", "int8", "int4"),
+                               native_blocks=dev.type == "cpu" and native.available())
         if ckpt.quant_config and quantize != "auto":
             raise BriskError(f"{ckpt.name} is already quantized ({ckpt.quant_config.get('quant_method', '?')}); "
                              "--quantize applies to float and GGUF checkpoints")
@@ -113,7 +116,9 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
         net = Transformer(cfg)
     tensors = ckpt.tensors
     _place_quantized(net, ckpt)
-    if cfg.tie_embeddings or ("lm_head.weight" not in tensors and not isinstance(net.lm_head, QuantLinear)):
+    if "embed_layer" in ckpt.extra:  # an untied quantized table: lookups dequantize the rows they need
+        net.model.embed_tokens = QuantEmbedding(ckpt.extra.pop("embed_layer"), dtype, owner=True)
+    elif cfg.tie_embeddings or ("lm_head.weight" not in tensors and not isinstance(net.lm_head, QuantLinear)):
         if isinstance(net.lm_head, QuantLinear):  # tied and quantized: look embeddings up in the head
             net.model.embed_tokens = QuantEmbedding(net.lm_head, dtype)
         elif "model.embed_tokens.weight" not in tensors:
@@ -185,6 +190,13 @@ def quantize_at_load(net: Transformer, method: str) -> None:
     def convert(name, m):
         if isinstance(m, want) or not isinstance(m, (nn.Linear, QuantLinear)):
             return None
+        if isinstance(m, GGUFLinear) and gguf_blocks.fits(m.qtype, m.in_features):
+            # a GGUF's 4-bit blocks carry over into int4 exactly (Q8_0 into int8 per row), no float copy
+            layer = gguf_blocks.to_layer(m.blocks.numpy(), m.out_features, m.in_features, m.qtype)
+            if isinstance(layer, want):
+                if tied and name == "lm_head" and isinstance(layer, Int4Linear):
+                    layer.keep_codes = True
+                return layer
         source = SimpleNamespace(weight=m.dequantize(torch.float32), bias=m.bias) if isinstance(m, QuantLinear) else m
         if method == "int4" and source.weight.shape[1] % 32:
             return None  # stays as it is rather than pad: only odd-shaped heads hit this
@@ -220,4 +232,6 @@ def _format_word(layer: QuantLinear) -> str:
         return f"{name[:-6].lower()}-{layer.bits}bit"
     if name == "NF4Linear":
         return layer.quant_type
+    if name == "GGUFLinear":
+        return layer.type_name.lower()
     return name.removesuffix("Linear").lower()  # Int4Linear -> int4, Int8Linear -> int8

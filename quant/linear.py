@@ -173,12 +173,21 @@ class Int8Linear(QuantLinear):
     def rows(self, ids, dtype=torch.float32):
         return (self.weight[ids].float() * self.scales[ids].float()[..., None]).to(dtype)
 
+    def _native(self) -> native.NativeWeight:
+        nw = self.__dict__.get("_native_weight")
+        if nw is None:  # built on first use, after any move between devices
+            nw = self.__dict__["_native_weight"] = native.NativeWeight(
+                native.I8R, self.out_features, self.in_features, self.weight, row_scales=self.scales)
+        return nw
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_native_weight", None)
+        return super()._apply(fn, recurse)
+
     def _matmul(self, x):
         if self.use_kernel and x.device.type == "cpu":
             if native.usable(self.in_features):  # float32 out (no refine needed), batch-invariant
-                if self.__dict__.get("_scales32") is None:
-                    self.__dict__["_scales32"] = self.scales.float()
-                return native.int8_matmul(x, self.weight, self.__dict__["_scales32"])
+                return self._native().matmul(x)
             return self.refine(x, torch._weight_int8pack_mm(x.to(SCALE_DTYPE), self.weight, self.scales))
         return triton_matmul.int8_matmul(x, self.weight, self.scales) if triton_matmul.usable(x) else None
 
@@ -330,7 +339,15 @@ class Int4Linear(QuantLinear):
             return self.weight
         return pack_int4(unpack_int4_kernel(self._packed, self.out_features, self.in_features, self.layout))
 
+    def _native(self) -> native.NativeWeight:
+        nw = self.__dict__.get("_native_weight")
+        if nw is None:  # built on first use, after any move between devices
+            nw = self.__dict__["_native_weight"] = native.NativeWeight(
+                native.I4G, self.out_features, self.in_features, self.weight, self.scales, self.zeros, self.group_size)
+        return nw
+
     def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_native_weight", None)
         out = super()._apply(fn, recurse)
         device = self.scales.device.type
         if self.layout is not None and (self.layout in ("cpu", "native")) != (device == "cpu"):
@@ -352,6 +369,8 @@ class Int4Linear(QuantLinear):
         return dequantize_int4(self.codes(), self.scales, self.zeros, self.group_size, dtype)
 
     def rows(self, ids, dtype=torch.float32):
+        if self.layout == "native" and ids.device.type == "cpu":
+            return self._native().rows(ids).to(dtype)
         if self.weight is None:  # an embedding reads rows every step: keep our layout from now on
             self.weight = self.codes()
         flat = ids.reshape(-1)
@@ -360,7 +379,7 @@ class Int4Linear(QuantLinear):
 
     def _matmul(self, x):
         if self.layout == "native" and x.device.type == "cpu":  # float32 out: no refine needed
-            return native.int4_matmul(x, self.weight, self.scales, self.zeros, self.group_size)
+            return self._native().matmul(x)
         if self.use_kernel and x.device.type == "cpu":
             return self.refine(x, torch._weight_int4pack_mm_for_cpu(x.to(SCALE_DTYPE), self._packed, self.group_size,
                                                                     self._scales_zeros))
@@ -426,9 +445,13 @@ class QuantEmbedding(nn.Module):
     """The token embedding of a model whose (tied) output layer is quantized: lookups dequantize
     just the rows they need from that layer, so the table is not held a second time in float."""
 
-    def __init__(self, head: QuantLinear, dtype: torch.dtype):
+    def __init__(self, head: QuantLinear, dtype: torch.dtype, owner: bool = False):
+        """owner: the table is this embedding's own (untied), not the output layer's."""
         super().__init__()
-        object.__setattr__(self, "head", head)  # not a submodule: the head owns (and saves) the weights
+        if owner:
+            self.head = head
+        else:
+            object.__setattr__(self, "head", head)  # not a submodule: the head owns (and saves) the weights
         if isinstance(head, Int4Linear):
             head.keep_codes = True  # rows are looked up every step: keep them in our layout
         self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype

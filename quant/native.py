@@ -1,16 +1,15 @@
-"""brisk's native CPU kernels (kernels/brisk_kernels.c): built on first use with the platform's C
-compiler (about a second), cached, loaded with ctypes; None where that cannot be done, and brisk
+"""brisk's native CPU kernels (kernels/*.c, *.h): built on first use with the platform's C
+compiler (about two seconds), cached, loaded with ctypes; None where that cannot be done, and brisk
 then runs torch's kernels, saying so once.
 
-Opt-in for now (BRISK_NATIVE=1): measured on our 2-core EPYC (bench/native_ab.py, RESULTS.md) they
-are exact (float32 activations: the dequantized model's products up to float32 round-off) and
-batch-invariant (a row's bits do not depend on its batch, which keeps greedy speculative and
-batched decoding equal to plain decoding), but single-threaded and row-by-row: decode 0.66-0.81x
-and prefill 0.2-0.33x of torch's int4 kernel. A thread split and a GEMM tile for prefill come next.
-
-The library is plain C (no Python or torch headers), so one build serves every Python and torch
-version; it picks AVX-512 VNNI, AVX2+FMA or plain C at run time. ctypes releases the GIL during a
-call. BRISK_NATIVE_LEVEL=0|1|2 caps the path (scalar, AVX2, VNNI) for tests.
+One product for every weight format (GGUF's Q4_0..Q8_0 and K-quants, brisk's int4 groups and int8
+rows): tiles of weight rows dequantized to float32 in a small buffer and multiplied with float32
+activations. Exact to the widened model up to float32 summation order, and batch-invariant (a row's
+bits do not depend on how many rows share the call), which keeps greedy speculative and batched
+decoding equal to plain decoding. The library is plain C (no Python or torch headers), so one build
+serves every Python and torch version; it picks AVX-512, AVX2+FMA or plain C (NEON on ARM through the
+compiler) at run time; BRISK_NATIVE_LEVEL=0|1|2 caps the path for tests. ctypes releases the GIL
+during a call. BRISK_NATIVE=0 turns the kernels off (torch's kernels then run).
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -26,10 +26,16 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels") / "brisk_kernels.c"
-QB = 32  # the activations' block: K must be a multiple of it
-LEVELS = ("scalar", "avx2", "avx512-vnni")
-ENABLED = os.environ.get("BRISK_NATIVE", "0") == "1"  # layers built while it is on use the kernels
+KERNELS = Path(__file__).with_name("kernels")
+SOURCE = KERNELS / "brisk_kernels.c"
+QB = 32  # every format's rows are whole blocks of 32 (or 256) weights
+LEVELS = ("plain", "avx2", "avx512")
+ENABLED = os.environ.get("BRISK_NATIVE", "1") != "0"  # layers built while it is on use the kernels
+I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
+GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
+              13: "Q5_K", 14: "Q6_K"}
+BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
+         12: (256, 144), 13: (256, 176), 14: (256, 210)}  # (weights, bytes) per block
 
 
 def _cache_dir() -> Path:
@@ -38,14 +44,39 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile the library (if its source changed since the last build); returns its path."""
+# tiles.c once per instruction set (function names suffixed), dispatched at run time by brisk_kernels.c
+X86_LEVELS = {"plain": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
+              "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                         "-mprefer-vector-width=512"]}
+# gnu11, not c11: strict ISO C turns off contracting a * b + c into one fused multiply-add
+FLAGS = ["-O3", "-fPIC", "-std=gnu11", "-ffp-contract=fast", "-Wno-psabi", "-pthread"]
+
+
+def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
-    src = SOURCE.read_bytes()
-    flags = ["-O3", "-shared", "-fPIC", "-std=c11", "-pthread"]
-    tag = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    return cc
+
+
+def _compile_commands(cc: str, out_dir: Path, x86: bool) -> tuple[list[list[str]], list[Path]]:
+    levels = X86_LEVELS if x86 else {"plain": []}
+    cmds, objs = [], []
+    for name, flags in levels.items():
+        obj = out_dir / f"tiles_{name}.o"
+        cmds.append([cc, *FLAGS, *flags, f"-DBK_SUFFIX=_{name}", "-c", str(KERNELS / "tiles.c"), "-o", str(obj)])
+        objs.append(obj)
+    obj = out_dir / "brisk_kernels.o"
+    cmds.append([cc, *FLAGS, f"-DBK_LEVELS={len(levels)}", "-c", str(SOURCE), "-o", str(obj)])
+    return cmds, objs + [obj]
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the library (if its sources changed since the last build); returns its path."""
+    cc = _compiler()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    src = b"".join(f.read_bytes() for f in sorted(KERNELS.glob("*.[ch]")))
+    tag = hashlib.sha256(src + " ".join([cc, *FLAGS, str(x86)]).encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     lib = out_dir / f"libbrisk_kernels-{tag}.so"
     if lib.exists():
@@ -53,9 +84,15 @@ def build(out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # built aside, then moved in whole
         tmp_lib = Path(tmp) / lib.name
+        cmds, objs = _compile_commands(cc, Path(tmp), x86)
         try:
-            r = subprocess.run([cc, *flags, "-o", str(tmp_lib), str(SOURCE), "-lm"], capture_output=True, text=True,
-                               timeout=120)
+            procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+            results = [(p, *p.communicate(timeout=120)) for p in procs]
+            for p, _, err in results:
+                if p.returncode != 0:
+                    raise RuntimeError(f"{cc} failed: {err.strip().splitlines()[-1] if err.strip() else p.returncode}")
+            r = subprocess.run([cc, "-shared", "-pthread", "-o", str(tmp_lib), *map(str, objs), "-lm"],
+                               capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
             raise RuntimeError(f"cannot run {cc}: {e}") from None
         if r.returncode != 0:
@@ -64,11 +101,16 @@ def build(out_dir: Path | None = None) -> Path:
     return lib
 
 
+class Weight(ctypes.Structure):
+    """bk_weight in brisk_kernels.c: one weight matrix as the kernels see it."""
+    _fields_ = [("type", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("group", ctypes.c_int),
+                ("data", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("scales", ctypes.c_void_p),
+                ("zeros", ctypes.c_void_p), ("row_scales", ctypes.c_void_p)]
+
+
 @functools.cache
 def library():
     """The loaded library, or None (said once) where it cannot be built or loaded."""
-    if not ENABLED:
-        return None
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError) as e:
@@ -76,32 +118,27 @@ def library():
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.bk_cpu_level.restype = i
-    lib.bk_q4_quantize_x.argtypes = lib.bk_q8_quantize_x.argtypes = [p, i, i, p]
-    lib.bk_q4_rows.argtypes = [p, p, p, i, i, i, i, p, p, i, i, i]
-    lib.bk_threads.argtypes = [i]
-    lib.bk_q8f_matmul.argtypes = [p, p, i, i, i, p, p, i]
-    lib.bk_q4f_linear.argtypes = [p, p, p, i, i, i, i, p, p, i]
-    lib.bk_q8_rows.argtypes = [p, p, i, i, i, p, p, i, i, i]
-    for f in (lib.bk_q4_quantize_x, lib.bk_q8_quantize_x, lib.bk_q4_rows, lib.bk_q8_rows, lib.bk_threads,
-              lib.bk_q8f_matmul, lib.bk_q4f_linear):
-        f.restype = None
+    lib.bk_threads.argtypes, lib.bk_threads.restype = [i], None
+    lib.bk_matmul.argtypes, lib.bk_matmul.restype = [ctypes.POINTER(Weight), i, p, p, i], i
+    lib.bk_dequant_rows.argtypes, lib.bk_dequant_rows.restype = [ctypes.POINTER(Weight), p, i, p, i], i
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
     return lib
 
 
 def set_threads(n: int) -> None:
     """Threads the kernels split rows across (default: torch's, i.e. the physical cores)."""
-    if library() is not None:
+    if available():
         library().bk_threads(max(1, n))
 
 
 def available() -> bool:
-    return library() is not None
+    """Whether the kernels are on (BRISK_NATIVE is not 0) and built."""
+    return ENABLED and library() is not None
 
 
 @functools.cache
 def level() -> int:
-    """The instruction set the kernels use: 0 scalar, 1 AVX2+FMA, 2 AVX-512 VNNI (level.cache_clear()
+    """The instruction set the kernels use: 0 plain C, 1 AVX2+FMA, 2 AVX-512 (level.cache_clear()
     after changing BRISK_NATIVE_LEVEL)."""
     best = library().bk_cpu_level()
     cap = os.environ.get("BRISK_NATIVE_LEVEL")
@@ -110,54 +147,52 @@ def level() -> int:
 
 def usable(K: int, group_size: int | None = None) -> bool:
     """Whether the native kernels are here and take rows of K inputs (groups of group_size)."""
-    return ENABLED and K % QB == 0 and (group_size is None or group_size % QB == 0) and available()
+    return K % QB == 0 and (group_size is None or group_size % 2 == 0 and K % group_size == 0) and available()
 
 
-def _scratch(M: int, K: int) -> torch.Tensor:
-    return torch.empty(M * K + 8 * M * (K // QB), dtype=torch.uint8)
+def takes(qtype: int, K: int) -> bool:
+    """Whether the kernels read GGUF type qtype with rows of K weights."""
+    return qtype in BLOCK and K % BLOCK[qtype][0] == 0 and usable(K)
 
 
-def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int, int8_activations: bool = False) -> torch.Tensor:
-    """x [M, K] (float) times an int4 weight (codes uint8 [N, K/2], bf16 scales/zeros [N, K/G]):
-    float32 [M, N]. The activations stay float32 unless int8_activations (faster integer dot
-    products, but on a 135M model KL 0.02 to the float model instead of 0.004: not the default)."""
-    lib = library()
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
-    M, K = x.shape
-    N = codes.shape[0]
-    y = torch.empty(M, N, dtype=torch.float32)
-    if not (codes.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-        codes, scales, zeros = codes.contiguous(), scales.contiguous(), zeros.contiguous()
-    if not int8_activations:  # one call: few microseconds of Python per layer
-        lib.bk_q4f_linear(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), N, K, group_size, M,
-                          x.data_ptr(), y.data_ptr(), level())
+class NativeWeight:
+    """A weight matrix the kernels read in place: the tensors (kept alive here) and their description."""
+
+    def __init__(self, kind: int, N: int, K: int, data: torch.Tensor, scales: torch.Tensor | None = None,
+                 zeros: torch.Tensor | None = None, group: int = 0, row_scales: torch.Tensor | None = None):
+        if kind in BLOCK:
+            row_bytes = K // BLOCK[kind][0] * BLOCK[kind][1]
+        else:
+            row_bytes = K // 2 if kind == I4G else K
+        if not data.is_contiguous() or data.numel() * data.element_size() != N * row_bytes:
+            raise ValueError(f"{data.numel() * data.element_size()} bytes for a [{N}, {K}] weight of kind {kind}")
+        if kind == I4G and (scales.dtype != torch.bfloat16 or zeros.dtype != torch.bfloat16):
+            scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
+        self.tensors = [t.contiguous() if t is not None else None for t in (data, scales, zeros, row_scales)]
+        self.tensors[3] = None if row_scales is None else self.tensors[3].float().contiguous()
+        ptr = [t.data_ptr() if t is not None else None for t in self.tensors]
+        self.desc = Weight(kind, N, K, group, ptr[0], row_bytes, ptr[1], ptr[2], ptr[3])
+        self.N, self.K = N, K
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (any float dtype) times the weight's transpose: float32 [M, N]."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.N, dtype=torch.float32)
+        if library().bk_matmul(self.desc, x.shape[0], x.data_ptr(), y.data_ptr(), level()):
+            raise ValueError(f"the native kernels do not take this weight (kind {self.desc.type}, K {self.K})")
         return y
-    scratch = _scratch(M, K)
-    lib.bk_q4_quantize_x(x.data_ptr(), M, K, scratch.data_ptr())
-    lib.bk_q4_rows(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), N, K, group_size, M,
-                   scratch.data_ptr(), y.data_ptr(), 0, N, level())
-    return y
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized: float32 [*ids.shape, K]."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.K, dtype=torch.float32)
+        if library().bk_dequant_rows(self.desc, flat.data_ptr(), flat.numel(), out.data_ptr(), level()):
+            raise IndexError(f"row ids outside 0..{self.N - 1}")
+        return out.view(*ids.shape, self.K)
 
-def int8_matmul(x: torch.Tensor, codes: torch.Tensor, row_scales: torch.Tensor,
-                int8_activations: bool = False) -> torch.Tensor:
-    """x [M, K] (float) times an int8 weight (codes int8 [N, K], float32 scales [N]): float32 [M, N],
-    activations in float32 (or, int8_activations, quantized per block of 32)."""
-    lib = library()
-    x = x.float().contiguous()
-    codes, row_scales = codes.contiguous(), row_scales.float().contiguous()
-    M, K = x.shape
-    N = codes.shape[0]
-    y = torch.empty(M, N, dtype=torch.float32)
-    if not int8_activations:
-        lib.bk_q8f_matmul(codes.data_ptr(), row_scales.data_ptr(), N, K, M, x.data_ptr(), y.data_ptr(), level())
-        return y
-    scratch = _scratch(M, K)
-    lib.bk_q8_quantize_x(x.data_ptr(), M, K, scratch.data_ptr())
-    lib.bk_q8_rows(codes.data_ptr(), row_scales.data_ptr(), N, K, M, scratch.data_ptr(), y.data_ptr(), 0, N, level())
-    return y
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.N))
 
 
 if __name__ == "__main__":  # `python -m brisk.quant.native`: build now (make install does), say where

@@ -148,3 +148,16 @@ def default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture(params=[0, 1, 2], ids=["plain", "avx2", "avx512"])
+def level(request, monkeypatch):
+    """Each instruction-set level of brisk's native kernels this CPU has (BRISK_NATIVE_LEVEL)."""
+    from brisk.quant import native
+
+    if request.param > native.library().bk_cpu_level():
+        pytest.skip("this CPU lacks that instruction set")
+    monkeypatch.setenv("BRISK_NATIVE_LEVEL", str(request.param))
+    native.level.cache_clear()
+    yield request.param
+    native.level.cache_clear()

@@ -315,7 +315,7 @@ def test_generate_interrupted_exits_130():
     import signal
     import time
 
-    p = subprocess.Popen(BRISK + ["generate", "Count from one to one thousand in words.", "-n", "3000",
+    p = subprocess.Popen(BRISK + ["generate", "Write a long story about a dragon who learns to fly.", "-n", "3000",
                                   "--temperature", "0"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, preexec_fn=default_sigint)
     try:

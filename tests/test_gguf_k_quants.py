@@ -9,6 +9,14 @@ from brisk.core import LLM
 from brisk.quant import gguf_blocks
 from brisk.quant.linear import Int4Linear, Int8Linear, unpack_int4
 
+
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """Loads as on a machine without brisk's native kernels (or on CUDA): blocks repacked for torch's."""
+    from brisk.quant import native
+
+    monkeypatch.setattr(native, "ENABLED", False)
+
 Q4_K = int(gguf.GGMLQuantizationType.Q4_K)
 
 
@@ -78,7 +86,7 @@ def test_q4_k_rows_permute_and_cache():
 
 
 @pytest.mark.slow
-def test_gemma_q4_k_layers_load_as_int4(gemma_path):
+def test_gemma_q4_k_layers_load_as_int4(gemma_path, torch_kernels):
     q = LLM.load(str(gemma_path), device="cpu", dtype="float32")  # quantize="auto": keep the blocks
     f = LLM.load(str(gemma_path), device="cpu", dtype="float32", quantize="none")
     table = {t.name: t.tensor_type for t in gguf.GGUFReader(gemma_path).tensors}
@@ -103,3 +111,26 @@ def test_gemma_q4_k_layers_load_as_int4(gemma_path):
     assert isinstance(again.model.model.layers[5].self_attn.o_proj, Int4Linear)
     assert isinstance(again.model.lm_head, Int8Linear)
     assert torch.equal(again.logits(ids), lq)
+
+
+@pytest.mark.slow
+def test_gemma_keeps_every_k_quant_block(gemma_path):
+    """Gemma 3 270M Q4_K_M on the native kernels: Q4_K, Q5_0, Q6_K and Q8_0 all stay in the file's
+    blocks (nothing widened), their weights exactly the float widening's, the logits its logits."""
+    from brisk.quant import native
+    from brisk.quant.gguf_linear import GGUFLinear
+
+    if not native.available():
+        pytest.skip("no native kernels here")
+    q = LLM.load(str(gemma_path), device="cpu", dtype="float32")
+    f = LLM.load(str(gemma_path), device="cpu", dtype="float32", quantize="none")
+    table = {t.name: t.tensor_type for t in gguf.GGUFReader(gemma_path).tensors}
+    layer = q.model.model.layers[5]
+    for gg, mod, wide in (("ffn_down", layer.mlp.down_proj, f.model.model.layers[5].mlp.down_proj),
+                          ("attn_q", layer.self_attn.q_proj, f.model.model.layers[5].self_attn.q_proj)):
+        assert isinstance(mod, GGUFLinear) and mod.qtype == int(table[f"blk.5.{gg}.weight"])
+        assert torch.equal(mod.dequantize(), wide.weight)
+    assert not any(isinstance(m, torch.nn.Linear) for m in q.model.modules())
+    ids = q.tokenizer.encode("The history of the printing press begins")
+    lq, lf = q.logits(ids), f.logits(ids)
+    assert (lq - lf).abs().max() < 1e-3 * lf.abs().max()

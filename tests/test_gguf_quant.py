@@ -13,6 +13,14 @@ from brisk.quant.linear import Int4Linear, Int8Linear, QuantEmbedding
 T = gguf.GGMLQuantizationType
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """Loads as on a machine without brisk's native kernels (or on CUDA): blocks repacked for torch's."""
+    from brisk.quant import native
+
+    monkeypatch.setattr(native, "ENABLED", False)
+
+
 def _blocks(qtype, rows=64, cols=128, seed=0, bf16_exact=False):
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     raw = gguf.quants.quantize(w, qtype)
@@ -61,7 +69,7 @@ def test_row_permutation_moves_whole_rows():
 
 
 @pytest.mark.slow
-def test_default_model_runs_from_its_blocks(smollm2_path, tmp_path, monkeypatch):
+def test_default_model_runs_from_its_blocks(smollm2_path, tmp_path, monkeypatch, torch_kernels):
     q = LLM.load(str(smollm2_path), device="cpu", dtype="float32")  # quantize="auto": keep the blocks
     f = LLM.load(str(smollm2_path), device="cpu", dtype="float32", quantize="none")
     assert isinstance(q.model.lm_head, Int8Linear) and isinstance(q.model.model.embed_tokens, QuantEmbedding)
@@ -82,3 +90,26 @@ def test_default_model_runs_from_its_blocks(smollm2_path, tmp_path, monkeypatch)
     # a second load comes from the repacked cache and gives the same logits
     again = LLM.load(str(smollm2_path), device="cpu", dtype="float32")
     assert torch.equal(again.logits(ids), lq)
+
+
+@pytest.mark.slow
+def test_default_model_runs_from_the_files_own_blocks(smollm2_path):
+    """With brisk's native kernels the file's Q4_1/Q8_0 blocks are the layers (memory-mapped, no
+    repacking): their weights are exactly the float widening's, the bytes held about the file's."""
+    from brisk.quant import native
+    from brisk.quant.gguf_linear import GGUFLinear
+
+    if not native.available():
+        pytest.skip("no native kernels here")
+    q = LLM.load(str(smollm2_path), device="cpu", dtype="float32")
+    f = LLM.load(str(smollm2_path), device="cpu", dtype="float32", quantize="none")
+    assert isinstance(q.model.lm_head, GGUFLinear) and isinstance(q.model.model.embed_tokens, QuantEmbedding)
+    assert q.quantization == "q4_1+q8_0"
+    assert model_bytes(q.model) < 1.05 * smollm2_path.stat().st_size
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):  # q/k rows un-interleaved too
+        layer, wide = q.model.model.layers[3].get_submodule(name), f.model.model.layers[3].get_submodule(name)
+        assert isinstance(layer, GGUFLinear) and torch.equal(layer.dequantize(), wide.weight)
+    assert torch.equal(q.model.lm_head.dequantize(), f.model.lm_head.weight)
+    ids = q.prompt_ids("Write a haiku about the sea.")
+    lq, lf = q.logits(ids), f.logits(ids)
+    assert (lq - lf).abs().max() < 1e-3 * lf.abs().max()  # the same weights: float32 summation order only

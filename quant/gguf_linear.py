@@ -1,0 +1,56 @@
+"""A GGUF weight kept in the file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K), multiplied
+by brisk's native kernels on the CPU: no repacking, no float copy, memory-mapped from the file where
+its rows need no reordering. The block layouts are in kernels/gguf_types.h."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import native
+from .linear import QuantLinear
+
+
+class GGUFLinear(QuantLinear):
+    def __init__(self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
+                 bias: torch.Tensor | None = None):
+        """blocks: uint8 [N, bytes per row], the rows' blocks as the file stores them."""
+        super().__init__(in_features, out_features, bias)
+        self.qtype = qtype
+        self.register_buffer("blocks", blocks)
+        self.use_kernel = True
+
+    @property
+    def type_name(self) -> str:
+        return native.GGUF_TYPES[self.qtype]
+
+    def _native(self) -> native.NativeWeight:
+        nw = self.__dict__.get("_native_weight")
+        if nw is None:  # built on first use, after any move between devices
+            nw = self.__dict__["_native_weight"] = native.NativeWeight(
+                self.qtype, self.out_features, self.in_features, self.blocks)
+        return nw
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_native_weight", None)
+        return super()._apply(fn, recurse)
+
+    def _matmul(self, x):
+        if x.device.type == "cpu" and native.available():
+            return self._native().matmul(x)
+        return None
+
+    def rows(self, ids, dtype=torch.float32):
+        if self.blocks.device.type == "cpu" and native.available():
+            return self._native().rows(ids.cpu()).to(device=ids.device, dtype=dtype)
+        return super().rows(ids, dtype)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        if self.blocks.device.type == "cpu" and native.available():
+            return self._native().dequantize().to(dtype)
+        import gguf  # the reference implementation, where the kernels cannot run
+
+        w = gguf.quants.dequantize(self.blocks.cpu().numpy(), gguf.GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.ascontiguousarray(w)).to(device=self.blocks.device, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", type={self.type_name}"

@@ -1,0 +1,194 @@
+/* Block formats of the weights brisk's kernels read, dequantized one block at a time to float32.
+ *
+ * GGUF's types as ggml defines them (little-endian; a row is its blocks one after another), plus
+ * brisk's own int4 groups. Each dq_* function turns one block into its weights in order, with plain
+ * loops that the compiler vectorizes for whichever instruction set the caller was compiled for
+ * (brisk_kernels.c instantiates its kernels per level and these inline into them).
+ *
+ *   Q4_0  32 weights, 18 bytes: d (fp16), 16 code bytes              w = d (q - 8)
+ *   Q4_1  32 weights, 20 bytes: d, m (fp16), 16 code bytes           w = d q + m
+ *   Q5_0  32 weights, 22 bytes: d (fp16), qh (32 high bits), 16 code bytes   w = d (q - 16)
+ *   Q5_1  32 weights, 24 bytes: d, m (fp16), qh, 16 code bytes       w = d q + m
+ *   Q8_0  32 weights, 34 bytes: d (fp16), 32 int8                    w = d q
+ * In the 4/5-bit types, code byte j holds weight j (low nibble) and weight j + 16 (high nibble);
+ * bit j of qh is weight j's fifth bit. The K-quants (256 weights per super-block) are described
+ * where they are defined below.
+ */
+#ifndef BRISK_GGUF_TYPES_H
+#define BRISK_GGUF_TYPES_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define BK_INLINE static inline __attribute__((always_inline))
+
+enum {
+    BK_Q4_0 = 2, BK_Q4_1 = 3, BK_Q5_0 = 6, BK_Q5_1 = 7, BK_Q8_0 = 8,
+    BK_Q2_K = 10, BK_Q3_K = 11, BK_Q4_K = 12, BK_Q5_K = 13, BK_Q6_K = 14,
+};
+
+/* Weights and bytes per block of a type; 0 for a type brisk cannot read. */
+BK_INLINE int bk_block_weights(int type) {
+    switch (type) {
+    case BK_Q4_0: case BK_Q4_1: case BK_Q5_0: case BK_Q5_1: case BK_Q8_0: return 32;
+    case BK_Q2_K: case BK_Q3_K: case BK_Q4_K: case BK_Q5_K: case BK_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+BK_INLINE int bk_block_bytes(int type) {
+    switch (type) {
+    case BK_Q4_0: return 18;
+    case BK_Q4_1: return 20;
+    case BK_Q5_0: return 22;
+    case BK_Q5_1: return 24;
+    case BK_Q8_0: return 34;
+    case BK_Q2_K: return 84;
+    case BK_Q3_K: return 110;
+    case BK_Q4_K: return 144;
+    case BK_Q5_K: return 176;
+    case BK_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+BK_INLINE float bk_f32_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(__F16C__)
+#include <immintrin.h>
+/* IEEE half -> float: one instruction where the copy is built for F16C (the AVX2 and AVX-512 ones) */
+BK_INLINE float bk_fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+#elif defined(__aarch64__)
+BK_INLINE float bk_fp16(const uint8_t *p) {
+    __fp16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+#else
+/* IEEE half -> float, exact for every half (subnormals, infinities, NaN), without branches: the
+ * half's exponent and mantissa are placed in a float's and the exponent bias fixed by a multiply
+ * by 2^-112 (which also turns an all-ones exponent into infinity); subnormal halves instead become
+ * 0.5 + m 2^-24 with a chosen exponent, minus 0.5. */
+BK_INLINE float bk_fp16(const uint8_t *p) {
+    uint32_t h = (uint32_t)(p[0] | p[1] << 8), two = h << 17; /* the sign shifted out */
+    float normal = bk_f32_bits((two >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    float subnormal = bk_f32_bits((two >> 17) | (126u << 23)) - 0.5f;
+    uint32_t bits;
+    float v = two < (1u << 27) ? subnormal : normal;
+    memcpy(&bits, &v, 4);
+    return bk_f32_bits(bits | (h & 0x8000u) << 16);
+}
+#endif
+
+/* GCC vector types: 16 lanes whatever the instruction set (one AVX-512 register, two AVX2 ones, four
+ * SSE or NEON ones). Plain loops over bytes do not vectorize well; these do, on every level. */
+typedef uint8_t bk_u8x16 __attribute__((vector_size(16)));
+typedef int8_t bk_i8x16 __attribute__((vector_size(16)));
+typedef float bk_f32x16 __attribute__((vector_size(64)));
+typedef int32_t bk_i32x16 __attribute__((vector_size(64)));
+typedef uint32_t bk_u32x16 __attribute__((vector_size(64)));
+
+BK_INLINE bk_u8x16 bk_load_u8x16(const uint8_t *p) {
+    bk_u8x16 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+
+BK_INLINE void bk_store16(float *y, bk_f32x16 v) { memcpy(y, &v, 64); }
+
+/* 16 codes as floats, through int32 (GCC 12 converts bytes to floats one at a time otherwise) */
+BK_INLINE bk_f32x16 bk_u8_to_f32(bk_u8x16 c) {
+    return __builtin_convertvector(__builtin_convertvector(c, bk_i32x16), bk_f32x16);
+}
+
+BK_INLINE void dq_q4_0(const uint8_t *b, float *y) {
+    float d = bk_fp16(b);
+    bk_u8x16 c = bk_load_u8x16(b + 2);
+    bk_store16(y, (bk_u8_to_f32(c & 15) - 8.f) * d);
+    bk_store16(y + 16, (bk_u8_to_f32(c >> 4) - 8.f) * d);
+}
+
+BK_INLINE void dq_q4_1(const uint8_t *b, float *y) {
+    float d = bk_fp16(b), m = bk_fp16(b + 2);
+    bk_u8x16 c = bk_load_u8x16(b + 4);
+    bk_store16(y, bk_u8_to_f32(c & 15) * d + m);
+    bk_store16(y + 16, bk_u8_to_f32(c >> 4) * d + m);
+}
+
+BK_INLINE uint32_t bk_u32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+/* The fifth bits of weights `first`..`first` + 15 from qh, in place (16) */
+BK_INLINE bk_i32x16 bk_high_bits(uint32_t qh, int first) {
+    const bk_u32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    bk_u32x16 h = (bk_u32x16){0} + qh;
+    return (bk_i32x16)(((h >> (lane + (uint32_t)first)) & 1) << 4);
+}
+
+BK_INLINE void dq_q5_0(const uint8_t *b, float *y) {
+    float d = bk_fp16(b);
+    uint32_t qh = bk_u32(b + 2);
+    bk_u8x16 c = bk_load_u8x16(b + 6);
+    bk_i32x16 lo = __builtin_convertvector(c & 15, bk_i32x16) | bk_high_bits(qh, 0);
+    bk_i32x16 hi = __builtin_convertvector(c >> 4, bk_i32x16) | bk_high_bits(qh, 16);
+    bk_store16(y, __builtin_convertvector(lo - 16, bk_f32x16) * d);
+    bk_store16(y + 16, __builtin_convertvector(hi - 16, bk_f32x16) * d);
+}
+
+BK_INLINE void dq_q5_1(const uint8_t *b, float *y) {
+    float d = bk_fp16(b), m = bk_fp16(b + 2);
+    uint32_t qh = bk_u32(b + 4);
+    bk_u8x16 c = bk_load_u8x16(b + 8);
+    bk_i32x16 lo = __builtin_convertvector(c & 15, bk_i32x16) | bk_high_bits(qh, 0);
+    bk_i32x16 hi = __builtin_convertvector(c >> 4, bk_i32x16) | bk_high_bits(qh, 16);
+    bk_store16(y, __builtin_convertvector(lo, bk_f32x16) * d + m);
+    bk_store16(y + 16, __builtin_convertvector(hi, bk_f32x16) * d + m);
+}
+
+/* 16 signed bytes as floats: flipped to unsigned and back (GCC 12 vectorizes the unsigned widening only) */
+BK_INLINE bk_f32x16 bk_i8_to_f32(const uint8_t *p) {
+    bk_u8x16 u = bk_load_u8x16(p) ^ 0x80;
+    return __builtin_convertvector(__builtin_convertvector(u, bk_i32x16) - 128, bk_f32x16);
+}
+
+BK_INLINE void dq_q8_0(const uint8_t *b, float *y) {
+    float d = bk_fp16(b);
+    bk_store16(y, bk_i8_to_f32(b + 2) * d);
+    bk_store16(y + 16, bk_i8_to_f32(b + 18) * d);
+}
+
+/* ---------------------------------------------------------------- K-quants (256 weights) */
+/* Filled in below (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). */
+BK_INLINE void dq_q2_k(const uint8_t *b, float *y);
+BK_INLINE void dq_q3_k(const uint8_t *b, float *y);
+BK_INLINE void dq_q4_k(const uint8_t *b, float *y);
+BK_INLINE void dq_q5_k(const uint8_t *b, float *y);
+BK_INLINE void dq_q6_k(const uint8_t *b, float *y);
+
+#include "gguf_kquants.h"
+
+/* One block of `type` -> its weights (32 or 256 floats). */
+BK_INLINE void bk_dequant_block(int type, const uint8_t *b, float *y) {
+    switch (type) {
+    case BK_Q4_0: dq_q4_0(b, y); break;
+    case BK_Q4_1: dq_q4_1(b, y); break;
+    case BK_Q5_0: dq_q5_0(b, y); break;
+    case BK_Q5_1: dq_q5_1(b, y); break;
+    case BK_Q8_0: dq_q8_0(b, y); break;
+    case BK_Q2_K: dq_q2_k(b, y); break;
+    case BK_Q3_K: dq_q3_k(b, y); break;
+    case BK_Q4_K: dq_q4_k(b, y); break;
+    case BK_Q5_K: dq_q5_k(b, y); break;
+    case BK_Q6_K: dq_q6_k(b, y); break;
+    default: break;
+    }
+}
+
+#endif

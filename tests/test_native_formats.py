@@ -1,0 +1,110 @@
+"""Every GGUF block format brisk's native kernels read (quant/kernels/gguf_types.h, gguf_kquants.h), at every
+instruction-set level this CPU has: dequantization bit-for-bit equal to the gguf package's
+(gguf.quants.dequantize), row lookups, and products close to float64 ones with the same weights, each
+row's bits independent of the rest of its batch."""
+from __future__ import annotations
+
+import functools
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from brisk.quant import native
+
+T = gguf.GGMLQuantizationType
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# Byte offsets of each block's fp16 fields (d, and dmin/m where the type has one): random bytes there
+# could be NaN or infinity, so random blocks get sane halves written over them.
+FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
+               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+N = 37  # rows: not a multiple of the kernels' tile of 4 (a ragged last tile)
+
+
+def shapes(name: str) -> list[int]:
+    return [256, 512] if name.endswith("_K") else [96, 512]
+
+
+CASES = [(name, K) for name in TYPES for K in shapes(name)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels():
+    if not native.available():
+        pytest.skip("the native kernels are not available (no C compiler, or BRISK_NATIVE=0)")
+
+
+@functools.cache
+def blocks(name: str, K: int, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [N, row bytes] of type `name` and gguf's dequantization of them, float32 [N, K]. `source`:
+    "quantized" (gguf.quants.quantize of random weights, None where the package cannot) or "random" (random
+    bytes, fp16 fields overwritten with halves of either sign between 1e-3 and 0.25)."""
+    qt = T[name]
+    rng = np.random.default_rng([int(qt), K, source == "random"])
+    if source == "quantized":
+        try:
+            raw = gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32), qt)
+        except NotImplementedError:
+            return None
+    else:
+        bw, bb = native.BLOCK[int(qt)]
+        raw = rng.integers(0, 256, (N, K // bw, bb), dtype=np.uint8)
+        for off in FP16_FIELDS[name]:
+            half = rng.uniform(1e-3, 0.25, (N, K // bw)) * rng.choice([-1.0, 1.0], (N, K // bw))
+            raw[:, :, off:off + 2] = half.astype(np.float16).view(np.uint8).reshape(N, K // bw, 2)
+        raw = raw.reshape(N, -1)
+    ref = gguf.quants.dequantize(raw, qt)
+    assert ref.shape == (N, K) and ref.dtype == np.float32
+    assert np.isfinite(ref).all() and ref.std() > 0  # a reference of zeros would prove nothing
+    return np.ascontiguousarray(raw), ref
+
+
+def weight(name: str, K: int, source: str = "random") -> tuple[native.NativeWeight, np.ndarray]:
+    made = blocks(name, K, source)
+    if made is None:
+        pytest.skip(f"the gguf package cannot quantize {name}")
+    raw, ref = made
+    assert native.takes(int(T[name]), K)
+    return native.NativeWeight(int(T[name]), N, K, torch.from_numpy(raw)), ref
+
+
+@pytest.mark.parametrize("source", ["quantized", "random"])
+@pytest.mark.parametrize("name,K", CASES)
+def test_dequantize_is_gguf_bit_for_bit(level, name, K, source):
+    w, ref = weight(name, K, source)
+    got = w.dequantize()
+    assert got.dtype == torch.float32 and got.shape == (N, K)
+    if not np.array_equal(got.numpy(), ref):
+        bad = np.argwhere(got.numpy() != ref)[0]
+        pytest.fail(f"{name} K={K} level {level}: {(got.numpy() != ref).sum()} weights differ, first "
+                    f"[{bad[0]}, {bad[1]}]: {got[bad[0], bad[1]].item()!r} != {ref[bad[0], bad[1]]!r}")
+    ids = torch.tensor([[N - 1, 0, 5], [5, 17, 2]])  # any order, repeats, any shape
+    rows = w.rows(ids)
+    assert rows.shape == (2, 3, K)
+    assert torch.equal(rows, torch.from_numpy(ref[ids.numpy()]))
+
+
+@pytest.mark.parametrize("name,K", CASES)
+def test_matmul_is_close_and_batch_invariant(level, name, K):
+    w, ref = weight(name, K)
+    g = torch.Generator().manual_seed(K)
+    wd = torch.from_numpy(ref).double()
+    for M in (1, 3, 17):
+        x = torch.randn(M, K, generator=g)
+        y = w.matmul(x)
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        want = x.double() @ wd.T
+        scale = x.double().abs() @ wd.abs().T  # float32 sums err relative to sum |x w|
+        err = (y.double() - want).abs()
+        assert (err <= 1e-5 * scale + 1e-30).all(), f"{name} M={M}: max error / scale {(err / scale).max().item()}"
+        for i in range(M):  # alone, each row gives the bits it gives in the batch
+            assert torch.equal(w.matmul(x[i:i + 1])[0], y[i]), f"{name} M={M}: row {i} differs alone"
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_bad_row_ids_raise(name):
+    w, _ = weight(name, shapes(name)[0])
+    for bad in ([N], [-1], [0, N + 3]):
+        with pytest.raises(IndexError):
+            w.rows(torch.tensor(bad))
