@@ -32,7 +32,7 @@ def bench(
     dtype: str = typer.Option("auto", "--dtype", help="Comma list of dtypes, one row each."),
     quantize: str = typer.Option("auto", "--quantize", "-q", help="Comma list, one row each: auto (as stored), "
                                  "none (float), int8, int4, nf4."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: torch's)."),
+    threads: Optional[int] = c.ThreadsOpt,
     draft: Optional[str] = c.DraftOpt,
     draft_k: str = c.DraftKOpt,
     batch: Optional[str] = typer.Option(None, "--batch", help="Comma list of concurrencies, e.g. 1,4,16: instead "
@@ -55,10 +55,11 @@ def bench(
 
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
-        if threads:
-            torch.set_num_threads(threads)
+        from ..core.device import cpu_threads, set_cpu_threads
+
+        set_cpu_threads(threads)
         c.check_draft(draft, draft_k)
-        out = _Rows("json" if as_json else "csv" if as_csv else "table", torch.get_num_threads())
+        out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads())
         pps, tgs = _list(n_prompt, int), _list(n_gen, int)
         batches = _list(batch, int) if batch else []
         if batch and (draft or not batches or min(batches) < 1):

@@ -32,6 +32,7 @@ def chat(
     draft_k: str = c.DraftKOpt,
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
+    threads: Optional[int] = c.ThreadsOpt,
     quantize: str = c.QuantizeOpt,
     ctx: Optional[int] = c.CtxOpt,
 ):
@@ -49,7 +50,7 @@ def chat(
             raise BriskError("model given twice (positional and --model)")
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         c.check_draft(draft, draft_k)
-        llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize)
+        llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
         conv.session.speculator = c.load_speculator(llm, draft, draft_k)

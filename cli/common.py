@@ -15,6 +15,7 @@ err_console = Console(stderr=True, highlight=False)
 
 ModelArg = typer.Option(None, "--model", "-m", help="Model: HF folder, hub id, .gguf file (default: embedded SmolLM2).")
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda")
+ThreadsOpt = typer.Option(None, "--threads", help="CPU threads to compute with (default: the physical cores).")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fastest on CPU)")
 QuantizeOpt = typer.Option("auto", "--quantize", "-q", help="auto: run the checkpoint as stored (a GGUF's Q4_0/Q4_1/Q8_0 "
                            "weights stay quantized, other GGUF types are widened) | none: widen to --dtype | "
@@ -64,12 +65,15 @@ def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, s
 
 
 def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], quiet: bool = False,
-             quantize: str = "auto"):
+             quantize: str = "auto", threads: Optional[int] = None):
     """LLM.load with a spinner on a terminal; the loader's warnings (e.g. a weight type without a
     quantized kernel) become one 'warning:' line each."""
     import warnings
 
+    from ..core.device import set_cpu_threads
     from ..core.llm import LLM
+
+    set_cpu_threads(threads)
 
     def say(message, category, *_, **__):  # at once, above the spinner: some say a long wait follows
         if not quiet and issubclass(category, UserWarning):  # not libraries' Resource/Deprecation noise

@@ -29,6 +29,7 @@ def eval_(
     base_quantize: str = typer.Option("auto", "--base-quantize", help="--quantize for the base model."),
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
+    threads: Optional[int] = c.ThreadsOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Perplexity of MODEL on a text file (sliding windows, like Hugging Face's perplexity guide).
@@ -49,8 +50,8 @@ def eval_(
         content = _read(text)
         from ..core.evaluate import evaluate
 
-        llm = c.load_llm(model or model_pos, device, dtype, ctx or 512, quiet=as_json, quantize=quantize)
-        ref = c.load_llm(base, device, dtype, ctx or 512, quiet=as_json, quantize=base_quantize) if base else None
+        llm = c.load_llm(model or model_pos, device, dtype, ctx or 512, quiet=as_json, quantize=quantize, threads=threads)
+        ref = c.load_llm(base, device, dtype, ctx or 512, quiet=as_json, quantize=base_quantize, threads=threads) if base else None
         ctx = ctx or min(llm.ctx, ref.ctx if ref else llm.ctx)
         stride = stride or ctx // 2
         ids = llm.tokenizer.encode(content, add_special=True)

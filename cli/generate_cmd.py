@@ -42,6 +42,7 @@ def generate(
     max_concurrency: int = typer.Option(16, "--max-concurrency", help="--batch: sequences generated at once.", min=1),
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
+    threads: Optional[int] = c.ThreadsOpt,
     quantize: str = c.QuantizeOpt,
     ctx: Optional[int] = c.CtxOpt,
 ):
@@ -52,6 +53,9 @@ def generate(
     """
     with c.user_errors():
         if batch is not None:
+            from ..core.device import set_cpu_threads
+
+            set_cpu_threads(threads)
             return _generate_batch(args or [], model, batch, output, max_concurrency, file, draft, as_json, raw,
                                    system, max_tokens, tuple(stop or ()), device, dtype, ctx,
                                    (temperature, top_k, top_p, min_p, repetition_penalty, seed))
@@ -60,7 +64,7 @@ def generate(
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)  # fail fast
         c.check_draft(draft, draft_k)
-        llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize)
+        llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize, threads=threads)
         speculator = c.load_speculator(llm, draft, draft_k, quiet=as_json)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         from ..core.generate import Session

@@ -34,6 +34,7 @@ def quantize(
                                          "with a \"text\" field per line. Default: brisk's built-in set."),
     samples: Optional[int] = typer.Option(None, "--samples", help="gptq/awq: calibration sequences (default 32)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="gptq/awq: tokens per sequence (default 256)."),
+    threads: Optional[int] = c.ThreadsOpt,
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),
 ):
@@ -46,6 +47,9 @@ def quantize(
     from ..core.quantize import QuantOptions, quantize_model
 
     with c.user_errors():
+        from ..core.device import set_cpu_threads
+
+        set_cpu_threads(threads)
         opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                             damp=damp, double_quant=double_quant, calib=str(calib) if calib else None,
                             samples=samples, seq_len=seq_len)

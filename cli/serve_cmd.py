@@ -31,6 +31,7 @@ def serve(
     min_p: Optional[float] = c.MinPOpt,
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
+    threads: Optional[int] = c.ThreadsOpt,
     ctx: Optional[int] = c.CtxOpt,
 ):
     """Serve /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API), streamed or not.
@@ -51,7 +52,7 @@ def serve(
         name = model or model_pos
         sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
         _check_port(host, port)  # before the model load, which takes a while
-        llm = c.load_llm(name, device, dtype, ctx)
+        llm = c.load_llm(name, device, dtype, ctx, threads=threads)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, 1.0, None)
         served = served_name or name or llm.name.removesuffix(" (default)")
         runner = EngineThread(Engine(llm, max_batch=max_concurrency, kv_tokens=kv_tokens))

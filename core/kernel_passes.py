@@ -16,6 +16,7 @@ from torch import nn
 
 from . import blas, fused
 from .model import MLP, Attention, RMSNorm
+from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import concat_linears
 
 
@@ -38,20 +39,6 @@ class FusedRMSNorm(RMSNorm):
         return fused.rms_norm(x, self.weight, self.eps, self.offset)
 
 
-class FusedAttention(Attention):
-    """Rope in one kernel; q/k/v in one matmul where join_projections() could join them (the
-    joined layer is held outside the module tree, used while the originals are unchanged)."""
-
-    def project(self, x):
-        joined = self.__dict__.get("_qkv")
-        if joined is not None and joined[1] == (self.q_proj, self.k_proj, self.v_proj):
-            return joined[0](x).split(joined[2], dim=-1)
-        return super().project(x)
-
-    def rotate(self, x, cos, sin):
-        return fused.rope(x, cos, sin)
-
-
 class FusedMLP(MLP):
     def forward(self, x):
         joined = self.__dict__.get("_gate_up")
@@ -60,11 +47,42 @@ class FusedMLP(MLP):
         return self.down_proj(fused.gated(self.gate_proj(x), self.up_proj(x), self.gelu))
 
 
+class JoinedAttention(Attention):
+    """q/k/v in one matmul where join_projections() could join them (the joined layer is held
+    outside the module tree, used while the originals are unchanged)."""
+
+    def project(self, x):
+        joined = self.__dict__.get("_qkv")
+        if joined is not None and joined[1] == (self.q_proj, self.k_proj, self.v_proj):
+            return joined[0](x).split(joined[2], dim=-1)
+        return super().project(x)
+
+
+class FusedAttention(JoinedAttention):
+    """Rope in one kernel, q/k/v joined."""
+
+    def rotate(self, x, cos, sin):
+        return fused.rope(x, cos, sin)
+
+
+class JoinedMLP(MLP):
+    def forward(self, x):
+        joined = self.__dict__.get("_gate_up")
+        if joined is None or joined[1] != (self.gate_proj, self.up_proj):
+            return super().forward(x)
+        g, u = joined[0](x).chunk(2, dim=-1)
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.down_proj(g * u)
+
+
 def apply_device_kernels(net: nn.Module, device: torch.device) -> None:
     """Swap in the kernels for `device`; call once the layers have their final kinds (after any
     quantization at load)."""
     if device.type == "cpu":
         _swap(net, {nn.Linear: BlasLinear})
+        if any(isinstance(m, GGUFLinear) for m in net.modules()):
+            _swap(net, {Attention: JoinedAttention, MLP: JoinedMLP})
+            join_projections(net, only=GGUFLinear)
     elif device.type == "cuda" and fused.triton is not None:
         use_fused_kernels(net)
 
@@ -82,13 +100,14 @@ def _swap(net: nn.Module, classes: dict) -> None:
             m.__class__ = classes[type(m)]  # a subclass adding no state: nothing else to move
 
 
-def join_projections(net: nn.Module) -> None:
-    """Join q/k/v and gate/up into one matmul each where their kinds allow (concat_linears)."""
+def join_projections(net: nn.Module, only: type = nn.Module) -> None:
+    """Join q/k/v and gate/up into one matmul each where their kinds allow (concat_linears), for
+    layers of kind `only`."""
     for block in net.model.layers:
         a, m = block.self_attn, block.mlp
         parts = (a.q_proj, a.k_proj, a.v_proj)
-        if (j := concat_linears(list(parts))) is not None:
+        if isinstance(a.q_proj, only) and (j := concat_linears(list(parts))) is not None:
             a.__dict__["_qkv"] = (j, parts, [p.out_features for p in parts])
         parts = (m.gate_proj, m.up_proj)
-        if (j := concat_linears(list(parts))) is not None:
+        if isinstance(m.gate_proj, only) and (j := concat_linears(list(parts))) is not None:
             m.__dict__["_gate_up"] = (j, parts)

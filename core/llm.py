@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, load_checkpoint
-from .device import pick_device, pick_dtype
+from .device import pick_device, pick_dtype, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue
 from .kernel_passes import apply_device_kernels
 from .kv import ContiguousKV
@@ -58,6 +58,8 @@ class LLM:
         if quantize in ("int8", "int4", "nf4"):
             quantize_at_load(net, quantize)
         apply_device_kernels(net, dev)  # last: after every layer has its final kind
+        if dev.type == "cpu":
+            use_one_thread_pool(any(getattr(m, "native", False) for m in net.modules()))
         ctx = min(ctx or 4096, ckpt.config.max_seq_len)
         if ctx < 16:
             raise InvalidValue("ctx", ctx, "", template=f"{{option}} {ctx}: too small")

@@ -20,8 +20,24 @@ class GGUFLinear(QuantLinear):
         self.use_kernel = True
 
     @property
+    def native(self) -> bool:
+        return self.blocks.device.type == "cpu" and native.available()
+
+    @property
     def type_name(self) -> str:
         return native.GGUF_TYPES[self.qtype]
+
+    @classmethod
+    def concat(cls, layers, bias):
+        if len({m.qtype for m in layers}) != 1:
+            return None
+        # blocks never straddle rows: the rows of all layers, one after another, are one weight
+        sizes = [m.out_features for m in layers]
+        joined = cls(torch.cat([m.blocks for m in layers]), layers[0].qtype, sum(sizes), layers[0].in_features, bias)
+        for m, part in zip(layers, joined.blocks.split(sizes)):
+            m.blocks = part
+            m.__dict__.pop("_native_weight", None)
+        return joined
 
     def _native(self) -> native.NativeWeight:
         nw = self.__dict__.get("_native_weight")

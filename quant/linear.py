@@ -106,6 +106,17 @@ class QuantLinear(nn.Module):
         self.use_kernel = False  # set by subclasses once their kernel data is built
         self.refine_top = 0  # see refine()
 
+    @property
+    def native(self) -> bool:
+        """Whether brisk's native CPU kernels compute this layer's products."""
+        return False
+
+    @classmethod
+    def concat(cls, layers: list["QuantLinear"], bias: torch.Tensor | None) -> "QuantLinear | None":
+        """A layer of this kind computing all `layers` (see concat_linears), or None: where a subclass
+        joins its own tensors."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         y = self._matmul(x2)
@@ -172,6 +183,10 @@ class Int8Linear(QuantLinear):
 
     def rows(self, ids, dtype=torch.float32):
         return (self.weight[ids].float() * self.scales[ids].float()[..., None]).to(dtype)
+
+    @property
+    def native(self) -> bool:
+        return self.use_kernel and self.weight.device.type == "cpu" and native.usable(self.in_features)
 
     def _native(self) -> native.NativeWeight:
         nw = self.__dict__.get("_native_weight")
@@ -339,6 +354,10 @@ class Int4Linear(QuantLinear):
             return self.weight
         return pack_int4(unpack_int4_kernel(self._packed, self.out_features, self.in_features, self.layout))
 
+    @property
+    def native(self) -> bool:
+        return self.layout == "native"
+
     def _native(self) -> native.NativeWeight:
         nw = self.__dict__.get("_native_weight")
         if nw is None:  # built on first use, after any move between devices
@@ -419,6 +438,8 @@ def concat_linears(layers: list[nn.Module]) -> nn.Module | None:
         for m, part in zip(layers, w.split(sizes)):
             m.weight = nn.Parameter(part, requires_grad=False)
         return fused
+    if isinstance(first, QuantLinear) and (joined := type(first).concat(layers, bias)) is not None:
+        return joined
     if isinstance(first, Int8Linear):
         fused = Int8Linear(torch.cat([m.weight for m in layers]), torch.cat([m.scales for m in layers]), bias)
         for m, w, sc in zip(layers, fused.weight.split(sizes), fused.scales.split(sizes)):

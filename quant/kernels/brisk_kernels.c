@@ -93,6 +93,9 @@ static rows_fn rows_for(int level) {
  * steps come every few tens of microseconds), then sleep. */
 #define MAX_THREADS 64
 #define EXHAUSTED (1 << 30)
+#ifndef SPIN
+#define SPIN 20000
+#endif
 
 typedef void (*chunk_fn)(const void *args, int n0, int n1);
 
@@ -123,7 +126,7 @@ static void *worker(void *unused) {
     for (;;) {
         int spins = 0;
         while (atomic_load_explicit(&P.epoch, memory_order_acquire) == seen) {
-            if (++spins < 4000) {
+            if (++spins < SPIN) {
                 PAUSE();
                 continue;
             }
