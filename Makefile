@@ -38,6 +38,8 @@ run: install
 
 test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	# the quantized paths again without brisk's native kernels (torch's kernels, as with no C compiler)
+	BRISK_NATIVE=0 $(PY) -m pytest -q tests/test_gguf_quant.py tests/test_gguf_k_quants.py tests/test_quant_linear.py tests/test_speculative.py
 
 bench: install-test
 	$(PIP) install -q -e '.[bench]'

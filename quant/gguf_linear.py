@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from . import native
 from .linear import QuantLinear
@@ -29,15 +30,9 @@ class GGUFLinear(QuantLinear):
 
     @classmethod
     def concat(cls, layers, bias):
-        if len({m.qtype for m in layers}) != 1:
+        if not all(m.native for m in layers):
             return None
-        # blocks never straddle rows: the rows of all layers, one after another, are one weight
-        sizes = [m.out_features for m in layers]
-        joined = cls(torch.cat([m.blocks for m in layers]), layers[0].qtype, sum(sizes), layers[0].in_features, bias)
-        for m, part in zip(layers, joined.blocks.split(sizes)):
-            m.blocks = part
-            m.__dict__.pop("_native_weight", None)
-        return joined
+        return JoinedGGUF(layers, bias)
 
     def _native(self) -> native.NativeWeight:
         nw = self.__dict__.get("_native_weight")
@@ -70,3 +65,22 @@ class GGUFLinear(QuantLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", type={self.type_name}"
+
+
+class JoinedGGUF(nn.Module):
+    """GGUF layers on the same input (q/k/v, gate/up) computed in one native call, outputs side by
+    side. The layers keep their blocks: joining by copying them would hold those weights twice in
+    memory (the copy and the file's mapped pages it was read from)."""
+
+    def __init__(self, layers: list[GGUFLinear], bias: torch.Tensor | None):
+        super().__init__()
+        object.__setattr__(self, "parts", layers)  # not submodules: the model owns them
+        self.bias = bias
+        self.in_features, self.out_features = layers[0].in_features, sum(m.out_features for m in layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        joined = self.__dict__.get("_joined")
+        if joined is None or any(nw is not m._native() for nw, m in zip(joined.weights, self.parts)):
+            joined = self.__dict__["_joined"] = native.JoinedWeights([m._native() for m in self.parts])
+        y = joined.matmul(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)

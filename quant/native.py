@@ -120,6 +120,7 @@ def library():
     lib.bk_cpu_level.restype = i
     lib.bk_threads.argtypes, lib.bk_threads.restype = [i], None
     lib.bk_matmul.argtypes, lib.bk_matmul.restype = [ctypes.POINTER(Weight), i, p, p, i], i
+    lib.bk_matmul_many.argtypes, lib.bk_matmul_many.restype = [ctypes.POINTER(Weight), i, i, p, p, i], i
     lib.bk_dequant_rows.argtypes, lib.bk_dequant_rows.restype = [ctypes.POINTER(Weight), p, i, p, i], i
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
     return lib
@@ -193,6 +194,29 @@ class NativeWeight:
 
     def dequantize(self) -> torch.Tensor:
         return self.rows(torch.arange(self.N))
+
+
+class JoinedWeights:
+    """Weights on the same input (q/k/v, gate/up) multiplied in one call, outputs side by side: one
+    call instead of several, one thread split over all their rows, and no copy of their tensors."""
+
+    MAX = 8  # MAX_JOINED in brisk_kernels.c
+
+    def __init__(self, weights: list[NativeWeight]):
+        if not 1 <= len(weights) <= self.MAX or len({w.K for w in weights}) != 1:
+            raise ValueError("joined weights need the same input size (and at most 8 of them)")
+        self.weights = weights  # keeps their tensors alive
+        self.descs = (Weight * len(weights))(*[w.desc for w in weights])
+        self.N, self.K = sum(w.N for w in weights), weights[0].K
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> float32 [M, N1 + N2 + ...]."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.N, dtype=torch.float32)
+        if library().bk_matmul_many(self.descs, len(self.weights), x.shape[0], x.data_ptr(), y.data_ptr(), level()):
+            raise ValueError("the native kernels do not take these weights")
+        return y
 
 
 if __name__ == "__main__":  # `python -m brisk.quant.native`: build now (make install does), say where

@@ -152,3 +152,26 @@ def test_kept_blocks_follow_the_widened_model(smollm2_path):
         if top2.indices[0] != t:
             assert top2.values[0] - logits[i][t] < 1e-3, f"step {i}: not a near-tie"
             break
+
+
+def test_joined_weights_give_each_weights_bits(level):
+    """q/k/v-style joined products (one call, no copy) equal each weight's own product, bit for bit,
+    for any number of rows and whatever the split of rows across threads."""
+    g = torch.Generator().manual_seed(5)
+    parts = []
+    for n in (45, 18, 18):  # row counts that do not fall on the kernels' 4-row tiles
+        q, s, z = quantize_int4(torch.randn(n, 96, generator=g), 32)
+        parts.append(native.NativeWeight(native.I4G, n, 96, pack_int4(q), s, z, 32))
+    joined = native.JoinedWeights(parts)
+    x = torch.randn(6, 96, generator=g)
+    want = torch.cat([w.matmul(x) for w in parts], dim=1)
+    for threads in (1, 3):
+        native.set_threads(threads)
+        try:
+            assert torch.equal(joined.matmul(x), want)
+            assert torch.equal(joined.matmul(x[2:3])[0], want[2])
+        finally:
+            native.set_threads(torch.get_num_threads())
+    with pytest.raises(ValueError):  # different input sizes cannot share a call
+        native.JoinedWeights([parts[0], native.NativeWeight(native.I8R, 4, 64, torch.zeros(4, 64, dtype=torch.int8),
+                                                            row_scales=torch.ones(4))])

@@ -37,14 +37,14 @@
 /* ------------------------------------------------------------------ one copy per instruction set
  * tiles.c, compiled per level (BK_LEVELS: 1 builds the plain copy only, e.g. on ARM, where the
  * plain copy is NEON through the compiler; 3 adds AVX2+FMA and AVX-512 on x86-64). */
-typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, float *);
+typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
-void bk_tile_rows_plain(const bk_weight *, int, int, int, const float *, float *, float *);
+void bk_tile_rows_plain(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 void bk_dequant_rows_plain(const bk_weight *, const int64_t *, int, float *);
 #if BK_LEVELS > 1
-void bk_tile_rows_avx2(const bk_weight *, int, int, int, const float *, float *, float *);
+void bk_tile_rows_avx2(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 void bk_dequant_rows_avx2(const bk_weight *, const int64_t *, int, float *);
-void bk_tile_rows_avx512(const bk_weight *, int, int, int, const float *, float *, float *);
+void bk_tile_rows_avx512(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 void bk_dequant_rows_avx512(const bk_weight *, const int64_t *, int, float *);
 #endif
 
@@ -179,9 +179,12 @@ static void parallel_rows(chunk_fn run, const void *args, int n, int min_chunk) 
 }
 
 /* ------------------------------------------------------------------ entry points */
+#define MAX_JOINED 8
+
 typedef struct {
-    const bk_weight *w;
-    int M;
+    const bk_weight *ws; /* weights on the same input, outputs side by side */
+    int nw, M;
+    int starts[MAX_JOINED + 1]; /* weight i's rows are starts[i]..starts[i + 1] of the joined rows */
     const float *x;
     float *y;
     tile_fn tile;
@@ -192,14 +195,19 @@ static _Thread_local size_t tile_cap;
 
 static void matmul_chunk(const void *a, int n0, int n1) {
     const matmul_job *j = a;
-    size_t need = (size_t)TILE * j->w->K;
+    size_t need = (size_t)TILE * j->ws[0].K;
     if (tile_cap < need) { /* a thread's tile buffer, kept between calls */
         free(tile_buf);
         tile_buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
         tile_cap = tile_buf ? need : 0;
         if (!tile_buf) return;
     }
-    j->tile(j->w, n0, n1, j->M, j->x, j->y, tile_buf);
+    for (int i = 0; i < j->nw; i++) { /* the part of each weight inside this chunk */
+        int lo = n0 > j->starts[i] ? n0 : j->starts[i], hi = n1 < j->starts[i + 1] ? n1 : j->starts[i + 1];
+        if (lo < hi)
+            j->tile(j->ws + i, lo - j->starts[i], hi - j->starts[i], j->M, j->x, j->y + j->starts[i],
+                    j->starts[j->nw], tile_buf);
+    }
 }
 
 static int shape_ok(const bk_weight *w) {
@@ -210,13 +218,22 @@ static int shape_ok(const bk_weight *w) {
     return bw && w->K % bw == 0;
 }
 
-/* y [M, N] = x [M, K] times the weight's transpose, rows split across the threads.
+/* y [M, N1 + N2 + ...] = x [M, K] times each of the nw weights' transposes, outputs side by side (q/k/v
+ * or gate/up in one call, without joining their tensors), rows split across the threads.
  * Returns 0, or -1 for a type or shape it does not take (y untouched). */
-int bk_matmul(const bk_weight *w, int M, const float *x, float *y, int level) {
-    if (!shape_ok(w)) return -1;
-    matmul_job j = {w, M, x, y, tile_for(clamp_level(level))};
-    parallel_rows(matmul_chunk, &j, w->N, 32);
+int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level) {
+    if (nw < 1 || nw > MAX_JOINED) return -1;
+    matmul_job j = {ws, nw, M, {0}, x, y, tile_for(clamp_level(level))};
+    for (int i = 0; i < nw; i++) {
+        if (!shape_ok(ws + i) || ws[i].K != ws[0].K) return -1;
+        j.starts[i + 1] = j.starts[i] + ws[i].N;
+    }
+    parallel_rows(matmul_chunk, &j, j.starts[nw], 32);
     return 0;
+}
+
+int bk_matmul(const bk_weight *w, int M, const float *x, float *y, int level) {
+    return bk_matmul_many(w, 1, M, x, y, level);
 }
 
 /* out [n, K] = rows `rows` of the weight, dequantized (embedding lookups, dequantize()). */

@@ -97,46 +97,38 @@ BK_INLINE void bk_k_scales(const uint8_t *b, float *dl, float *ml) {
 BK_INLINE void dq_q4_k(const uint8_t *b, float *y) {
     float dl[8], ml[8];
     bk_k_scales(b, dl, ml);
-    for (int c = 0; c < 4; c++) { /* bytes 32 c.. hold sub-blocks 2 c (low nibbles), 2 c + 1 (high) */
-        const uint8_t *q = b + 16 + 32 * c;
-        float a0 = dl[2 * c], a1 = dl[2 * c + 1], m0 = ml[2 * c], m1 = ml[2 * c + 1], *o = y + 64 * c;
-        for (int j = 0; j < 32; j++) {
-            o[j] = a0 * (float)(q[j] & 15) - m0;
-            o[j + 32] = a1 * (float)(q[j] >> 4) - m1;
+    for (int c = 0; c < 4; c++) /* bytes 32 c.. hold sub-blocks 2 c (low nibbles), 2 c + 1 (high) */
+        for (int h = 0; h < 32; h += 16) {
+            bk_u8x16 q = bk_load_u8x16(b + 16 + 32 * c + h);
+            bk_store16(y + 64 * c + h, dl[2 * c] * bk_u8_to_f32(q & 15) - ml[2 * c]);
+            bk_store16(y + 64 * c + 32 + h, dl[2 * c + 1] * bk_u8_to_f32(q >> 4) - ml[2 * c + 1]);
         }
-    }
 }
 
 BK_INLINE void dq_q5_k(const uint8_t *b, float *y) {
     float dl[8], ml[8];
     bk_k_scales(b, dl, ml);
-    const uint8_t *qh = b + 16;
-    for (int c = 0; c < 4; c++) {
-        const uint8_t *q = b + 48 + 32 * c;
-        float a0 = dl[2 * c], a1 = dl[2 * c + 1], m0 = ml[2 * c], m1 = ml[2 * c + 1], *o = y + 64 * c;
-        int s = 2 * c; /* their fifth bits: bits 2 c, 2 c + 1 of qh */
-        for (int j = 0; j < 32; j++) {
-            int hb = qh[j] >> s;
-            o[j] = a0 * (float)((q[j] & 15) | (hb & 1) << 4) - m0;
-            o[j + 32] = a1 * (float)((q[j] >> 4) | (hb & 2) << 3) - m1;
+    for (int c = 0; c < 4; c++) /* as Q4_K; the fifth bits: bits 2 c, 2 c + 1 of qh */
+        for (int h = 0; h < 32; h += 16) {
+            bk_u8x16 q = bk_load_u8x16(b + 48 + 32 * c + h), hb = bk_load_u8x16(b + 16 + h) >> (2 * c);
+            bk_u8x16 lo = (q & 15) | (hb & 1) << 4, hi = (q >> 4) | (hb & 2) << 3;
+            bk_store16(y + 64 * c + h, dl[2 * c] * bk_u8_to_f32(lo) - ml[2 * c]);
+            bk_store16(y + 64 * c + 32 + h, dl[2 * c + 1] * bk_u8_to_f32(hi) - ml[2 * c + 1]);
         }
-    }
 }
 
 BK_INLINE void dq_q6_k(const uint8_t *b, float *y) {
     const int8_t *sc = (const int8_t *)(b + 192);
-    float d = bk_fp16(b + 208), dl[16];
-    for (int i = 0; i < 16; i++) dl[i] = d * (float)sc[i];
+    float d = bk_fp16(b + 208);
     for (int h = 0; h < 2; h++)
-        for (int p = 0; p < 2; p++) { /* as Q2_K: sub-blocks 8 h + p + 2 t, t < 4 */
-            const uint8_t *l = b + 64 * h + 16 * p, *qh = b + 128 + 32 * h + 16 * p;
-            const float *a = dl + 8 * h + p;
-            float a0 = a[0], a1 = a[2], a2 = a[4], a3 = a[6], *o = y + 128 * h + 16 * p;
-            for (int j = 0; j < 16; j++) {
-                o[j] = a0 * (float)(((l[j] & 15) | (qh[j] & 3) << 4) - 32);
-                o[j + 32] = a1 * (float)(((l[j + 32] & 15) | (qh[j] >> 2 & 3) << 4) - 32);
-                o[j + 64] = a2 * (float)(((l[j] >> 4) | (qh[j] >> 4 & 3) << 4) - 32);
-                o[j + 96] = a3 * (float)(((l[j + 32] >> 4) | (qh[j] >> 6) << 4) - 32);
+        for (int p = 0; p < 32; p += 16) { /* weights 128 h + 32 t + p.., sub-block 8 h + 2 t + p / 16 */
+            bk_u8x16 l0 = bk_load_u8x16(b + 64 * h + p), l1 = bk_load_u8x16(b + 64 * h + 32 + p);
+            bk_u8x16 qh = bk_load_u8x16(b + 128 + 32 * h + p);
+            bk_u8x16 q[4] = {(l0 & 15) | (qh & 3) << 4, (l1 & 15) | (qh >> 2 & 3) << 4,
+                             (l0 >> 4) | (qh >> 4 & 3) << 4, (l1 >> 4) | (qh >> 6) << 4};
+            for (int t = 0; t < 4; t++) {
+                float a = d * (float)sc[8 * h + 2 * t + p / 16];
+                bk_store16(y + 128 * h + 32 * t + p, a * (bk_u8_to_f32(q[t]) - 32.f));
             }
         }
 }

@@ -94,8 +94,9 @@ BK_INLINE void dot_tile(const float *w, int K, const float *x, float *out) {
 }
 
 /* Rows n0..n1 of y [M, N] = x [M, K] w^T, buf: TILE * K floats. */
-BK_INLINE void tile_rows(const bk_weight *w, int n0, int n1, int M, const float *x, float *y, float *buf) {
-    int K = w->K, N = w->N;
+/* y[m * ldy + n] for rows n0..n1 of the weight (y [M, ldy]: this weight's outputs may sit beside others'). */
+BK_INLINE void tile_rows(const bk_weight *w, int n0, int n1, int M, const float *x, float *y, int64_t ldy, float *buf) {
+    int K = w->K;
     for (int n = n0; n < n1; n += TILE) {
         int R = n1 - n < TILE ? n1 - n : TILE;
         for (int r = 0; r < TILE; r++) {
@@ -105,7 +106,7 @@ BK_INLINE void tile_rows(const bk_weight *w, int n0, int n1, int M, const float 
         for (int m = 0; m < M; m++) {
             float out[TILE];
             dot_tile(buf, K, x + (int64_t)m * K, out);
-            for (int r = 0; r < R; r++) y[(int64_t)m * N + n + r] = out[r];
+            for (int r = 0; r < R; r++) y[(int64_t)m * ldy + n + r] = out[r];
         }
     }
 }
@@ -114,8 +115,9 @@ BK_INLINE void dequant_rows(const bk_weight *w, const int64_t *rows, int n, floa
     for (int i = 0; i < n; i++) dequant_row(w, (int)rows[i], out + (int64_t)i * w->K);
 }
 
-void CAT(bk_tile_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, const float *x, float *y, float *buf) {
-    tile_rows(w, n0, n1, M, x, y, buf);
+void CAT(bk_tile_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, const float *x, float *y, int64_t ldy,
+                                  float *buf) {
+    tile_rows(w, n0, n1, M, x, y, ldy, buf);
 }
 
 void CAT(bk_dequant_rows, BK_SUFFIX)(const bk_weight *w, const int64_t *rows, int n, float *out) {
