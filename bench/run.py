@@ -1,7 +1,7 @@
 """`make bench`: brisk against HF transformers and llama.cpp on SmolLM2-135M, same process, same threads.
 
-brisk runs the GGUF widened to float32 (as transformers does), kept as stored (Q4_1 blocks repacked
-into torch's int4 kernel, the Q8_0 embedding into int8) and quantized at load (int8, int4); llama.cpp
+brisk runs the GGUF widened to float32 (as transformers does), kept as stored (the Q4_1 and Q8_0
+blocks through brisk's native kernels) and quantized at load (int8, int4); llama.cpp
 (llama-cpp-python, a benchmark-only extra) runs the same GGUF file.
 
 Prints a table and appends it to bench/RESULTS.md with the machine, date and commit.

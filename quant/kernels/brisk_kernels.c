@@ -28,7 +28,6 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
-#define BK_X86 1
 #define PAUSE() _mm_pause()
 #else
 #define PAUSE() ((void)0)
@@ -67,23 +66,17 @@ static int clamp_level(int level) {
     return level < 0 || level > best ? best : level;
 }
 
-static tile_fn tile_for(int level) {
+/* Each level's copy of the kernels, by level (a CPU without a level never gets it: clamp_level). */
+static const struct {
+    tile_fn tile;
+    rows_fn rows;
+} KERNELS[] = {
+    {bk_tile_rows_plain, bk_dequant_rows_plain},
 #if BK_LEVELS > 1
-    if (level == LEVEL_AVX512) return bk_tile_rows_avx512;
-    if (level == LEVEL_AVX2) return bk_tile_rows_avx2;
+    {bk_tile_rows_avx2, bk_dequant_rows_avx2},
+    {bk_tile_rows_avx512, bk_dequant_rows_avx512},
 #endif
-    (void)level;
-    return bk_tile_rows_plain;
-}
-
-static rows_fn rows_for(int level) {
-#if BK_LEVELS > 1
-    if (level == LEVEL_AVX512) return bk_dequant_rows_avx512;
-    if (level == LEVEL_AVX2) return bk_dequant_rows_avx2;
-#endif
-    (void)level;
-    return bk_dequant_rows_plain;
-}
+};
 
 /* ------------------------------------------------------------------ threads
  * A persistent pool: a job's rows are cut into chunks that the caller and the workers claim from
@@ -223,7 +216,7 @@ static int shape_ok(const bk_weight *w) {
  * Returns 0, or -1 for a type or shape it does not take (y untouched). */
 int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level) {
     if (nw < 1 || nw > MAX_JOINED) return -1;
-    matmul_job j = {ws, nw, M, {0}, x, y, tile_for(clamp_level(level))};
+    matmul_job j = {ws, nw, M, {0}, x, y, KERNELS[clamp_level(level)].tile};
     for (int i = 0; i < nw; i++) {
         if (!shape_ok(ws + i) || ws[i].K != ws[0].K) return -1;
         j.starts[i + 1] = j.starts[i] + ws[i].N;
@@ -241,6 +234,6 @@ int bk_dequant_rows(const bk_weight *w, const int64_t *rows, int n, float *out, 
     if (!shape_ok(w)) return -1;
     for (int i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= w->N) return -1;
-    rows_for(clamp_level(level))(w, rows, n, out);
+    KERNELS[clamp_level(level)].rows(w, rows, n, out);
     return 0;
 }

@@ -91,7 +91,6 @@ BK_INLINE float bk_fp16(const uint8_t *p) {
 /* GCC vector types: 16 lanes whatever the instruction set (one AVX-512 register, two AVX2 ones, four
  * SSE or NEON ones). Plain loops over bytes do not vectorize well; these do, on every level. */
 typedef uint8_t bk_u8x16 __attribute__((vector_size(16)));
-typedef int8_t bk_i8x16 __attribute__((vector_size(16)));
 typedef float bk_f32x16 __attribute__((vector_size(64)));
 typedef int32_t bk_i32x16 __attribute__((vector_size(64)));
 typedef uint32_t bk_u32x16 __attribute__((vector_size(64)));
