@@ -2,6 +2,8 @@
 the model (model.py) stays plain torch, and one walk over its modules swaps in, per device,
 
 - CPU, float32 weights: single-row matmuls through NumPy's OpenBLAS (blas.py says why);
+- CPU, every product on brisk's native kernels: all blocks of a pass in one native call
+  (native_decoder.py), and q/k/v and gate/up joined for the passes it does not take;
 - CUDA with Triton: fused RMSNorm, rope and gated activation (fused.py), and q/k/v and gate/up
   joined into one matmul each (quant.linear.concat_linears), saving kernel launches.
 
@@ -15,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import blas, fused
-from .model import MLP, Attention, RMSNorm
+from .model import MLP, Attention, RMSNorm, Transformer
+from .native_decoder import NativeDecoder
 from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import concat_linears
 
@@ -75,6 +78,18 @@ class JoinedMLP(MLP):
         return self.down_proj(g * u)
 
 
+class NativeBlocksTransformer(Transformer):
+    """A Transformer whose blocks run in one native call where the pass allows (NativeDecoder)."""
+
+    def blocks(self, x, start, kv, tree):
+        rope, made = self.__dict__.get("_native_decoder", (None, None))
+        if rope is not self.rope:  # described once per set of rope tables (setup_rope makes them)
+            made = NativeDecoder(self) if NativeDecoder.takes(self) else None
+            self.__dict__["_native_decoder"] = self.rope, made
+        y = None if made is None else made.run(x, start, kv, tree)
+        return super().blocks(x, start, kv, tree) if y is None else y
+
+
 def apply_device_kernels(net: nn.Module, device: torch.device) -> None:
     """Swap in the kernels for `device`; call once the layers have their final kinds (after any
     quantization at load)."""
@@ -83,6 +98,8 @@ def apply_device_kernels(net: nn.Module, device: torch.device) -> None:
         if any(isinstance(m, GGUFLinear) for m in net.modules()):
             _swap(net, {Attention: JoinedAttention, MLP: JoinedMLP})
             join_projections(net, only=GGUFLinear)
+        if type(net) is Transformer and NativeDecoder.takes(net, need_rope=False):
+            net.__class__ = NativeBlocksTransformer
     elif device.type == "cuda" and fused.triton is not None:
         use_fused_kernels(net)
 

@@ -174,6 +174,14 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         return x
 
+    def blocks(self, x: torch.Tensor, start: int | torch.Tensor, kv: KV, tree: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, dim] through every block (a device pass may run them all at once)."""
+        T = x.shape[1]
+        rope = self.rope_at(start if tree is None else tree_positions(start, tree), T)
+        for layer in self.model.layers:
+            x = layer(x, rope, kv)
+        return x
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.model.norm(x))
         if self.cfg.final_softcap:
@@ -189,12 +197,8 @@ class Transformer(nn.Module):
         start, token i at position start + depth(i), seeing its ancestors only.
         logit_rows: which positions' logits to compute (LAST for prefill; None: all).
         """
-        T = tokens.shape[1]
-        kv.begin(start, T, tree)
-        rope = self.rope_at(start if tree is None else tree_positions(start, tree), T)
-        x = self.embed(tokens)
-        for layer in self.model.layers:
-            x = layer(x, rope, kv)
+        kv.begin(start, tokens.shape[1], tree)
+        x = self.blocks(self.embed(tokens), start, kv, tree)
         if logit_rows is not None:
             x = x[:, logit_rows]
         return self.head(x)

@@ -44,7 +44,9 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-# tiles.c once per instruction set (function names suffixed), dispatched at run time by brisk_kernels.c
+# tiles.c and decoder.c once per instruction set (function names suffixed), dispatched at run time
+# by brisk_kernels.c
+PER_LEVEL = ("tiles", "decoder")
 X86_LEVELS = {"plain": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
               "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                          "-mprefer-vector-width=512"]}
@@ -63,9 +65,10 @@ def _compile_commands(cc: str, out_dir: Path, x86: bool) -> tuple[list[list[str]
     levels = X86_LEVELS if x86 else {"plain": []}
     cmds, objs = [], []
     for name, flags in levels.items():
-        obj = out_dir / f"tiles_{name}.o"
-        cmds.append([cc, *FLAGS, *flags, f"-DBK_SUFFIX=_{name}", "-c", str(KERNELS / "tiles.c"), "-o", str(obj)])
-        objs.append(obj)
+        for src in PER_LEVEL:
+            obj = out_dir / f"{src}_{name}.o"
+            cmds.append([cc, *FLAGS, *flags, f"-DBK_SUFFIX=_{name}", "-c", str(KERNELS / f"{src}.c"), "-o", str(obj)])
+            objs.append(obj)
     obj = out_dir / "brisk_kernels.o"
     cmds.append([cc, *FLAGS, f"-DBK_LEVELS={len(levels)}", "-c", str(SOURCE), "-o", str(obj)])
     return cmds, objs + [obj]
@@ -108,6 +111,28 @@ class Weight(ctypes.Structure):
                 ("zeros", ctypes.c_void_p), ("row_scales", ctypes.c_void_p)]
 
 
+class Arch(ctypes.Structure):
+    """bk_arch (kernels/bk_decoder.h): a model's block shapes and flags."""
+    _fields_ = [(n, ctypes.c_int) for n in ("dim", "n_heads", "n_kv", "head_dim", "ffn")] + \
+               [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float)] + \
+               [(n, ctypes.c_int) for n in ("qk_norm", "sandwich", "gelu")]
+
+
+class Layer(ctypes.Structure):
+    """bk_layer: one block's weights, norms and rope tables."""
+    _fields_ = [("qkv", Weight * 3), ("o", Weight), ("gate_up", Weight * 2), ("down", Weight)] + \
+               [(n, ctypes.c_void_p) for n in ("q_bias", "k_bias", "v_bias", "attn_in", "post_attn", "pre_ffn",
+                                                 "post_ffn", "q_norm", "k_norm", "cos", "sin")] + \
+               [("window", ctypes.c_int)]
+
+
+class Cache(ctypes.Structure):
+    """bk_cache: where each position's K/V sit in a layer's cache."""
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("tables", ctypes.c_void_p),
+                ("block_size", ctypes.c_int), ("block_stride", ctypes.c_int64), ("pos_stride", ctypes.c_int64),
+                ("head_stride", ctypes.c_int64)]
+
+
 @functools.cache
 def library():
     """The loaded library, or None (said once) where it cannot be built or loaded."""
@@ -122,6 +147,8 @@ def library():
     lib.bk_matmul.argtypes, lib.bk_matmul.restype = [ctypes.POINTER(Weight), i, p, p, i], i
     lib.bk_matmul_many.argtypes, lib.bk_matmul_many.restype = [ctypes.POINTER(Weight), i, i, p, p, i], i
     lib.bk_dequant_rows.argtypes, lib.bk_dequant_rows.restype = [ctypes.POINTER(Weight), p, i, p, i], i
+    lib.bk_decoder.argtypes = [ctypes.POINTER(Arch), ctypes.POINTER(Layer), i, ctypes.POINTER(Cache), i, p, p, p, i]
+    lib.bk_decoder.restype = i
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
     return lib
 

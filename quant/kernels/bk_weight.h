@@ -2,7 +2,10 @@
 #ifndef BRISK_BK_WEIGHT_H
 #define BRISK_BK_WEIGHT_H
 
+#include <stddef.h>
 #include <stdint.h>
+
+#include "gguf_types.h"
 
 /* brisk's own formats beside GGUF's type ids */
 enum {
@@ -21,5 +24,20 @@ typedef struct {
 } bk_weight;
 
 #define TILE 4 /* weight rows dequantized and multiplied together */
+#define BK_CHUNK 512 /* columns of a tile dequantized at a time: 4 x 512 floats (8 KB) stay in L1 */
+
+/* The columns tiles.c dequantizes at a time for this weight: whole blocks or groups, and whole
+ * vectors of 16 floats, about `want` of them (at most K). */
+BK_INLINE int bk_chunk_near(const bk_weight *w, int want) {
+    int unit = w->type == BK_I4G ? w->group : w->type == BK_I8R ? 16 : bk_block_weights(w->type), u = unit;
+    while (u % 16) u += unit;
+    u = u >= want ? u : want / u * u;
+    return u < w->K ? u : w->K;
+}
+
+BK_INLINE int bk_chunk(const bk_weight *w) { return bk_chunk_near(w, BK_CHUNK); }
+
+/* Floats of scratch a thread needs for tiles.c's products with M activation rows. */
+BK_INLINE size_t bk_tile_floats(const bk_weight *w, int M) { return (size_t)TILE * (bk_chunk(w) + 16) + (size_t)M * TILE * 16; }
 
 #endif

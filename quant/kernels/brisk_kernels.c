@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bk_decoder.h"
 #include "bk_weight.h"
 #include "gguf_types.h"
 
@@ -38,13 +39,17 @@
  * plain copy is NEON through the compiler; 3 adds AVX2+FMA and AVX-512 on x86-64). */
 typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
-void bk_tile_rows_plain(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
-void bk_dequant_rows_plain(const bk_weight *, const int64_t *, int, float *);
+typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,
+                          const int32_t *, float *, int);
+#define LEVEL_FUNCTIONS(S)                                                                                  \
+    void bk_tile_rows_##S(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);    \
+    void bk_dequant_rows_##S(const bk_weight *, const int64_t *, int, float *);                           \
+    int bk_decoder_##S(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,    \
+                       const int32_t *, float *, int);
+LEVEL_FUNCTIONS(plain)
 #if BK_LEVELS > 1
-void bk_tile_rows_avx2(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
-void bk_dequant_rows_avx2(const bk_weight *, const int64_t *, int, float *);
-void bk_tile_rows_avx512(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
-void bk_dequant_rows_avx512(const bk_weight *, const int64_t *, int, float *);
+LEVEL_FUNCTIONS(avx2)
+LEVEL_FUNCTIONS(avx512)
 #endif
 
 enum { LEVEL_PLAIN = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
@@ -70,11 +75,12 @@ static int clamp_level(int level) {
 static const struct {
     tile_fn tile;
     rows_fn rows;
+    decoder_fn decoder;
 } KERNELS[] = {
-    {bk_tile_rows_plain, bk_dequant_rows_plain},
+    {bk_tile_rows_plain, bk_dequant_rows_plain, bk_decoder_plain},
 #if BK_LEVELS > 1
-    {bk_tile_rows_avx2, bk_dequant_rows_avx2},
-    {bk_tile_rows_avx512, bk_dequant_rows_avx512},
+    {bk_tile_rows_avx2, bk_dequant_rows_avx2, bk_decoder_avx2},
+    {bk_tile_rows_avx512, bk_dequant_rows_avx512, bk_decoder_avx512},
 #endif
 };
 
@@ -171,8 +177,12 @@ static void parallel_rows(chunk_fn run, const void *args, int n, int min_chunk) 
     while (atomic_load_explicit(&P.active, memory_order_acquire) > 0) PAUSE();
 }
 
+/* The pool for decoder.c's attention (tasks: a row's query head each). */
+void bk_parallel(chunk_fn run, const void *args, int n, int min_chunk) { parallel_rows(run, args, n, min_chunk); }
+
 /* ------------------------------------------------------------------ entry points */
 #define MAX_JOINED 8
+#define LANES_OK 16 /* decoder.c works in whole vectors of 16 floats */
 
 typedef struct {
     const bk_weight *ws; /* weights on the same input, outputs side by side */
@@ -188,7 +198,11 @@ static _Thread_local size_t tile_cap;
 
 static void matmul_chunk(const void *a, int n0, int n1) {
     const matmul_job *j = a;
-    size_t need = (size_t)TILE * j->ws[0].K;
+    size_t need = 0;
+    for (int i = 0; i < j->nw; i++) {
+        size_t n = bk_tile_floats(j->ws + i, j->M);
+        need = n > need ? n : need;
+    }
     if (tile_cap < need) { /* a thread's tile buffer, kept between calls */
         free(tile_buf);
         tile_buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
@@ -236,4 +250,14 @@ int bk_dequant_rows(const bk_weight *w, const int64_t *rows, int n, float *out, 
         if (rows[i] < 0 || rows[i] >= w->N) return -1;
     KERNELS[clamp_level(level)].rows(w, rows, n, out);
     return 0;
+}
+
+/* Rows x [N, dim] through a model's blocks in place (decoder.c): 0, -1 for weights or shapes it does
+ * not take, -2 out of memory. */
+int bk_decoder(const bk_arch *a, const bk_layer *layers, int n_layers, const bk_cache *c, int N,
+               const int32_t *pos, const int32_t *table, float *x, int level) {
+    if (N < 1 || a->dim % LANES_OK || a->head_dim % LANES_OK || a->ffn % LANES_OK || a->head_dim > 512 ||
+        a->n_kv < 1 || a->n_heads % a->n_kv)
+        return -1;
+    return KERNELS[clamp_level(level)].decoder(a, layers, n_layers, c, N, pos, table, x, clamp_level(level));
 }

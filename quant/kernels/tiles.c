@@ -6,15 +6,17 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bk_vec.h"
 #include "bk_weight.h"
 #include "gguf_types.h"
+
+#ifndef BK_CHUNK1
+#define BK_CHUNK1 256
+#endif
 
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 
-#define TILE 4
-#define LANES 16
-typedef float v16 __attribute__((vector_size(LANES * 4)));
 
 BK_INLINE float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -23,16 +25,16 @@ BK_INLINE float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Row n of the weight as K floats. */
-BK_INLINE void dequant_row(const bk_weight *w, int n, float *y) {
+/* Columns k0..k1 of row n of the weight as floats (k0, k1 multiples of chunk_unit). */
+BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) {
     const uint8_t *r = w->data + (int64_t)n * w->row_bytes;
     int K = w->K;
     if (w->type == BK_I4G) {
         int G = w->group;
-        for (int g = 0; g < K / G; g++) {
+        for (int g = k0 / G; g < k1 / G; g++) {
             float s = bf16_to_f32(w->scales[(int64_t)n * (K / G) + g]), z = bf16_to_f32(w->zeros[(int64_t)n * (K / G) + g]);
             const uint8_t *c = r + g * G / 2;
-            float *o = y + g * G;
+            float *o = y + g * G - k0;
             for (int i = 0; i < G / 2; i++) {
                 o[2 * i] = ((float)(c[i] & 15) - 8.f) * s + z;
                 o[2 * i + 1] = ((float)(c[i] >> 4) - 8.f) * s + z;
@@ -42,11 +44,11 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, float *y) {
     }
     if (w->type == BK_I8R) {
         float s = w->row_scales[n];
-        for (int k = 0; k < K; k++) y[k] = (float)((const int8_t *)r)[k] * s;
+        for (int k = k0; k < k1; k++) y[k - k0] = (float)((const int8_t *)r)[k] * s;
         return;
     }
-    int bw = bk_block_weights(w->type), bb = bk_block_bytes(w->type), nb = K / bw;
-#define ROWS_OF(FN) for (int b = 0; b < nb; b++) FN(r + (int64_t)b * bb, y + b * bw); break
+    int bw = bk_block_weights(w->type), bb = bk_block_bytes(w->type);
+#define ROWS_OF(FN) for (int b = k0 / bw; b < k1 / bw; b++) FN(r + (int64_t)b * bb, y + b * bw - k0); break
     switch (w->type) {
     case BK_Q4_0: ROWS_OF(dq_q4_0);
     case BK_Q4_1: ROWS_OF(dq_q4_1);
@@ -58,61 +60,57 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, float *y) {
     case BK_Q4_K: ROWS_OF(dq_q4_k);
     case BK_Q5_K: ROWS_OF(dq_q5_k);
     case BK_Q6_K: ROWS_OF(dq_q6_k);
-    default: memset(y, 0, sizeof(float) * K);
+    default: memset(y, 0, sizeof(float) * (k1 - k0));
     }
 #undef ROWS_OF
 }
 
-BK_INLINE v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-BK_INLINE float reduce16(v16 a) { /* a fixed pairwise order */
-    float t[LANES];
-    memcpy(t, &a, sizeof t);
-    for (int s = LANES / 2; s >= 1; s /= 2)
-        for (int l = 0; l < s; l++) t[l] += t[l + s];
-    return t[0];
-}
-
-/* out[r] = tile row r . x for the TILE rows of w (row stride K; K a multiple of LANES). */
-BK_INLINE void dot_tile(const float *w, int K, const float *x, float *out) {
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int k = 0; k < K; k += LANES) {
-        v16 xv = load16(x + k);
-        a0 += load16(w + k) * xv;
-        a1 += load16(w + K + k) * xv;
-        a2 += load16(w + 2 * K + k) * xv;
-        a3 += load16(w + 3 * K + k) * xv;
+/* acc[r] += tile row r . x over k floats (tile rows ldw apart; k a multiple of LANES): the sums
+ * run over 16 fixed lanes, so splitting K into chunks does not change a bit. */
+BK_INLINE void dot_tile(const float *w, int ldw, int k, const float *x, v16 *acc) {
+    v16 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
+    for (int i = 0; i < k; i += LANES) {
+        v16 xv = load16(x + i);
+        a0 += load16(w + i) * xv;
+        a1 += load16(w + ldw + i) * xv;
+        a2 += load16(w + 2 * ldw + i) * xv;
+        a3 += load16(w + 3 * ldw + i) * xv;
     }
-    out[0] = reduce16(a0);
-    out[1] = reduce16(a1);
-    out[2] = reduce16(a2);
-    out[3] = reduce16(a3);
+    acc[0] = a0;
+    acc[1] = a1;
+    acc[2] = a2;
+    acc[3] = a3;
 }
 
-/* Rows n0..n1 of y [M, N] = x [M, K] w^T, buf: TILE * K floats. */
-/* y[m * ldy + n] for rows n0..n1 of the weight (y [M, ldy]: this weight's outputs may sit beside others'). */
+/* Rows n0..n1 of y [M, N] = x [M, K] w^T; y[m * ldy + n] (this weight's outputs may sit beside
+ * others'). A tile's rows are dequantized CHUNK columns at a time: 4 rows of a whole 2048-wide row
+ * (32 KB) overflowed the L1 cache and cost a third of the speed. buf: bk_tile_floats(w, M) floats. */
 BK_INLINE void tile_rows(const bk_weight *w, int n0, int n1, int M, const float *x, float *y, int64_t ldy, float *buf) {
-    int K = w->K;
+    int K = w->K, C = bk_chunk(w), S = C + LANES; /* row stride: padded, off the 4 KB alias */
+    v16 *acc = (v16 *)buf; /* [M][TILE] running sums, then the tile's C columns */
+    float *tile = buf + (int64_t)M * TILE * LANES;
     for (int n = n0; n < n1; n += TILE) {
         int R = n1 - n < TILE ? n1 - n : TILE;
-        for (int r = 0; r < TILE; r++) {
-            if (r < R) dequant_row(w, n + r, buf + (int64_t)r * K);
-            else memset(buf + (int64_t)r * K, 0, sizeof(float) * K); /* a ragged tail: computed, dropped */
+        if (n + TILE < n1) { /* the next tile's rows on their way while this one computes */
+            const char *next = (const char *)w->data + (int64_t)(n + TILE) * w->row_bytes;
+            for (int64_t b = 0; b < TILE * w->row_bytes; b += 64) __builtin_prefetch(next + b);
         }
-        for (int m = 0; m < M; m++) {
-            float out[TILE];
-            dot_tile(buf, K, x + (int64_t)m * K, out);
-            for (int r = 0; r < R; r++) y[(int64_t)m * ldy + n + r] = out[r];
+        memset(acc, 0, sizeof(v16) * TILE * M);
+        for (int k0 = 0; k0 < K; k0 += C) {
+            int k1 = k0 + C < K ? k0 + C : K;
+            for (int r = 0; r < TILE; r++) {
+                if (r < R) dequant_row(w, n + r, k0, k1, tile + (int64_t)r * S);
+                else memset(tile + (int64_t)r * S, 0, sizeof(float) * (k1 - k0)); /* a ragged tail: dropped */
+            }
+            for (int m = 0; m < M; m++) dot_tile(tile, S, k1 - k0, x + (int64_t)m * K + k0, acc + m * TILE);
         }
+        for (int m = 0; m < M; m++)
+            for (int r = 0; r < R; r++) y[(int64_t)m * ldy + n + r] = reduce16(acc[m * TILE + r]);
     }
 }
 
 BK_INLINE void dequant_rows(const bk_weight *w, const int64_t *rows, int n, float *out) {
-    for (int i = 0; i < n; i++) dequant_row(w, (int)rows[i], out + (int64_t)i * w->K);
+    for (int i = 0; i < n; i++) dequant_row(w, (int)rows[i], 0, w->K, out + (int64_t)i * w->K);
 }
 
 void CAT(bk_tile_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, const float *x, float *y, int64_t ldy,

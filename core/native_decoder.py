@@ -1,0 +1,153 @@
+"""A CPU model's blocks in one native call per forward pass (quant/kernels/decoder.c).
+
+With brisk's native kernels doing the products, what is left of an eager decode step is ~20 small
+torch ops per block (norms, rope, cache writes, attention, residuals, the gate), a few microseconds
+of dispatch each: on SmolLM2-135M about as long as the products. decoder.c does all of a block
+in C, row by row; this module describes the model to it once (weights, norms, rope tables) and, per
+pass, where the rows sit (positions) and where each sequence keeps its K/V (a contiguous cache or a
+paged pool, read in place).
+
+A row's result does not depend on the other rows of the pass, so decode steps, speculative
+verification, prefill chunks and batched steps all give a token the same bits. Passes it does not
+take (tree verification, a cache indexed by tensor positions) run the torch blocks.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .kv import ContiguousKV, PagedStep
+from ..quant import native
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecoder:
+    """The structs decoder.c reads for one model (and the tensors they point into, kept alive)."""
+
+    def __init__(self, model):
+        cfg = model.cfg
+        self.arch = native.Arch(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.norm_eps,
+                                cfg.attn_scale, cfg.qk_norm, cfg.sandwich_norm, cfg.act == "gelu_tanh")
+        self.rope = model.rope  # the tables the structs point into (setup_rope replaces the list)
+        self.n_layers = cfg.n_layers
+        self.layers = (native.Layer * cfg.n_layers)()
+        self.keep: list = []
+        for i, block in enumerate(model.model.layers):
+            a, m, L = block.self_attn, block.mlp, self.layers[i]
+            for j, p in enumerate((a.q_proj, a.k_proj, a.v_proj)):
+                L.qkv[j] = self._weight(p)
+            L.o, L.down = self._weight(a.o_proj), self._weight(m.down_proj)
+            L.gate_up[0], L.gate_up[1] = self._weight(m.gate_proj), self._weight(m.up_proj)
+            L.q_bias, L.k_bias, L.v_bias = (self._floats(p.bias) for p in (a.q_proj, a.k_proj, a.v_proj))
+            L.attn_in, L.post_attn = self._norm(block.input_layernorm), self._norm(block.post_attention_layernorm)
+            if cfg.sandwich_norm:
+                L.pre_ffn = self._norm(block.pre_feedforward_layernorm)
+                L.post_ffn = self._norm(block.post_feedforward_layernorm)
+            if cfg.qk_norm:
+                L.q_norm, L.k_norm = self._norm(a.q_norm), self._norm(a.k_norm)
+            cos, sin = model.rope[block.local_rope]
+            L.cos, L.sin = cos.data_ptr(), sin.data_ptr()
+            L.window = a.window or 0
+        self.positions = self.rope[0][0].shape[0]
+
+    @classmethod
+    def takes(cls, model, need_rope: bool = True) -> bool:
+        """Whether every block of `model` can run natively: products on native kernels, float32
+        rope tables on the CPU (need_rope: once setup_rope made them), shapes in whole vectors."""
+        cfg = model.cfg
+        if not native.available() or any(n % 16 for n in (cfg.dim, cfg.head_dim, cfg.ffn_dim)) or cfg.head_dim > 512:
+            return False
+        if need_rope and (getattr(model, "rope", None) is None or model.rope[0][0].dtype != torch.float32
+                          or model.rope[0][0].device.type != "cpu"):
+            return False
+        for block in model.model.layers:
+            a, m = block.self_attn, block.mlp
+            for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+                if not getattr(p, "native", False) or not hasattr(p, "_native"):
+                    return False
+        return True
+
+    def _weight(self, layer) -> native.Weight:
+        nw = layer._native()
+        self.keep.append(nw)
+        return nw.desc
+
+    def _floats(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        t = t.detach().float().contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def _norm(self, norm) -> int:
+        return self._floats(norm.weight.detach().float() + norm.offset)  # Gemma's (1 + w), as multiplied
+
+    # ------------------------------------------------------------------ a pass
+    def run(self, x: torch.Tensor, start, kv, tree) -> torch.Tensor | None:
+        """x [B, T, dim] through every block (in place), or None where this pass is not one it takes."""
+        if tree is not None or x.dtype != torch.float32:
+            return None
+        B, T, _ = x.shape
+        if type(kv) is ContiguousKV and isinstance(start, int):
+            cache = self._contiguous(kv)
+            pos = torch.arange(start, start + T, dtype=torch.int32).repeat(B)
+            table = torch.arange(B, dtype=torch.int32).repeat_interleave(T)
+        elif isinstance(kv, PagedStep) and B == 1:
+            cache, pos, table = self._paged(kv)
+        else:
+            return None
+        if int(pos.max()) >= self.positions:
+            return None  # past the rope tables: the torch blocks say so
+        x = x.contiguous()
+        rc = native.library().bk_decoder(self.arch, self.layers, self.n_layers, cache, B * T, pos.data_ptr(),
+                                         table.data_ptr(), x.data_ptr(), native.level())
+        if rc:
+            raise RuntimeError(f"native decoder failed ({'out of memory' if rc == -2 else 'shapes'})")
+        return x
+
+    def _contiguous(self, kv: ContiguousKV) -> native.Cache:
+        """A contiguous cache's description, made once per cache: one block of max_len per sequence."""
+        made = kv.__dict__.get("_native_cache")
+        if made is None:
+            k0 = kv.k[0]  # [B, KV, max_len, D]
+            if k0.dtype != torch.float32 or not all(t.is_contiguous() for t in kv.k + kv.v):
+                raise ValueError("the native decoder needs a float32 contiguous cache")
+            ks = (ctypes.c_void_p * len(kv.k))(*[t.data_ptr() for t in kv.k])
+            vs = (ctypes.c_void_p * len(kv.v))(*[t.data_ptr() for t in kv.v])
+            tables = torch.arange(k0.shape[0], dtype=torch.int32)
+            _, n_kv, max_len, D = k0.shape
+            c = native.Cache(ctypes.addressof(ks), ctypes.addressof(vs), tables.data_ptr(), max_len,
+                             n_kv * max_len * D, D, max_len * D)
+            made = kv.__dict__["_native_cache"] = (c, ks, vs, tables)
+        return made[0]
+
+    def _paged(self, step: PagedStep):
+        """A paged step's rows: their block tables (decode rows' padded ones, then each prefill's)."""
+        pool = step.kv
+        L, _, bs, n_kv, D = pool.k.shape
+        made = pool.__dict__.get("_native_cache")
+        if made is None:
+            ks = (ctypes.c_void_p * L)(*[pool.k[i].data_ptr() for i in range(L)])
+            vs = (ctypes.c_void_p * L)(*[pool.v[i].data_ptr() for i in range(L)])
+            made = pool.__dict__["_native_cache"] = (ks, vs)
+        ks, vs = made
+        parts, table = [], torch.empty(step.tokens.shape[0], dtype=torch.int32)
+        n = 0
+        if step.n_decode:
+            width = step.decode_blocks.shape[1]
+            parts.append(step.decode_blocks.reshape(-1))
+            table[:step.n_decode] = torch.arange(step.n_decode, dtype=torch.int32) * width
+            n = step.n_decode * width
+        for s, T, _, blocks in step.prefills:
+            parts.append(blocks)
+            table[s:s + T] = n
+            n += len(blocks)
+        tables = torch.cat(parts).to(torch.int32).contiguous()
+        c = native.Cache(ctypes.addressof(ks), ctypes.addressof(vs), tables.data_ptr(), bs, bs * n_kv * D,
+                         n_kv * D, D)
+        c._keep = tables  # noqa: SLF001 (alive as long as the struct)
+        return c, step.positions.to(torch.int32), table

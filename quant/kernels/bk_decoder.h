@@ -1,0 +1,39 @@
+/* A model's transformer blocks as decoder.c runs them (the Llama family and Gemma 3). */
+#ifndef BRISK_BK_DECODER_H
+#define BRISK_BK_DECODER_H
+
+#include <stdint.h>
+
+#include "bk_weight.h"
+
+typedef struct { /* the same for every block */
+    int dim, n_heads, n_kv, head_dim, ffn;
+    float eps, attn_scale;
+    int qk_norm;  /* RMSNorm each q and k head (Gemma 3) */
+    int sandwich; /* Gemma's norms of the attention and MLP outputs */
+    int gelu;     /* GELU (tanh) gate, else SiLU */
+} bk_arch;
+
+typedef struct {
+    bk_weight qkv[3], o, gate_up[2], down; /* q/k/v and gate/up: one call each */
+    const float *q_bias, *k_bias, *v_bias; /* or NULL */
+    /* RMSNorm weights as multiplied (Gemma's 1 + w already added): attn_in, post_attn, and with
+     * sandwich pre_ffn, post_ffn; q_norm, k_norm with qk_norm */
+    const float *attn_in, *post_attn, *pre_ffn, *post_ffn, *q_norm, *k_norm;
+    const float *cos, *sin; /* rope tables [positions, head_dim], sin signed as model.py makes it */
+    int window;             /* sliding window length, 0: full attention */
+} bk_layer;
+
+/* Where position p of a row's sequence keeps its K (and V) in a layer's cache, head h:
+ *   base + table[p / block_size] * block_stride + (p % block_size) * pos_stride + h * head_stride
+ * (floats), table being the row's block table. A contiguous cache [batch, kv_heads, max_len, D] is
+ * one block of max_len positions per sequence; a paged pool [blocks, block_size, kv_heads, D] is
+ * token-major. */
+typedef struct {
+    float *const *k, *const *v; /* per layer: the cache's base */
+    const int32_t *tables;      /* every row's block table, concatenated */
+    int block_size;
+    int64_t block_stride, pos_stride, head_stride;
+} bk_cache;
+
+#endif

@@ -1,0 +1,59 @@
+/* 16 float lanes as GCC vector types (one AVX-512 register, two AVX2 ones, four NEON or SSE ones),
+ * shared by the per-level files (tiles.c, decoder.c): the compiler lowers them to the instruction
+ * set each copy is compiled for. Fixed lane counts and fixed reduction orders keep a level's bits
+ * the same on every machine. */
+#ifndef BRISK_BK_VEC_H
+#define BRISK_BK_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "gguf_types.h" /* BK_INLINE */
+
+#define LANES 16
+typedef float v16 __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi16 __attribute__((vector_size(LANES * 4)));
+
+BK_INLINE v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+BK_INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+BK_INLINE v16 splat16(float f) { return (v16){0} + f; }
+
+BK_INLINE float reduce16(v16 a) { /* a fixed pairwise order */
+    float t[LANES];
+    memcpy(t, &a, sizeof t);
+    for (int s = LANES / 2; s >= 1; s /= 2)
+        for (int l = 0; l < s; l++) t[l] += t[l + s];
+    return t[0];
+}
+
+/* m ? a : b, lane by lane (m: a comparison's all-ones or zero lanes) */
+BK_INLINE v16 select16(vi16 m, v16 a, v16 b) { return (v16)(((vi16)a & m) | ((vi16)b & ~m)); }
+
+/* e^x in every lane, relative error ~2e-7 (Cody-Waite reduction to |r| <= ln2/2, Cephes' degree-6
+ * polynomial, scaled by 2^n built in the exponent bits); 0 below -87.3, large but finite above 88.3. */
+BK_INLINE v16 exp16(v16 x) {
+    const v16 hi = splat16(88.3762626647949f), lo = splat16(-87.3365447505531f);
+    vi16 under = x < lo;
+    x = select16(x > hi, hi, select16(under, lo, x));
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16 p = splat16(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return select16(under, splat16(0.0f), p * (v16)bits);
+}
+
+#endif

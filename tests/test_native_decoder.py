@@ -1,0 +1,97 @@
+"""The native blocks (core/native_decoder.py, quant/kernels/decoder.c) against the torch blocks of the
+same model: logits of a pass, every architecture flag (q/k/v bias, sliding window, Gemma's norms,
+GELU, q/k norms), decode steps against one pass, a paged batch against single sequences."""
+import pytest
+import torch
+
+from brisk.core import LLM
+from brisk.core.kernel_passes import NativeBlocksTransformer
+from brisk.core.model import Transformer
+
+pytestmark = pytest.mark.skipif(not __import__("brisk.quant.native", fromlist=["x"]).available(),
+                                reason="no native kernels")
+
+
+def _torch_blocks(model):
+    """The same model with the torch blocks (the class the native pass replaced)."""
+    model.__class__ = Transformer
+    return model
+
+
+def _native_logits(llm, ids):
+    assert type(llm.model) is NativeBlocksTransformer
+    return llm.logits(ids)
+
+
+@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma3"])
+def tiny_int8(request):
+    """A tiny random model of each kind with int8 rows (products on the native kernels)."""
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.mark.parametrize("level_", [0, 1, 2], ids=["plain", "avx2", "avx512"])
+def test_native_blocks_match_torch_blocks(tiny_int8, level_, monkeypatch):
+    from brisk.quant import native
+
+    if level_ > native.library().bk_cpu_level():
+        pytest.skip("this CPU lacks that instruction set")
+    monkeypatch.setenv("BRISK_NATIVE_LEVEL", str(level_))
+    native.level.cache_clear()
+    try:
+        llm = LLM.load(str(tiny_int8), device="cpu", dtype="float32", quantize="int8")
+        ids = [(7 * i + 3) % 290 + 2 for i in range(40)]  # past every sliding window (8, 16)
+        got = _native_logits(llm, ids)
+        want = LLM.logits(_with(llm, _torch_blocks(llm.model)), ids)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    finally:
+        native.level.cache_clear()
+
+
+def _with(llm, model):
+    llm.model = model
+    return llm
+
+
+def test_decode_steps_equal_one_pass_bit_for_bit(tiny_gemma3_dir):
+    """A token's logits do not depend on the pass it is in (one-token steps, chunks, one prefill)."""
+    llm = LLM.load(str(tiny_gemma3_dir), device="cpu", dtype="float32", quantize="int8")
+    ids = [(5 * i + 1) % 290 + 2 for i in range(30)]
+    one = llm.logits(ids)
+    with torch.inference_mode():
+        kv = llm.new_cache(64)
+        steps = [llm.model(torch.tensor([[t]]), i, kv)[0, -1] for i, t in enumerate(ids)]
+        kv2 = llm.new_cache(64)
+        chunks = torch.cat([llm.model(torch.tensor([ids[s:s + 7]]), s, kv2)[0] for s in range(0, 30, 7)])
+    assert torch.equal(torch.stack(steps), one)
+    assert torch.equal(chunks, one)
+
+
+def test_a_paged_batch_gives_each_sequence_its_own_bits(tiny_mistral_dir):
+    """The batching engine's paged steps (decode rows beside prefill chunks) against each prompt
+    alone on a contiguous cache: the same logits, bit for bit, so the same greedy tokens."""
+    from brisk.core import GREEDY, Session
+    from brisk.core.batching import Engine, Request
+
+    llm = LLM.load(str(tiny_mistral_dir), device="cpu", dtype="float32", quantize="int8")
+    prompts = [[(3 * i + j) % 290 + 2 for i in range(n)] for j, n in enumerate((5, 23, 11, 40))]
+    alone = []
+    for p in prompts:
+        s = Session(llm)
+        list(s.stream(p, GREEDY, 12))
+        alone.append(s.last.tokens)
+    seqs = Engine(llm, max_batch=3).run([Request(p, GREEDY, 12) for p in prompts])
+    assert [q.result.tokens for q in seqs] == alone
+
+
+def test_passes_it_does_not_take_run_the_torch_blocks(tiny_llama_dir):
+    """A tree of candidates (tree attention mask) is not a native pass: the torch blocks run it,
+    with the same results as a plain pass on the tree's one chain."""
+    llm = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32", quantize="int8")
+    ids = [5, 9, 13, 17, 21]
+    chain = torch.ones(3, 3, dtype=torch.bool).tril()  # a tree that is one chain: plain causal
+    with torch.inference_mode():
+        kv = llm.new_cache(16)
+        llm.model(torch.tensor([ids[:2]]), 0, kv)
+        tree_logits = llm.model(torch.tensor([ids[2:]]), 2, kv, tree=chain)[0]
+    torch.testing.assert_close(tree_logits, llm.logits(ids)[2:], rtol=1e-4, atol=1e-4)
