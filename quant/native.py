@@ -32,6 +32,9 @@ QB = 32  # every format's rows are whole blocks of 32 (or 256) weights
 LEVELS = ("plain", "avx2", "avx512")
 ENABLED = os.environ.get("BRISK_NATIVE", "1") != "0"  # layers built while it is on use the kernels
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
+# the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
+INT_DOT_TYPES = {2, 3, 8, I8R}
+INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
@@ -149,8 +152,18 @@ def library():
     lib.bk_dequant_rows.argtypes, lib.bk_dequant_rows.restype = [ctypes.POINTER(Weight), p, i, p, i], i
     lib.bk_decoder.argtypes = [ctypes.POINTER(Arch), ctypes.POINTER(Layer), i, ctypes.POINTER(Cache), i, p, p, p, i]
     lib.bk_decoder.restype = i
+    lib.bk_int_dot.argtypes, lib.bk_int_dot.restype = [i], None
+    lib.bk_int_dot(int(INT_DOT))
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
     return lib
+
+
+def set_int_dot(on: bool) -> None:
+    """Whether the INT_DOT_TYPES take 16-bit activations (tests and benchmarks compare both)."""
+    global INT_DOT
+    INT_DOT = on
+    if available():
+        library().bk_int_dot(int(on))
 
 
 def set_threads(n: int) -> None:

@@ -38,6 +38,6 @@ BK_INLINE int bk_chunk_near(const bk_weight *w, int want) {
 BK_INLINE int bk_chunk(const bk_weight *w) { return bk_chunk_near(w, BK_CHUNK); }
 
 /* Floats of scratch a thread needs for tiles.c's products with M activation rows. */
-BK_INLINE size_t bk_tile_floats(const bk_weight *w, int M) { return (size_t)TILE * (bk_chunk(w) + 16) + (size_t)M * TILE * 16; }
+BK_INLINE size_t bk_tile_floats(const bk_weight *w, int M) { return (size_t)TILE * (bk_chunk(w) + 16) + (size_t)M * TILE * (16 + 1); }
 
 #endif

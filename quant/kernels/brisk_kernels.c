@@ -26,6 +26,7 @@
 #include "bk_decoder.h"
 #include "bk_weight.h"
 #include "gguf_types.h"
+#include "int_dot.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -39,13 +40,17 @@
  * plain copy is NEON through the compiler; 3 adds AVX2+FMA and AVX-512 on x86-64). */
 typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
+typedef void (*int_rows_fn)(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);
+typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *);
 typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,
                           const int32_t *, float *, int);
 #define LEVEL_FUNCTIONS(S)                                                                                  \
     void bk_tile_rows_##S(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);    \
     void bk_dequant_rows_##S(const bk_weight *, const int64_t *, int, float *);                           \
     int bk_decoder_##S(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,    \
-                       const int32_t *, float *, int);
+                       const int32_t *, float *, int);                                                     \
+    void bk_int_rows_##S(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);      \
+    void bk_quantize_x_##S(const float *, int, int, int16_t *, float *, float *);
 LEVEL_FUNCTIONS(plain)
 #if BK_LEVELS > 1
 LEVEL_FUNCTIONS(avx2)
@@ -76,12 +81,16 @@ static const struct {
     tile_fn tile;
     rows_fn rows;
     decoder_fn decoder;
+    int_rows_fn int_rows;
+    quantize_x_fn quantize_x;
 } KERNELS[] = {
-    {bk_tile_rows_plain, bk_dequant_rows_plain, bk_decoder_plain},
+#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S}
+    LEVEL(plain),
 #if BK_LEVELS > 1
-    {bk_tile_rows_avx2, bk_dequant_rows_avx2, bk_decoder_avx2},
-    {bk_tile_rows_avx512, bk_dequant_rows_avx512, bk_decoder_avx512},
+    LEVEL(avx2),
+    LEVEL(avx512),
 #endif
+#undef LEVEL
 };
 
 /* ------------------------------------------------------------------ threads
@@ -189,12 +198,28 @@ typedef struct {
     int nw, M;
     int starts[MAX_JOINED + 1]; /* weight i's rows are starts[i]..starts[i + 1] of the joined rows */
     const float *x;
+    bk_xq xq; /* x quantized (int_dot.h), for the weights with integer blocks */
     float *y;
-    tile_fn tile;
+    int level;
 } matmul_job;
+
+/* Integer products for the types that have them (0: every type dequantizes to float; tests, bench) */
+static int int_dot = 1;
+
+void bk_int_dot(int on) { int_dot = on; }
 
 static _Thread_local float *tile_buf;
 static _Thread_local size_t tile_cap;
+
+/* a thread's scratch of at least n floats, kept between calls */
+static float *scratch(float **buf, size_t *cap, size_t n) {
+    if (*cap < n) {
+        free(*buf);
+        *buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        *cap = *buf ? n : 0;
+    }
+    return *buf;
+}
 
 static void matmul_chunk(const void *a, int n0, int n1) {
     const matmul_job *j = a;
@@ -203,17 +228,17 @@ static void matmul_chunk(const void *a, int n0, int n1) {
         size_t n = bk_tile_floats(j->ws + i, j->M);
         need = n > need ? n : need;
     }
-    if (tile_cap < need) { /* a thread's tile buffer, kept between calls */
-        free(tile_buf);
-        tile_buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
-        tile_cap = tile_buf ? need : 0;
-        if (!tile_buf) return;
-    }
+    float *buf = scratch(&tile_buf, &tile_cap, need);
+    if (!buf) return;
     for (int i = 0; i < j->nw; i++) { /* the part of each weight inside this chunk */
         int lo = n0 > j->starts[i] ? n0 : j->starts[i], hi = n1 < j->starts[i + 1] ? n1 : j->starts[i + 1];
-        if (lo < hi)
-            j->tile(j->ws + i, lo - j->starts[i], hi - j->starts[i], j->M, j->x, j->y + j->starts[i],
-                    j->starts[j->nw], tile_buf);
+        if (lo >= hi) continue;
+        const bk_weight *w = j->ws + i;
+        float *y = j->y + j->starts[i];
+        if (j->xq.q && bk_int_type(w->type))
+            KERNELS[j->level].int_rows(w, lo - j->starts[i], hi - j->starts[i], j->M, &j->xq, y, j->starts[j->nw], buf);
+        else
+            KERNELS[j->level].tile(w, lo - j->starts[i], hi - j->starts[i], j->M, j->x, y, j->starts[j->nw], buf);
     }
 }
 
@@ -230,10 +255,24 @@ static int shape_ok(const bk_weight *w) {
  * Returns 0, or -1 for a type or shape it does not take (y untouched). */
 int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level) {
     if (nw < 1 || nw > MAX_JOINED) return -1;
-    matmul_job j = {ws, nw, M, {0}, x, y, KERNELS[clamp_level(level)].tile};
+    level = clamp_level(level);
+    matmul_job j = {ws, nw, M, {0}, x, {NULL, NULL, NULL}, y, level};
+    int ints = 0;
     for (int i = 0; i < nw; i++) {
         if (!shape_ok(ws + i) || ws[i].K != ws[0].K) return -1;
         j.starts[i + 1] = j.starts[i] + ws[i].N;
+        ints |= bk_int_type(ws[i].type);
+    }
+    if (ints && int_dot) { /* the activations quantized once, by the calling thread */
+        static _Thread_local float *xbuf;
+        static _Thread_local size_t xcap;
+        size_t n = (size_t)M * ws[0].K, blocks = n / QK;
+        float *b = scratch(&xbuf, &xcap, n / 2 + 2 * blocks);
+        if (!b) return -2;
+        int16_t *q = (int16_t *)b;
+        float *s = b + n / 2, *sum = s + blocks;
+        KERNELS[level].quantize_x(x, M, ws[0].K, q, s, sum);
+        j.xq = (bk_xq){q, s, sum};
     }
     parallel_rows(matmul_chunk, &j, j.starts[nw], 32);
     return 0;

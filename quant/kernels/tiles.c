@@ -9,6 +9,7 @@
 #include "bk_vec.h"
 #include "bk_weight.h"
 #include "gguf_types.h"
+#include "int_dot.h"
 
 #ifndef BK_CHUNK1
 #define BK_CHUNK1 256
@@ -120,4 +121,36 @@ void CAT(bk_tile_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, con
 
 void CAT(bk_dequant_rows, BK_SUFFIX)(const bk_weight *w, const int64_t *rows, int n, float *out) {
     dequant_rows(w, rows, n, out);
+}
+
+/* Rows n0..n1 of an integer-block weight (bk_int_type) times quantized activations (int_dot.h). */
+void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
+                                 float *buf) {
+    if (M == 1) { /* decode: the sums in registers (the same operations) */
+        v16 a[1];
+        float ma[TILE];
+#define ONE(T) int_tile_rows(w, T, n0, n1, 1, x, y, ldy, a, ma); return
+        switch (w->type) {
+        case BK_Q4_0: ONE(BK_Q4_0);
+        case BK_Q4_1: ONE(BK_Q4_1);
+        case BK_Q8_0: ONE(BK_Q8_0);
+        case BK_I8R: ONE(BK_I8R);
+        }
+#undef ONE
+        return;
+    }
+    v16 *acc = (v16 *)buf;
+    float *macc = buf + (int64_t)M * LANES;
+#define MANY(T) int_tile_rows(w, T, n0, n1, M, x, y, ldy, acc, macc); return
+    switch (w->type) {
+    case BK_Q4_0: MANY(BK_Q4_0);
+    case BK_Q4_1: MANY(BK_Q4_1);
+    case BK_Q8_0: MANY(BK_Q8_0);
+    case BK_I8R: MANY(BK_I8R);
+    }
+#undef MANY
+}
+
+void CAT(bk_quantize_x, BK_SUFFIX)(const float *x, int M, int K, int16_t *q, float *s, float *sum) {
+    quantize_x(x, M, K, q, s, sum);
 }

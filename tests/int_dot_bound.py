@@ -1,0 +1,16 @@
+"""How far 16-bit activations (quant/kernels/int_dot.h) may move a product: each input is rounded
+to its block's grid of max|x| / 32767 steps, so it moves by at most half a step."""
+import torch
+
+from brisk.quant import native
+
+
+def activation_bound(x: torch.Tensor, w: torch.Tensor, kind: int) -> torch.Tensor:
+    """[M, N] bound on |x @ w.T - (x rounded) @ w.T| for a weight of this kind (0 where the kind
+    takes float32 activations)."""
+    if kind not in native.INT_DOT_TYPES or not native.INT_DOT:
+        return torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    M, K = x.shape
+    amax = x.double().abs().view(M, K // 32, 32).amax(-1)
+    half_step = (amax / 32767 / 2).repeat_interleave(32, dim=1)
+    return half_step @ w.double().abs().T
