@@ -32,7 +32,12 @@ typedef struct {
     const float *s, *sum;
 } bk_xq;
 
-BK_INLINE int bk_int_type(int type) { return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q8_0 || type == BK_I8R; }
+BK_INLINE int bk_int_type(int type) {
+    return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q8_0 || type == BK_Q4_K || type == BK_I8R;
+}
+
+/* the types with a per-block minimum (weight = d code + m) */
+#define HAS_MIN(type) ((type) == BK_Q4_1 || (type) == BK_Q4_K)
 
 /* lane l = a[2l] b[2l] + a[2l+1] b[2l+1], exact in int32 */
 BK_INLINE vi16 madd(i16x32 a, i16x32 b) {
@@ -80,6 +85,23 @@ BK_INLINE i16x32 nibbles(const uint8_t *p) {
 #endif
 }
 
+/* 32 bytes as 32 int16 (zero-extended) */
+BK_INLINE i16x32 bytes_i16(const uint8_t *p) {
+#if defined(__AVX512BW__)
+    return (i16x32)_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)
+    __m256i h[2] = {_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)),
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)))};
+    i16x32 q;
+    memcpy(&q, h, 64);
+    return q;
+#else
+    i16x32 q;
+    for (int i = 0; i < 32; i++) q[i] = p[i];
+    return q;
+#endif
+}
+
 /* Block b of row n as 32 integer codes (weight j = d code_j + m), its d and m. */
 BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d, float *m) {
     const uint8_t *p = w->data + (int64_t)n * w->row_bytes;
@@ -118,13 +140,74 @@ BK_INLINE vi16 fold4(vi16 a, vi16 b, vi16 c, vi16 d) {
            __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
 }
 
+/* One Q4_K super-block's [d sc_0..7, dmin m_0..7] (the 6-bit fields unpacked in one vector; the
+ * same floats as bk_k_scales) */
+BK_INLINE v16 q4k_scales(const uint8_t *blk) {
+    bk_u8x16 v = bk_load_u8x16(blk + 4); /* the 12 scale bytes s0..s11 (and 4 code bytes, unused) */
+    bk_u8x16 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    bk_u8x16 hi = __builtin_shufflevector(v, v, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
+    const bk_u8x16 shift = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4};
+    const bk_u8x16 low = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15};
+    const bk_u8x16 top = {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48};
+    bk_u8x16 six = ((lo >> shift) & low) | (((hi >> 6) << 4) & top);
+    float d = bk_fp16(blk), dmin = bk_fp16(blk + 2);
+    return bk_u8_to_f32(six) * (v16){d, d, d, d, d, d, d, d, dmin, dmin, dmin, dmin, dmin, dmin, dmin, dmin};
+}
+
+/* Q4_K's super-blocks of 256 (8 sub-blocks of 32 with 6-bit scales and minimums): the scales
+ * decoded once per super-block into each sub-block's d and m vectors, and each 32 code bytes widened
+ * once for their two sub-blocks (low nibbles: sub-block 2c, high: 2c + 1). The same per-lane
+ * operations as int_tile_rows' loop. */
+BK_INLINE void q4k_tile(const bk_weight *w, int n, int R, int M, const bk_xq *x, v16 *acc) {
+    int K = w->K, nb = K / QK;
+    for (int sb = 0; sb < K / 256; sb++) {
+        const uint8_t *row[TILE];
+        v16 f[TILE];
+        for (int r = 0; r < TILE; r++) {
+            row[r] = w->data + (int64_t)(n + (r < R ? r : 0)) * w->row_bytes + sb * 144;
+            f[r] = r < R ? q4k_scales(row[r]) : (v16){0};
+        }
+        /* dv[j]: sub-block j's d of row r in lanes 4r..4r+3; mv[j]: its -m in lane 4r */
+        v16 dv[8], mv[8];
+        const v16 first = {1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0};
+#define SPREAD(j) __builtin_shufflevector(                                                                     \
+        __builtin_shufflevector(f[0], f[1], j, j, j, j, 16 + j, 16 + j, 16 + j, 16 + j, 0, 0, 0, 0, 0, 0, 0, 0), \
+        __builtin_shufflevector(f[2], f[3], j, j, j, j, 16 + j, 16 + j, 16 + j, 16 + j, 0, 0, 0, 0, 0, 0, 0, 0), \
+        0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+#define BOTH(j) dv[j] = SPREAD(j), mv[j] = -SPREAD(8 + j) * first
+        BOTH(0); BOTH(1); BOTH(2); BOTH(3); BOTH(4); BOTH(5); BOTH(6); BOTH(7);
+#undef BOTH
+#undef SPREAD
+        for (int c = 0; c < 4; c++) {
+            i16x32 lo[TILE], hi[TILE];
+            for (int r = 0; r < TILE; r++) {
+                i16x32 raw = bytes_i16(row[r] + 16 + 32 * c);
+                lo[r] = raw & 15;
+                hi[r] = raw >> 4;
+            }
+            v16 d0 = dv[2 * c], d1 = dv[2 * c + 1], m0 = mv[2 * c], m1 = mv[2 * c + 1];
+            int b = sb * 8 + 2 * c;
+            for (int mi = 0; mi < M; mi++) {
+                const int16_t *xq = x->q + (int64_t)mi * K + b * QK;
+                const float *xs = x->s + (int64_t)mi * nb + b, *xsum = x->sum + (int64_t)mi * nb + b;
+                i16x32 x0 = load_i16x32(xq), x1 = load_i16x32(xq + QK);
+                v16 a = acc[mi] + __builtin_convertvector(fold4(madd(lo[0], x0), madd(lo[1], x0), madd(lo[2], x0), madd(lo[3], x0)), v16) * (d0 * xs[0]);
+                a += m0 * xsum[0];
+                a += __builtin_convertvector(fold4(madd(hi[0], x1), madd(hi[1], x1), madd(hi[2], x1), madd(hi[3], x1)), v16) * (d1 * xs[1]);
+                a += m1 * xsum[1];
+                acc[mi] = a;
+            }
+        }
+    }
+}
+
 /* The products of rows n0..n1 of an integer-block weight of this type with M quantized activation
- * rows (acc: scratch for M vectors, macc for M * TILE floats). Per block, the tile's 4 rows' exact
- * integer sums share one vector (4 lanes a row) scaled by d s in float; an output is its 4 lanes'
- * sum over the blocks, reduced in a fixed order, plus sum_b m (s_b sum of x codes). Every output
- * runs the same operations in the same order whatever M is. */
+ * rows (acc: scratch for M vectors). Per block, the tile's 4 rows' exact integer sums share one
+ * vector (4 lanes a row) scaled by d s in float, and a minimum's term m (s sum of x codes) goes
+ * into the row's first lane; an output is its 4 lanes' sum over the blocks, reduced in a fixed
+ * order. Every output runs the same operations in the same order whatever M is. */
 BK_INLINE void int_tile_rows(const bk_weight *w, int type, int n0, int n1, int M, const bk_xq *x, float *y,
-                             int64_t ldy, v16 *acc, float *macc) {
+                             int64_t ldy, v16 *acc) {
     int K = w->K, nb = K / QK;
     for (int n = n0; n < n1; n += TILE) {
         int R = n1 - n < TILE ? n1 - n : TILE;
@@ -133,7 +216,9 @@ BK_INLINE void int_tile_rows(const bk_weight *w, int type, int n0, int n1, int M
             for (int64_t o = 0; o < TILE * w->row_bytes; o += 64) __builtin_prefetch(next + o);
         }
         for (int i = 0; i < M; i++) acc[i] = (v16){0};
-        for (int i = 0; i < M * TILE; i++) macc[i] = 0.0f;
+        if (type == BK_Q4_K) {
+            q4k_tile(w, n, R, M, x, acc);
+        } else
         for (int b = 0; b < nb; b++) {
             i16x32 q[TILE];
             float dr[TILE], mn[TILE];
@@ -143,20 +228,19 @@ BK_INLINE void int_tile_rows(const bk_weight *w, int type, int n0, int n1, int M
             }
             v16 d = {dr[0], dr[0], dr[0], dr[0], dr[1], dr[1], dr[1], dr[1],
                      dr[2], dr[2], dr[2], dr[2], dr[3], dr[3], dr[3], dr[3]};
+            v16 m = {mn[0], 0, 0, 0, mn[1], 0, 0, 0, mn[2], 0, 0, 0, mn[3], 0, 0, 0}; /* in each row's first lane */
             for (int mi = 0; mi < M; mi++) {
                 i16x32 xv = load_i16x32(x->q + (int64_t)mi * K + b * QK);
                 vi16 sums = fold4(madd(q[0], xv), madd(q[1], xv), madd(q[2], xv), madd(q[3], xv));
-                acc[mi] += __builtin_convertvector(sums, v16) * (d * x->s[(int64_t)mi * nb + b]);
-                if (type == BK_Q4_1) /* explicit fmas: the same rounding in every instantiation */
-                    for (int r = 0; r < TILE; r++)
-                        macc[mi * TILE + r] = __builtin_fmaf(mn[r], x->sum[(int64_t)mi * nb + b], macc[mi * TILE + r]);
+                v16 a = acc[mi] + __builtin_convertvector(sums, v16) * (d * x->s[(int64_t)mi * nb + b]);
+                if (HAS_MIN(type)) a += m * x->sum[(int64_t)mi * nb + b];
+                acc[mi] = a;
             }
         }
         for (int mi = 0; mi < M; mi++) {
             float t[LANES];
             memcpy(t, acc + mi, sizeof t);
-            for (int r = 0; r < R; r++)
-                y[(int64_t)mi * ldy + n + r] = ((t[4 * r] + t[4 * r + 2]) + (t[4 * r + 1] + t[4 * r + 3])) + macc[mi * TILE + r];
+            for (int r = 0; r < R; r++) y[(int64_t)mi * ldy + n + r] = (t[4 * r] + t[4 * r + 2]) + (t[4 * r + 1] + t[4 * r + 3]);
         }
     }
 }

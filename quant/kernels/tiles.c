@@ -128,24 +128,24 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
                                  float *buf) {
     if (M == 1) { /* decode: the sums in registers (the same operations) */
         v16 a[1];
-        float ma[TILE];
-#define ONE(T) int_tile_rows(w, T, n0, n1, 1, x, y, ldy, a, ma); return
+#define ONE(T) int_tile_rows(w, T, n0, n1, 1, x, y, ldy, a); return
         switch (w->type) {
         case BK_Q4_0: ONE(BK_Q4_0);
         case BK_Q4_1: ONE(BK_Q4_1);
         case BK_Q8_0: ONE(BK_Q8_0);
+        case BK_Q4_K: ONE(BK_Q4_K);
         case BK_I8R: ONE(BK_I8R);
         }
 #undef ONE
         return;
     }
     v16 *acc = (v16 *)buf;
-    float *macc = buf + (int64_t)M * LANES;
-#define MANY(T) int_tile_rows(w, T, n0, n1, M, x, y, ldy, acc, macc); return
+#define MANY(T) int_tile_rows(w, T, n0, n1, M, x, y, ldy, acc); return
     switch (w->type) {
     case BK_Q4_0: MANY(BK_Q4_0);
     case BK_Q4_1: MANY(BK_Q4_1);
     case BK_Q8_0: MANY(BK_Q8_0);
+    case BK_Q4_K: MANY(BK_Q4_K);
     case BK_I8R: MANY(BK_I8R);
     }
 #undef MANY
