@@ -33,7 +33,7 @@ LEVELS = ("plain", "avx2", "avx512")
 ENABLED = os.environ.get("BRISK_NATIVE", "1") != "0"  # layers built while it is on use the kernels
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
 # the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
-INT_DOT_TYPES = {2, 3, 8, 12, I8R}
+INT_DOT_TYPES = {2, 3, 6, 8, 12, 14, I8R}
 INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}

@@ -24,6 +24,7 @@
 
 typedef int16_t i16x32 __attribute__((vector_size(64)));
 typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef uint16_t u16x32 __attribute__((vector_size(64)));
 typedef int8_t i8x32 __attribute__((vector_size(32)));
 
 /* The quantized activations: codes [M, K], per block scale s and s * sum(codes) [M, K / 32]. */
@@ -33,7 +34,8 @@ typedef struct {
 } bk_xq;
 
 BK_INLINE int bk_int_type(int type) {
-    return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q8_0 || type == BK_Q4_K || type == BK_I8R;
+    return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q5_0 || type == BK_Q8_0 || type == BK_Q4_K || type == BK_Q6_K ||
+           type == BK_I8R;
 }
 
 /* the types with a per-block minimum (weight = d code + m) */
@@ -118,6 +120,19 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
         *m = 0.0f;
         return __builtin_convertvector(c, i16x32);
     }
+    if (type == BK_Q5_0) { /* Q4_0's nibbles plus a fifth bit per weight (bit j of qh) */
+        p += b * 22;
+        uint32_t qh;
+        memcpy(&qh, p + 2, 4);
+        uint16_t lo = (uint16_t)qh, hi = (uint16_t)(qh >> 16);
+        const u16x32 bit = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        u16x32 h = {lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo,
+                    hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi};
+        *d = bk_fp16(p);
+        *m = 0.0f;
+        return (nibbles(p + 6) | (i16x32)(((h >> bit) & 1) << 4)) - 16;
+    }
     /* Q4_0 / Q4_1: code byte j holds weight j (low nibble) and j + 16 (high) */
     p += b * (type == BK_Q4_0 ? 18 : 20);
     i16x32 q = nibbles(p + (type == BK_Q4_0 ? 2 : 4));
@@ -201,6 +216,50 @@ BK_INLINE void q4k_tile(const bk_weight *w, int n, int R, int M, const bk_xq *x,
     }
 }
 
+BK_INLINE i16x32 two_scales(const int8_t *sc) {
+    int16_t a = sc[0], b = sc[1];
+    return (i16x32){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b, b, b, b, b, b, b, b, b};
+}
+
+/* Q6_K's super-blocks of 256 (two halves of 128: 4 low bits in ql, 2 high in qh, an int8 scale per
+ * 16 weights, one d): the 6-bit codes (q - 32) times their int8 scales, still exact in int16
+ * (|.| <= 4096) and in the int32 sums (8 products of <= 4096 * 32767 per folded lane). */
+BK_INLINE void q6k_tile(const bk_weight *w, int n, int R, int M, const bk_xq *x, v16 *acc) {
+    int K = w->K, nb = K / QK;
+    for (int sb = 0; sb < K / 256; sb++) {
+        const uint8_t *row[TILE];
+        float dr[TILE];
+        for (int r = 0; r < TILE; r++) {
+            row[r] = w->data + (int64_t)(n + (r < R ? r : 0)) * w->row_bytes + sb * 210;
+            dr[r] = r < R ? bk_fp16(row[r] + 208) : 0.0f;
+        }
+        v16 d = {dr[0], dr[0], dr[0], dr[0], dr[1], dr[1], dr[1], dr[1],
+                 dr[2], dr[2], dr[2], dr[2], dr[3], dr[3], dr[3], dr[3]};
+        for (int h = 0; h < 2; h++) {
+            i16x32 q[4][TILE];
+            for (int r = 0; r < TILE; r++) {
+                const uint8_t *ql = row[r] + 64 * h, *qh = row[r] + 128 + 32 * h;
+                const int8_t *sc = (const int8_t *)(row[r] + 192 + 8 * h);
+                i16x32 a = bytes_i16(ql), b = bytes_i16(ql + 32), hb = bytes_i16(qh);
+                q[0][r] = (((a & 15) | ((hb & 3) << 4)) - 32) * two_scales(sc);
+                q[1][r] = (((b & 15) | (((hb >> 2) & 3) << 4)) - 32) * two_scales(sc + 2);
+                q[2][r] = (((a >> 4) | (((hb >> 4) & 3) << 4)) - 32) * two_scales(sc + 4);
+                q[3][r] = (((b >> 4) | (((hb >> 6) & 3) << 4)) - 32) * two_scales(sc + 6);
+            }
+            for (int mi = 0; mi < M; mi++) {
+                v16 a = acc[mi];
+                for (int j = 0; j < 4; j++) {
+                    int blk = sb * 8 + 4 * h + j;
+                    i16x32 xv = load_i16x32(x->q + (int64_t)mi * K + blk * QK);
+                    vi16 sums = fold4(madd(q[j][0], xv), madd(q[j][1], xv), madd(q[j][2], xv), madd(q[j][3], xv));
+                    a += __builtin_convertvector(sums, v16) * (d * x->s[(int64_t)mi * nb + blk]);
+                }
+                acc[mi] = a;
+            }
+        }
+    }
+}
+
 /* The products of rows n0..n1 of an integer-block weight of this type with M quantized activation
  * rows (acc: scratch for M vectors). Per block, the tile's 4 rows' exact integer sums share one
  * vector (4 lanes a row) scaled by d s in float, and a minimum's term m (s sum of x codes) goes
@@ -218,6 +277,8 @@ BK_INLINE void int_tile_rows(const bk_weight *w, int type, int n0, int n1, int M
         for (int i = 0; i < M; i++) acc[i] = (v16){0};
         if (type == BK_Q4_K) {
             q4k_tile(w, n, R, M, x, acc);
+        } else if (type == BK_Q6_K) {
+            q6k_tile(w, n, R, M, x, acc);
         } else
         for (int b = 0; b < nb; b++) {
             i16x32 q[TILE];

@@ -134,6 +134,8 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
         case BK_Q4_1: ONE(BK_Q4_1);
         case BK_Q8_0: ONE(BK_Q8_0);
         case BK_Q4_K: ONE(BK_Q4_K);
+        case BK_Q5_0: ONE(BK_Q5_0);
+        case BK_Q6_K: ONE(BK_Q6_K);
         case BK_I8R: ONE(BK_I8R);
         }
 #undef ONE
@@ -146,6 +148,8 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
     case BK_Q4_1: MANY(BK_Q4_1);
     case BK_Q8_0: MANY(BK_Q8_0);
     case BK_Q4_K: MANY(BK_Q4_K);
+    case BK_Q5_0: MANY(BK_Q5_0);
+    case BK_Q6_K: MANY(BK_Q6_K);
     case BK_I8R: MANY(BK_I8R);
     }
 #undef MANY
