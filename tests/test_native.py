@@ -192,7 +192,7 @@ def test_builds_for_arm_with_neon(tmp_path):
     pytest.importorskip("ziglang")
     zig = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu"]
     cmds, objs = native._compile_commands("cc", tmp_path, x86=False)
-    assert len(cmds) == 2  # tiles.c once (plain), brisk_kernels.c with BK_LEVELS=1
+    assert len(cmds) == len(native.PER_LEVEL) + 1  # tiles.c and decoder.c once (plain), brisk_kernels.c
     for cmd in cmds:
         subprocess.run(zig + cmd[1:], check=True, capture_output=True)
     lib = tmp_path / "libbrisk_kernels.so"
@@ -202,4 +202,6 @@ def test_builds_for_arm_with_neon(tmp_path):
     asm = tmp_path / "tiles.s"
     subprocess.run(zig + [a for a in tiles[1:] if a != "-c"][:-2] + ["-S", "-o", str(asm)], check=True,
                    capture_output=True)
-    assert ".4s" in asm.read_text() and "fmla" in asm.read_text()
+    text = asm.read_text()
+    assert ".4s" in text and "fmla" in text  # the float products
+    assert "smlal" in text  # the 16-bit activations' integer products, widening NEON multiply-adds

@@ -55,9 +55,12 @@ BK_INLINE vi16 madd(i16x32 a, i16x32 b) {
     memcpy(&out, r, 64);
     return out;
 #else
-    vi16 out;
-    for (int l = 0; l < LANES; l++) out[l] = (int32_t)a[2 * l] * b[2 * l] + (int32_t)a[2 * l + 1] * b[2 * l + 1];
-    return out;
+    /* even and odd lanes widened: vector code on any instruction set (NEON: smull/smlal) */
+#define EVEN(v) __builtin_convertvector(__builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), vi16)
+#define ODD(v) __builtin_convertvector(__builtin_shufflevector(v, v, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), vi16)
+    return EVEN(a) * EVEN(b) + ODD(a) * ODD(b);
+#undef EVEN
+#undef ODD
 #endif
 }
 
