@@ -22,6 +22,11 @@
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 
+/* Attention over fewer keys (summed over rows and heads) runs on the calling thread: one decode
+ * step's few thousand dot products take microseconds, and on a busy machine each split across
+ * threads risks waiting for a worker the OS has descheduled. */
+#define ATTENTION_SPLIT 32768
+
 int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level);
 void bk_parallel(void (*run)(const void *, int, int), const void *args, int n, int min_chunk);
 
@@ -142,6 +147,8 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
     if (!buf) return -2;
     float *xn = buf, *qkv = xn + (size_t)N * dim, *att = qkv + (size_t)N * W, *o = att + (size_t)N * H * D,
           *gu = o + (size_t)N * dim, *act = gu + (size_t)N * 2 * F;
+    int64_t keys_read = 0; /* per layer: the positions all rows attend over, times the heads */
+    for (int r = 0; r < N; r++) keys_read += (int64_t)(pos[r] + 1) * H;
     int rc = 0;
     for (int l = 0; l < n_layers && rc == 0; l++) {
         const bk_layer *L = layers + l;
@@ -170,7 +177,8 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
             }
         }
         attention_job job = {a, L, c, l, pos, table, qkv, att};
-        bk_parallel(attention_chunk, &job, N * H, 2);
+        if (keys_read < ATTENTION_SPLIT) attention_chunk(&job, 0, N * H); /* a sync point costs more than it saves */
+        else bk_parallel(attention_chunk, &job, N * H, 2);
         if ((rc = bk_matmul_many(&L->o, 1, N, att, o, level))) break;
         for (int r = 0; r < N; r++) {
             float *xr = x + (int64_t)r * dim, *orow = o + (int64_t)r * dim, *xnr = xn + (int64_t)r * dim;
