@@ -94,9 +94,12 @@ class NativeDecoder:
         B, T, _ = x.shape
         if type(kv) is ContiguousKV and isinstance(start, int):
             cache = self._contiguous(kv)
+            if cache is None:
+                return None
             pos = torch.arange(start, start + T, dtype=torch.int32).repeat(B)
             table = torch.arange(B, dtype=torch.int32).repeat_interleave(T)
-        elif isinstance(kv, PagedStep) and B == 1:
+        elif isinstance(kv, PagedStep) and B == 1 and kv.kv.k.shape[0] == self.n_layers \
+                and self._fits(kv.kv.k[0], token_major=True):
             cache, pos, table = self._paged(kv)
         else:
             return None
@@ -109,13 +112,20 @@ class NativeDecoder:
             raise RuntimeError(f"native decoder failed ({'out of memory' if rc == -2 else 'shapes'})")
         return x
 
-    def _contiguous(self, kv: ContiguousKV) -> native.Cache:
+    def _fits(self, k: torch.Tensor, token_major: bool = False) -> bool:
+        """Whether a layer's cache tensor holds this model's K/V as float32 ([.., KV, len, D], or
+        [.., len, KV, D] token-major)."""
+        heads = k.shape[-2] if token_major else k.shape[-3]
+        return k.dtype == torch.float32 and k.device.type == "cpu" and k.is_contiguous() and \
+            heads == self.arch.n_kv and k.shape[-1] == self.arch.head_dim
+
+    def _contiguous(self, kv: ContiguousKV) -> native.Cache | None:
         """A contiguous cache's description, made once per cache: one block of max_len per sequence."""
         made = kv.__dict__.get("_native_cache")
         if made is None:
             k0 = kv.k[0]  # [B, KV, max_len, D]
-            if k0.dtype != torch.float32 or not all(t.is_contiguous() for t in kv.k + kv.v):
-                raise ValueError("the native decoder needs a float32 contiguous cache")
+            if len(kv.k) != self.n_layers or not self._fits(k0) or not all(t.is_contiguous() for t in kv.k + kv.v):
+                return None  # not this model's cache as decoder.c reads it: the torch blocks run
             ks = (ctypes.c_void_p * len(kv.k))(*[t.data_ptr() for t in kv.k])
             vs = (ctypes.c_void_p * len(kv.v))(*[t.data_ptr() for t in kv.v])
             tables = torch.arange(k0.shape[0], dtype=torch.int32)
