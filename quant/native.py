@@ -77,6 +77,12 @@ def _compile_commands(cc: str, out_dir: Path, x86: bool) -> tuple[list[list[str]
     return cmds, objs + [obj]
 
 
+def _first_error(stderr: str, code: int) -> str:
+    """The compiler's first error line (its last line is often only "compilation terminated.")."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    return next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"exit status {code}")
+
+
 def build(out_dir: Path | None = None) -> Path:
     """Compile the library (if its sources changed since the last build); returns its path."""
     cc = _compiler()
@@ -96,13 +102,13 @@ def build(out_dir: Path | None = None) -> Path:
             results = [(p, *p.communicate(timeout=120)) for p in procs]
             for p, _, err in results:
                 if p.returncode != 0:
-                    raise RuntimeError(f"{cc} failed: {err.strip().splitlines()[-1] if err.strip() else p.returncode}")
+                    raise RuntimeError(f"{cc} failed: {_first_error(err, p.returncode)}")
             r = subprocess.run([cc, "-shared", "-pthread", "-o", str(tmp_lib), *map(str, objs), "-lm"],
                                capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
             raise RuntimeError(f"cannot run {cc}: {e}") from None
         if r.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+            raise RuntimeError(f"{cc} failed: {_first_error(r.stderr, r.returncode)}")
         os.replace(tmp_lib, lib)
     return lib
 

@@ -64,7 +64,7 @@ def test_joined_projections_give_the_same_logits(tiny_llama_dir, tiny_qwen2_dir)
     from brisk.quant.linear import Int8Linear, concat_linears
 
     for path in (tiny_llama_dir, tiny_qwen2_dir):
-        llm = LLM.load(str(path), device="cpu", dtype="float32")
+        llm = LLM.load(str(path), device=str(DEV), dtype="float32")
         ids = list(range(3, 30))
         ref, keys = llm.logits(ids), set(llm.model.state_dict())
         use_fused_kernels(llm.model)
