@@ -3,7 +3,7 @@ checkout (e.g. `git worktree add /tmp/old <commit>`), imported side by side unde
 name, on the same model, the two versions alternating call by call (so a busy moment of the
 machine hits both alike), medians reported.
 
-    python bench/ab.py /tmp/old [--quantize auto|none] [--dtype float32] [--reps 30]
+    python bench/ab.py /tmp/old [--model PATH] [--threads N] [--quantize auto|none] [--dtype float32] [--reps 30]
 
 Rows: prefill of 128 tokens (one call each), one batch-1 decode step (400 steps, positions
 0-399), and one decode step of 16 sequences in the batching engine (aggregate tok/s).
@@ -68,13 +68,19 @@ def main() -> None:
     ap.add_argument("--quantize", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--model", default=None, help="a model path (default: the embedded default model)")
+    ap.add_argument("--threads", type=int, default=None, help="torch's and the native kernels' threads")
     a = ap.parse_args()
+    if a.threads:
+        import os
+        os.environ["BRISK_THREADS"] = str(a.threads)  # both versions' kernel libraries read it at load
+        torch.set_num_threads(a.threads)
     import brisk.core as core_a
 
     versions = {"this tree": api(core_a), str(a.other): api(import_other(a.other))}
     loaded = {}
     for name, (LLM, decode_step, Engine, Request, new_cache) in versions.items():
-        llm = LLM.load(None, device="cpu", dtype=a.dtype, quantize=a.quantize)
+        llm = LLM.load(a.model, device="cpu", dtype=a.dtype, quantize=a.quantize)
         cache = (lambda n, llm=llm, nc=new_cache: nc(llm, n))
         loaded[name] = llm, cache
     ids = torch.randint(0, 40000, (1, 128), generator=torch.Generator().manual_seed(0)).tolist()[0]

@@ -3,11 +3,13 @@ compiler (about two seconds), cached, loaded with ctypes; None where that cannot
 then runs torch's kernels, saying so once.
 
 One product for every weight format (GGUF's Q4_0..Q8_0 and K-quants, brisk's int4 groups and int8
-rows): tiles of weight rows dequantized to float32 in a small buffer and multiplied with float32
-activations. Exact to the widened model up to float32 summation order, and batch-invariant (a row's
-bits do not depend on how many rows share the call), which keeps greedy speculative and batched
-decoding equal to plain decoding. The library is plain C (no Python or torch headers), so one build
-serves every Python and torch version; it picks AVX-512, AVX2+FMA or plain C (NEON on ARM through the
+rows), read in place from the blocks. The integer-code types (INT_DOT_TYPES) multiply their codes
+with the activations quantized to 16 bits per block of 32 (per super-block of 256 for Q4_K, Q5_K,
+Q6_K), exact int32 sums scaled in float (kernels/int_dot.h); the others dequantize tiles of rows to
+float32 and multiply float32 activations (kernels/tiles.c). Either way a row's bits do not depend on
+how many rows share the call (batch-invariant), which keeps greedy speculative and batched decoding
+equal to plain decoding. The library is plain C (no Python or torch headers), so one build serves
+every Python and torch version; it picks AVX-512, AVX2+FMA or plain C (NEON on ARM through the
 compiler) at run time; BRISK_NATIVE_LEVEL=0|1|2 caps the path for tests. ctypes releases the GIL
 during a call. BRISK_NATIVE=0 turns the kernels off (torch's kernels then run).
 """
@@ -33,7 +35,8 @@ LEVELS = ("plain", "avx2", "avx512")
 ENABLED = os.environ.get("BRISK_NATIVE", "1") != "0"  # layers built while it is on use the kernels
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
 # the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
-INT_DOT_TYPES = {2, 3, 6, 8, 12, 14, I8R}
+INT_DOT_TYPES = {2, 3, 6, 8, 12, 13, 14, I8R}
+SUPER_TYPES = {12, 13, 14}  # of those, the ones whose activations are quantized per 256 (Q4_K, Q5_K, Q6_K), not per 32
 INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
@@ -54,7 +57,7 @@ X86_LEVELS = {"plain": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
               "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                          "-mprefer-vector-width=512"]}
 # gnu11, not c11: strict ISO C turns off contracting a * b + c into one fused multiply-add
-FLAGS = ["-O3", "-fPIC", "-std=gnu11", "-ffp-contract=fast", "-Wno-psabi", "-pthread"]
+FLAGS = ["-O3", "-fPIC", "-std=gnu11", "-ffp-contract=fast", "-Wno-psabi", "-pthread", "-Werror=implicit-function-declaration"]
 
 
 def _compiler() -> str:
@@ -88,7 +91,7 @@ def build(out_dir: Path | None = None) -> Path:
     cc = _compiler()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     src = b"".join(f.read_bytes() for f in sorted(KERNELS.glob("*.[ch]")))
-    tag = hashlib.sha256(src + " ".join([cc, *FLAGS, str(x86)]).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + repr([cc, FLAGS, X86_LEVELS if x86 else None]).encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     lib = out_dir / f"libbrisk_kernels-{tag}.so"
     if lib.exists():

@@ -1,5 +1,6 @@
 """How far 16-bit activations (quant/kernels/int_dot.h) may move a product: each input is rounded
-to its block's grid of max|x| / 32767 steps, so it moves by at most half a step."""
+to its block's grid of max|x| / 32767 steps, so it moves by at most half a step. Blocks are 32
+inputs, 256 for the types on the super-block grid (Q4_K, Q6_K)."""
 import torch
 
 from brisk.quant import native
@@ -11,6 +12,7 @@ def activation_bound(x: torch.Tensor, w: torch.Tensor, kind: int) -> torch.Tenso
     if kind not in native.INT_DOT_TYPES or not native.INT_DOT:
         return torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
     M, K = x.shape
-    amax = x.double().abs().view(M, K // 32, 32).amax(-1)
-    half_step = (amax / 32767 / 2).repeat_interleave(32, dim=1)
+    B = 256 if kind in native.SUPER_TYPES else 32
+    amax = x.double().abs().view(M, K // B, B).amax(-1)
+    half_step = (amax / 32767 / 2).repeat_interleave(B, dim=1)
     return half_step @ w.double().abs().T

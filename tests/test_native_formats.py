@@ -111,3 +111,35 @@ def test_bad_row_ids_raise(name):
     for bad in ([N], [-1], [0, N + 3]):
         with pytest.raises(IndexError):
             w.rows(torch.tensor(bad))
+
+
+def _extreme_block(name: str) -> np.ndarray:
+    """One super-block whose codes times scales are the format's largest: every int32 sum of the
+    256-grid kernels (int_dot.h) at its stated bound when the activations are all at full scale."""
+    one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if name == "Q6_K":  # ql = qh = 0: code - 32 = -32, every scale -128: products of 4096
+        b = np.zeros(210, np.uint8)
+        b[192:208] = np.uint8(128)
+        b[208:210] = one
+        return b
+    # Q4_K / Q5_K: d = 1, dmin = 0, the 12 scale bytes giving every scale 63 and every minimum 0
+    b = np.zeros(144 if name == "Q4_K" else 176, np.uint8)
+    b[0:2] = one
+    b[4:8], b[8:12], b[12:16] = 0xFF, 0x00, 0x0F
+    b[16:] = 0xFF  # every code 15 (Q5_K: qh all ones too, every code 31)
+    return b
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_extreme_super_blocks_do_not_overflow(level, name):
+    K, rows = 512, 5
+    raw = np.tile(_extreme_block(name), (rows, K // 256))
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, T[name])).double()
+    assert ref.abs().max().item() == {"Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}[name]
+    w = native.NativeWeight(int(T[name]), rows, K, torch.from_numpy(raw))
+    x = torch.ones(3, K)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # mixed signs: partial sums cancel
+    y = w.matmul(x).double()
+    want = x.double() @ ref.T
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-3)

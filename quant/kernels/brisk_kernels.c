@@ -41,7 +41,7 @@
 typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
 typedef void (*int_rows_fn)(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);
-typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *);
+typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *); /* both grids */
 typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,
                           const int32_t *, float *, int);
 #define LEVEL_FUNCTIONS(S)                                                                                  \
@@ -50,7 +50,8 @@ typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache
     int bk_decoder_##S(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,    \
                        const int32_t *, float *, int);                                                     \
     void bk_int_rows_##S(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);      \
-    void bk_quantize_x_##S(const float *, int, int, int16_t *, float *, float *);
+    void bk_quantize_x_##S(const float *, int, int, int16_t *, float *, float *);                         \
+    void bk_quantize_x256_##S(const float *, int, int, int16_t *, float *, float *);
 LEVEL_FUNCTIONS(plain)
 #if BK_LEVELS > 1
 LEVEL_FUNCTIONS(avx2)
@@ -82,9 +83,9 @@ static const struct {
     rows_fn rows;
     decoder_fn decoder;
     int_rows_fn int_rows;
-    quantize_x_fn quantize_x;
+    quantize_x_fn quantize_x, quantize_x256;
 } KERNELS[] = {
-#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S}
+#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, bk_quantize_x256_##S}
     LEVEL(plain),
 #if BK_LEVELS > 1
     LEVEL(avx2),
@@ -256,23 +257,31 @@ static int shape_ok(const bk_weight *w) {
 int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level) {
     if (nw < 1 || nw > MAX_JOINED) return -1;
     level = clamp_level(level);
-    matmul_job j = {ws, nw, M, {0}, x, {NULL, NULL, NULL}, y, level};
-    int ints = 0;
+    matmul_job j = {ws, nw, M, {0}, x, {0}, y, level};
+    int ints = 0, supers = 0;
     for (int i = 0; i < nw; i++) {
         if (!shape_ok(ws + i) || ws[i].K != ws[0].K) return -1;
         j.starts[i + 1] = j.starts[i] + ws[i].N;
-        ints |= bk_int_type(ws[i].type);
+        supers |= bk_super_type(ws[i].type);
+        ints |= bk_int_type(ws[i].type) && !bk_super_type(ws[i].type);
     }
-    if (ints && int_dot) { /* the activations quantized once, by the calling thread */
+    if ((ints || supers) && int_dot) { /* the activations quantized once, by the calling thread, on the grids needed */
         static _Thread_local float *xbuf;
         static _Thread_local size_t xcap;
-        size_t n = (size_t)M * ws[0].K, blocks = n / QK;
-        float *b = scratch(&xbuf, &xcap, n / 2 + 2 * blocks);
+        size_t n = (size_t)M * ws[0].K, blocks = n / QK, supers_n = n / 256;
+        float *b = scratch(&xbuf, &xcap, 2 * (n / 2 + 2 * blocks) + 33 * supers_n);
         if (!b) return -2;
-        int16_t *q = (int16_t *)b;
-        float *s = b + n / 2, *sum = s + blocks;
-        KERNELS[level].quantize_x(x, M, ws[0].K, q, s, sum);
-        j.xq = (bk_xq){q, s, sum};
+        j.xq.q = (int16_t *)b; /* set (if unused) so that the integer path is taken */
+        if (ints) {
+            float *s = b + n / 2, *sum = s + blocks;
+            KERNELS[level].quantize_x(x, M, ws[0].K, (int16_t *)b, s, sum);
+            j.xq.s = s, j.xq.sum = sum;
+        }
+        if (supers) {
+            float *b2 = b + n / 2 + 2 * blocks, *s = b2 + n / 2, *bs = s + supers_n;
+            KERNELS[level].quantize_x256(x, M, ws[0].K, (int16_t *)b2, s, bs);
+            j.xq.q256 = (int16_t *)b2, j.xq.s256 = s, j.xq.bs256 = bs;
+        }
     }
     parallel_rows(matmul_chunk, &j, j.starts[nw], 32);
     return 0;

@@ -1,13 +1,13 @@
-/* Products with the activations as 16-bit integers, for the types whose blocks are 32 small integer
- * codes with a scale (Q4_0, Q4_1, Q8_0, brisk's int8 rows): per block, the codes times the
- * activations' codes summed exactly in int32 (one multiply-add instruction per 32 pairs), then
- * scaled once in float. About half the instructions of dequantizing to float32 first.
+/* Products with the activations as 16-bit integers, for the types whose blocks are small integer
+ * codes with scales (Q4_0, Q4_1, Q5_0, Q8_0, brisk's int8 rows; Q4_K, Q5_K, Q6_K): the codes times
+ * the activations' codes summed exactly in int32 (one multiply-add instruction per 32 pairs), then
+ * scaled in float. About half the instructions of dequantizing to float32 first.
  *
- * Each activation row is quantized per block of 32: x = s q, |q| <= 32767, s = max|x| / 32767. The
- * rounding moves x by at most 2^-16 of its block's largest value, ~500x finer than the 8-bit
- * activations llama.cpp uses (which cost a 135M model KL 0.02 to its float self and flipped a greedy
- * answer). Rows are quantized on their own, so a row's result still does not depend on its batch.
- * Included by tiles.c (one copy per instruction set). */
+ * Each activation row is quantized per block of 32 (per super-block of 256 for the K-quants): x = s q,
+ * |q| <= 32767, s = max|x| / 32767. The rounding moves x by at most 2^-16 of its block's largest
+ * value, hundreds of times finer than the 8-bit activations llama.cpp uses (which cost a 135M model
+ * KL 0.02 to its float self and flipped a greedy answer). Rows are quantized on their own, so a
+ * row's result still does not depend on its batch. Included by tiles.c (one copy per instruction set). */
 #ifndef BRISK_INT_DOT_H
 #define BRISK_INT_DOT_H
 
@@ -27,16 +27,24 @@ typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef uint16_t u16x32 __attribute__((vector_size(64)));
 typedef int8_t i8x32 __attribute__((vector_size(32)));
 
-/* The quantized activations: codes [M, K], per block scale s and s * sum(codes) [M, K / 32]. */
+/* The quantized activations, on two grids: per block of 32, codes [M, K], scale s and s * sum(codes)
+ * [M, K / 32] (the 32-weight block types); per super-block of 256 (Q4_K, Q6_K), codes q256 [M, K],
+ * scale s256 [M, K / 256] and, per super-block, 32 floats: s256 times its 8 sub-blocks' code sums,
+ * even sub-blocks then odd ones, each repeated in kquant_tile's folded lane order. */
 typedef struct {
     const int16_t *q;
     const float *s, *sum;
+    const int16_t *q256;
+    const float *s256, *bs256;
 } bk_xq;
 
 BK_INLINE int bk_int_type(int type) {
-    return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q5_0 || type == BK_Q8_0 || type == BK_Q4_K || type == BK_Q6_K ||
-           type == BK_I8R;
+    return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q5_0 || type == BK_Q8_0 || type == BK_Q4_K || type == BK_Q5_K ||
+           type == BK_Q6_K || type == BK_I8R;
 }
+
+/* the types on the 256-grid */
+BK_INLINE int bk_super_type(int type) { return type == BK_Q4_K || type == BK_Q5_K || type == BK_Q6_K; }
 
 /* the types with a per-block minimum (weight = d code + m) */
 #define HAS_MIN(type) ((type) == BK_Q4_1 || (type) == BK_Q4_K)
@@ -127,14 +135,19 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
         p += b * 22;
         uint32_t qh;
         memcpy(&qh, p + 2, 4);
+        *d = bk_fp16(p);
+        *m = 0.0f;
+        i16x32 q = nibbles(p + 6);
+#if defined(__AVX512BW__) /* qh as a lane mask: (q | 16 fifth bit) - 16 is q - 16 where the bit is clear */
+        return (i16x32)_mm512_mask_sub_epi16((__m512i)q, _cvtu32_mask32(~qh), (__m512i)q, _mm512_set1_epi16(16));
+#else
         uint16_t lo = (uint16_t)qh, hi = (uint16_t)(qh >> 16);
         const u16x32 bit = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                             0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
         u16x32 h = {lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo,
                     hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi};
-        *d = bk_fp16(p);
-        *m = 0.0f;
-        return (nibbles(p + 6) | (i16x32)(((h >> bit) & 1) << 4)) - 16;
+        return (q | (i16x32)(((h >> bit) & 1) << 4)) - 16;
+#endif
     }
     /* Q4_0 / Q4_1: code byte j holds weight j (low nibble) and j + 16 (high) */
     p += b * (type == BK_Q4_0 ? 18 : 20);
@@ -148,117 +161,152 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
     return q;
 }
 
-/* Four rows' int32 lane sums folded to 4 lanes each, side by side (integer adds: exact). */
-BK_INLINE vi16 fold4(vi16 a, vi16 b, vi16 c, vi16 d) {
-    vi16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-              __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    vi16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-              __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    return __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-}
-
-/* One Q4_K super-block's [d sc_0..7, dmin m_0..7] (the 6-bit fields unpacked in one vector; the
- * same floats as bk_k_scales) */
-BK_INLINE v16 q4k_scales(const uint8_t *blk) {
-    bk_u8x16 v = bk_load_u8x16(blk + 4); /* the 12 scale bytes s0..s11 (and 4 code bytes, unused) */
-    bk_u8x16 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
-    bk_u8x16 hi = __builtin_shufflevector(v, v, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
-    const bk_u8x16 shift = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4};
-    const bk_u8x16 low = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15};
-    const bk_u8x16 top = {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48};
-    bk_u8x16 six = ((lo >> shift) & low) | (((hi >> 6) << 4) & top);
-    float d = bk_fp16(blk), dmin = bk_fp16(blk + 2);
-    return bk_u8_to_f32(six) * (v16){d, d, d, d, d, d, d, d, dmin, dmin, dmin, dmin, dmin, dmin, dmin, dmin};
-}
-
-/* Q4_K's super-blocks of 256 (8 sub-blocks of 32 with 6-bit scales and minimums): the scales
- * decoded once per super-block into each sub-block's d and m vectors, and each 32 code bytes widened
- * once for their two sub-blocks (low nibbles: sub-block 2c, high: 2c + 1). The same per-lane
- * operations as int_tile_rows' loop. */
-BK_INLINE void q4k_tile(const bk_weight *w, int n, int R, int M, const bk_xq *x, v16 *acc) {
-    int K = w->K, nb = K / QK;
-    for (int sb = 0; sb < K / 256; sb++) {
-        const uint8_t *row[TILE];
-        v16 f[TILE];
-        for (int r = 0; r < TILE; r++) {
-            row[r] = w->data + (int64_t)(n + (r < R ? r : 0)) * w->row_bytes + sb * 144;
-            f[r] = r < R ? q4k_scales(row[r]) : (v16){0};
-        }
-        /* dv[j]: sub-block j's d of row r in lanes 4r..4r+3; mv[j]: its -m in lane 4r */
-        v16 dv[8], mv[8];
-        const v16 first = {1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0};
-#define SPREAD(j) __builtin_shufflevector(                                                                     \
-        __builtin_shufflevector(f[0], f[1], j, j, j, j, 16 + j, 16 + j, 16 + j, 16 + j, 0, 0, 0, 0, 0, 0, 0, 0), \
-        __builtin_shufflevector(f[2], f[3], j, j, j, j, 16 + j, 16 + j, 16 + j, 16 + j, 0, 0, 0, 0, 0, 0, 0, 0), \
-        0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-#define BOTH(j) dv[j] = SPREAD(j), mv[j] = -SPREAD(8 + j) * first
-        BOTH(0); BOTH(1); BOTH(2); BOTH(3); BOTH(4); BOTH(5); BOTH(6); BOTH(7);
-#undef BOTH
-#undef SPREAD
-        for (int c = 0; c < 4; c++) {
-            i16x32 lo[TILE], hi[TILE];
-            for (int r = 0; r < TILE; r++) {
-                i16x32 raw = bytes_i16(row[r] + 16 + 32 * c);
-                lo[r] = raw & 15;
-                hi[r] = raw >> 4;
-            }
-            v16 d0 = dv[2 * c], d1 = dv[2 * c + 1], m0 = mv[2 * c], m1 = mv[2 * c + 1];
-            int b = sb * 8 + 2 * c;
-            for (int mi = 0; mi < M; mi++) {
-                const int16_t *xq = x->q + (int64_t)mi * K + b * QK;
-                const float *xs = x->s + (int64_t)mi * nb + b, *xsum = x->sum + (int64_t)mi * nb + b;
-                i16x32 x0 = load_i16x32(xq), x1 = load_i16x32(xq + QK);
-                v16 a = acc[mi] + __builtin_convertvector(fold4(madd(lo[0], x0), madd(lo[1], x0), madd(lo[2], x0), madd(lo[3], x0)), v16) * (d0 * xs[0]);
-                a += m0 * xsum[0];
-                a += __builtin_convertvector(fold4(madd(hi[0], x1), madd(hi[1], x1), madd(hi[2], x1), madd(hi[3], x1)), v16) * (d1 * xs[1]);
-                a += m1 * xsum[1];
-                acc[mi] = a;
-            }
-        }
+/* Four rows' 16-lane sums folded to 4 lanes each, side by side: in int32 (exact), or in float for
+ * sums whose int32 fold could overflow. */
+#define DEFINE_FOLD4(name, T)                                                                                  \
+    BK_INLINE T name(T a, T b, T c, T d) {                                                                     \
+        T ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +        \
+               __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);   \
+        T cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +        \
+               __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);   \
+        return __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +    \
+               __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);   \
     }
-}
+DEFINE_FOLD4(fold4, vi16)
+DEFINE_FOLD4(fold4f, v16)
+#undef DEFINE_FOLD4
 
 BK_INLINE i16x32 two_scales(const int8_t *sc) {
     int16_t a = sc[0], b = sc[1];
     return (i16x32){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b, b, b, b, b, b, b, b, b};
 }
 
-/* Q6_K's super-blocks of 256 (two halves of 128: 4 low bits in ql, 2 high in qh, an int8 scale per
- * 16 weights, one d): the 6-bit codes (q - 32) times their int8 scales, still exact in int16
- * (|.| <= 4096) and in the int32 sums (8 products of <= 4096 * 32767 per folded lane). */
-BK_INLINE void q6k_tile(const bk_weight *w, int n, int R, int M, const bk_xq *x, v16 *acc) {
-    int K = w->K, nb = K / QK;
-    for (int sb = 0; sb < K / 256; sb++) {
-        const uint8_t *row[TILE];
-        float dr[TILE];
+/* The K-quants with integer codes (Q4_K, Q5_K, Q6_K) take their activations per super-block of 256
+ * (the second grid): one float scale per 256 inputs, so a row's products over a whole super-block
+ * sum exactly in int32 with the sub-block scales multiplied into the codes first (Q4_K: 6-bit scale
+ * x 4-bit code <= 945; Q5_K: x 5-bit code <= 1953; Q6_K: int8 scale x (code - 32) <= 4096, all
+ * exact in int16), and the float work (fold, convert, scale) is once per 256 weights instead of
+ * once per 32. Int32 bounds per lane of 16 products with |x code| <= 32767: Q4_K 4.95e8, folded 4
+ * lanes together 1.98e9 < 2^31; Q5_K 1.02e9 and Q6_K 2147418112 < 2^31 - 1, converted to float
+ * before folding. */
+
+BK_INLINE i16x32 splat_i16(int v) { return (i16x32){0} + (int16_t)v; }
+
+/* Q4_K's 6-bit scales and minimums of one super-block, unpacked in one vector: lanes 0..7 the
+ * sub-blocks' scales, 8..15 their minimums (bk_k_scale_min's values). */
+BK_INLINE bk_u8x16 q4k_six(const uint8_t *blk) {
+    bk_u8x16 v = bk_load_u8x16(blk + 4); /* the 12 scale bytes s0..s11 (and 4 code bytes, unused) */
+    bk_u8x16 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    bk_u8x16 hi = __builtin_shufflevector(v, v, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
+    const bk_u8x16 shift = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4};
+    const bk_u8x16 low = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15};
+    const bk_u8x16 top = {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48};
+    return ((lo >> shift) & low) | (((hi >> 6) << 4) & top);
+}
+
+/* Sub-blocks 2c (low nibbles) and 2c + 1 (high) of a Q4_K super-block: 32 codes each times its scale */
+BK_INLINE void q4k_pair(const uint8_t *blk, const uint8_t *sc, int c, i16x32 *lo, i16x32 *hi) {
+    i16x32 raw = bytes_i16(blk + 16 + 32 * c);
+    *lo = (raw & 15) * splat_i16(sc[2 * c]);
+    *hi = (raw >> 4) * splat_i16(sc[2 * c + 1]);
+}
+
+/* The same for Q5_K: the fifth bits of sub-blocks 2c and 2c + 1 are bits 2c and 2c + 1 of qh's bytes */
+BK_INLINE void q5k_pair(const uint8_t *blk, const uint8_t *sc, int c, i16x32 *lo, i16x32 *hi) {
+    i16x32 raw = bytes_i16(blk + 48 + 32 * c), hb = bytes_i16(blk + 16) >> (2 * c);
+    *lo = ((raw & 15) | ((hb & 1) << 4)) * splat_i16(sc[2 * c]);
+    *hi = ((raw >> 4) | ((hb & 2) << 3)) * splat_i16(sc[2 * c + 1]);
+}
+
+/* Half h (sub-blocks 4h..4h+3) of a Q6_K super-block: 32 (code - 32) each times their int8 scales */
+BK_INLINE void q6k_half(const uint8_t *blk, int h, i16x32 *W) {
+    const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+    const int8_t *sc = (const int8_t *)(blk + 192 + 8 * h);
+    i16x32 a = bytes_i16(ql), b = bytes_i16(ql + 32), hb = bytes_i16(qh);
+    W[0] = (((a & 15) | ((hb & 3) << 4)) - 32) * two_scales(sc);
+    W[1] = (((b & 15) | (((hb >> 2) & 3) << 4)) - 32) * two_scales(sc + 2);
+    W[2] = (((a >> 4) | (((hb >> 4) & 3) << 4)) - 32) * two_scales(sc + 4);
+    W[3] = (((b >> 4) | (((hb >> 6) & 3) << 4)) - 32) * two_scales(sc + 6);
+}
+
+/* Q4_K or Q6_K rows n..n+R-1 (R <= TILE) times M activation rows on the 256-grid: per super-block
+ * each activation row's 4 row sums run in int32 over the whole super-block, are folded to 4 lanes a
+ * row and scaled once in float; Q4_K's minimum term is its m_j times the activations' per-32 sums,
+ * laid out in the folded lanes. For one activation row the codes are unpacked as they are used;
+ * for several, once per super-block into W (the same integers, so the same bits whatever M is). */
+BK_INLINE void kquant_tile(const bk_weight *w, int type, int n, int R, int M, const bk_xq *x, v16 *acc) {
+    int K = w->K, ns = K / 256, bb = type == BK_Q4_K ? 144 : type == BK_Q5_K ? 176 : 210, mins = type != BK_Q6_K;
+    for (int sb = 0; sb < ns; sb++) {
+        const uint8_t *blk[TILE];
+        uint8_t sc[TILE][16]; /* Q4_K: six-bit scales, then minimums */
+        float dr[TILE], dm[TILE];
         for (int r = 0; r < TILE; r++) {
-            row[r] = w->data + (int64_t)(n + (r < R ? r : 0)) * w->row_bytes + sb * 210;
-            dr[r] = r < R ? bk_fp16(row[r] + 208) : 0.0f;
+            blk[r] = w->data + (int64_t)(n + (r < R ? r : 0)) * w->row_bytes + sb * bb;
+            dr[r] = r < R ? bk_fp16(blk[r] + (mins ? 0 : 208)) : 0.0f;
+            if (mins) {
+                bk_u8x16 six = q4k_six(blk[r]);
+                memcpy(sc[r], &six, 16);
+                dm[r] = r < R ? -bk_fp16(blk[r] + 2) : 0.0f;
+            }
         }
         v16 d = {dr[0], dr[0], dr[0], dr[0], dr[1], dr[1], dr[1], dr[1],
                  dr[2], dr[2], dr[2], dr[2], dr[3], dr[3], dr[3], dr[3]};
-        for (int h = 0; h < 2; h++) {
-            i16x32 q[4][TILE];
-            for (int r = 0; r < TILE; r++) {
-                const uint8_t *ql = row[r] + 64 * h, *qh = row[r] + 128 + 32 * h;
-                const int8_t *sc = (const int8_t *)(row[r] + 192 + 8 * h);
-                i16x32 a = bytes_i16(ql), b = bytes_i16(ql + 32), hb = bytes_i16(qh);
-                q[0][r] = (((a & 15) | ((hb & 3) << 4)) - 32) * two_scales(sc);
-                q[1][r] = (((b & 15) | (((hb >> 2) & 3) << 4)) - 32) * two_scales(sc + 2);
-                q[2][r] = (((a >> 4) | (((hb >> 4) & 3) << 4)) - 32) * two_scales(sc + 4);
-                q[3][r] = (((b >> 4) | (((hb >> 6) & 3) << 4)) - 32) * two_scales(sc + 6);
-            }
-            for (int mi = 0; mi < M; mi++) {
-                v16 a = acc[mi];
-                for (int j = 0; j < 4; j++) {
-                    int blk = sb * 8 + 4 * h + j;
-                    i16x32 xv = load_i16x32(x->q + (int64_t)mi * K + blk * QK);
-                    vi16 sums = fold4(madd(q[j][0], xv), madd(q[j][1], xv), madd(q[j][2], xv), madd(q[j][3], xv));
-                    a += __builtin_convertvector(sums, v16) * (d * x->s[(int64_t)mi * nb + blk]);
+        v16 m0 = {0}, m1 = {0}; /* lane 4 r + k: -dmin m_{2k} and -dmin m_{2k+1} of row r */
+        if (mins) {
+            v16 dmv = {dm[0], dm[0], dm[0], dm[0], dm[1], dm[1], dm[1], dm[1],
+                       dm[2], dm[2], dm[2], dm[2], dm[3], dm[3], dm[3], dm[3]};
+            /* the minimums (lanes 8..15 of each row's six-bit vector): even ones, then odd ones, 4 per row */
+            bk_u8x16 s0, s1, s2, s3;
+            memcpy(&s0, sc[0], 16), memcpy(&s1, sc[1], 16), memcpy(&s2, sc[2], 16), memcpy(&s3, sc[3], 16);
+            bk_u8x16 t01 = __builtin_shufflevector(s0, s1, 8, 10, 12, 14, 24, 26, 28, 30, 9, 11, 13, 15, 25, 27, 29, 31);
+            bk_u8x16 t23 = __builtin_shufflevector(s2, s3, 8, 10, 12, 14, 24, 26, 28, 30, 9, 11, 13, 15, 25, 27, 29, 31);
+            bk_u8x16 e = __builtin_shufflevector(t01, t23, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+            bk_u8x16 o = __builtin_shufflevector(t01, t23, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+            m0 = bk_u8_to_f32(e) * dmv;
+            m1 = bk_u8_to_f32(o) * dmv;
+        }
+        i16x32 W[TILE][8];
+        if (M > 1)
+            for (int r = 0; r < TILE; r++)
+                for (int c = 0; c < 4; c++) {
+                    if (type == BK_Q4_K) q4k_pair(blk[r], sc[r], c, &W[r][2 * c], &W[r][2 * c + 1]);
+                    else if (type == BK_Q5_K) q5k_pair(blk[r], sc[r], c, &W[r][2 * c], &W[r][2 * c + 1]);
+                    else if (c < 2) q6k_half(blk[r], c, &W[r][4 * c]);
                 }
-                acc[mi] = a;
+        for (int mi = 0; mi < M; mi++) {
+            const int16_t *xq = x->q256 + (int64_t)mi * K + sb * 256;
+            vi16 a[TILE] = {{0}};
+            if (M == 1) {
+                for (int c = 0; c < 4; c++) {
+                    if (mins) {
+                        i16x32 x0 = load_i16x32(xq + 64 * c), x1 = load_i16x32(xq + 64 * c + 32);
+                        for (int r = 0; r < TILE; r++) {
+                            i16x32 lo, hi;
+                            if (type == BK_Q4_K) q4k_pair(blk[r], sc[r], c, &lo, &hi);
+                            else q5k_pair(blk[r], sc[r], c, &lo, &hi);
+                            a[r] += madd(lo, x0) + madd(hi, x1);
+                        }
+                    } else if (c < 2) {
+                        for (int r = 0; r < TILE; r++) {
+                            i16x32 Wh[4];
+                            q6k_half(blk[r], c, Wh);
+                            for (int j = 0; j < 4; j++) a[r] += madd(Wh[j], load_i16x32(xq + 128 * c + 32 * j));
+                        }
+                    }
+                }
+            } else {
+                for (int j = 0; j < 8; j++) {
+                    i16x32 xv = load_i16x32(xq + 32 * j);
+                    for (int r = 0; r < TILE; r++) a[r] += madd(W[r][j], xv);
+                }
             }
+            int64_t at = (int64_t)mi * ns + sb;
+            v16 sums = type == BK_Q4_K ? __builtin_convertvector(fold4(a[0], a[1], a[2], a[3]), v16)
+                                       : fold4f(__builtin_convertvector(a[0], v16), __builtin_convertvector(a[1], v16),
+                                                __builtin_convertvector(a[2], v16), __builtin_convertvector(a[3], v16));
+            v16 t = acc[mi] + sums * (d * x->s256[at]);
+            if (mins) t += m0 * load16(x->bs256 + 32 * at) + m1 * load16(x->bs256 + 32 * at + 16);
+            acc[mi] = t;
         }
     }
 }
@@ -278,11 +326,8 @@ BK_INLINE void int_tile_rows(const bk_weight *w, int type, int n0, int n1, int M
             for (int64_t o = 0; o < TILE * w->row_bytes; o += 64) __builtin_prefetch(next + o);
         }
         for (int i = 0; i < M; i++) acc[i] = (v16){0};
-        if (type == BK_Q4_K) {
-            q4k_tile(w, n, R, M, x, acc);
-        } else if (type == BK_Q6_K) {
-            q6k_tile(w, n, R, M, x, acc);
-        } else
+        if (bk_super_type(type)) kquant_tile(w, type, n, R, M, x, acc);
+        else
         for (int b = 0; b < nb; b++) {
             i16x32 q[TILE];
             float dr[TILE], mn[TILE];
@@ -325,6 +370,28 @@ BK_INLINE void quantize_x(const float *x, int M, int K, int16_t *q, float *s, fl
         }
         s[b] = amax / 32767.0f;
         sum[b] = s[b] * (float)total;
+    }
+}
+
+/* x [M, K] -> the 256-grid (K a multiple of 256): codes, a scale and the sub-block sums' layout. */
+BK_INLINE void quantize_x256(const float *x, int M, int K, int16_t *q, float *s, float *bs) {
+    const float magic = 12582912.0f;
+    for (int64_t b = 0; b < (int64_t)M * (K / 256); b++) {
+        const float *xb = x + b * 256;
+        float amax = 0.0f;
+        for (int k = 0; k < 256; k++) amax = fabsf(xb[k]) > amax ? fabsf(xb[k]) : amax;
+        float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int total[8] = {0};
+        for (int k = 0; k < 256; k++) {
+            int v = (int)((xb[k] * inv + magic) - magic);
+            q[b * 256 + k] = (int16_t)v;
+            total[k / 32] += v;
+        }
+        s[b] = amax / 32767.0f;
+        for (int l = 0; l < 16; l++) {
+            bs[b * 32 + l] = s[b] * (float)total[2 * (l % 4)];
+            bs[b * 32 + 16 + l] = s[b] * (float)total[2 * (l % 4) + 1];
+        }
     }
 }
 

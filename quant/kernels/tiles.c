@@ -134,6 +134,7 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
         case BK_Q4_1: ONE(BK_Q4_1);
         case BK_Q8_0: ONE(BK_Q8_0);
         case BK_Q4_K: ONE(BK_Q4_K);
+        case BK_Q5_K: ONE(BK_Q5_K);
         case BK_Q5_0: ONE(BK_Q5_0);
         case BK_Q6_K: ONE(BK_Q6_K);
         case BK_I8R: ONE(BK_I8R);
@@ -148,6 +149,7 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
     case BK_Q4_1: MANY(BK_Q4_1);
     case BK_Q8_0: MANY(BK_Q8_0);
     case BK_Q4_K: MANY(BK_Q4_K);
+    case BK_Q5_K: MANY(BK_Q5_K);
     case BK_Q5_0: MANY(BK_Q5_0);
     case BK_Q6_K: MANY(BK_Q6_K);
     case BK_I8R: MANY(BK_I8R);
@@ -157,4 +159,8 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
 
 void CAT(bk_quantize_x, BK_SUFFIX)(const float *x, int M, int K, int16_t *q, float *s, float *sum) {
     quantize_x(x, M, K, q, s, sum);
+}
+
+void CAT(bk_quantize_x256, BK_SUFFIX)(const float *x, int M, int K, int16_t *q, float *s, float *bs) {
+    quantize_x256(x, M, K, q, s, bs);
 }
