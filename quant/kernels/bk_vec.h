@@ -9,6 +9,9 @@
 #include <string.h>
 
 #include "gguf_types.h" /* BK_INLINE */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 typedef float v16 __attribute__((vector_size(LANES * 4)));
@@ -23,6 +26,25 @@ BK_INLINE v16 load16(const float *p) {
 BK_INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
 BK_INLINE v16 splat16(float f) { return (v16){0} + f; }
+
+/* a b + c rounded once, in every lane. Written out where a row's bits must not depend on the code
+ * path (the integer products' float epilogues, inlined once for one activation row and once for
+ * several): left to -ffp-contract, one copy may fuse and another not (seen with GCC 13). */
+BK_INLINE v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    __m256 x[2], y[2], z[2];
+    memcpy(x, &a, 64), memcpy(y, &b, 64), memcpy(z, &c, 64);
+    z[0] = _mm256_fmadd_ps(x[0], y[0], z[0]);
+    z[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
+    memcpy(&c, z, 64);
+    return c;
+#else
+    for (int l = 0; l < LANES; l++) c[l] = __builtin_fmaf(a[l], b[l], c[l]); /* NEON: fmla */
+    return c;
+#endif
+}
 
 BK_INLINE float reduce16(v16 a) { /* a fixed pairwise order */
     float t[LANES];

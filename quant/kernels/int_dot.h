@@ -304,8 +304,8 @@ BK_INLINE void kquant_tile(const bk_weight *w, int type, int n, int R, int M, co
             v16 sums = type == BK_Q4_K ? __builtin_convertvector(fold4(a[0], a[1], a[2], a[3]), v16)
                                        : fold4f(__builtin_convertvector(a[0], v16), __builtin_convertvector(a[1], v16),
                                                 __builtin_convertvector(a[2], v16), __builtin_convertvector(a[3], v16));
-            v16 t = acc[mi] + sums * (d * x->s256[at]);
-            if (mins) t += m0 * load16(x->bs256 + 32 * at) + m1 * load16(x->bs256 + 32 * at + 16);
+            v16 t = fma16(sums, d * x->s256[at], acc[mi]);
+            if (mins) t = fma16(m1, load16(x->bs256 + 32 * at + 16), fma16(m0, load16(x->bs256 + 32 * at), t));
             acc[mi] = t;
         }
     }
@@ -341,8 +341,8 @@ BK_INLINE void int_tile_rows(const bk_weight *w, int type, int n0, int n1, int M
             for (int mi = 0; mi < M; mi++) {
                 i16x32 xv = load_i16x32(x->q + (int64_t)mi * K + b * QK);
                 vi16 sums = fold4(madd(q[0], xv), madd(q[1], xv), madd(q[2], xv), madd(q[3], xv));
-                v16 a = acc[mi] + __builtin_convertvector(sums, v16) * (d * x->s[(int64_t)mi * nb + b]);
-                if (HAS_MIN(type)) a += m * x->sum[(int64_t)mi * nb + b];
+                v16 a = fma16(__builtin_convertvector(sums, v16), d * x->s[(int64_t)mi * nb + b], acc[mi]);
+                if (HAS_MIN(type)) a = fma16(m, splat16(x->sum[(int64_t)mi * nb + b]), a);
                 acc[mi] = a;
             }
         }
