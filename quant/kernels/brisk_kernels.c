@@ -236,7 +236,7 @@ static void matmul_chunk(const void *a, int n0, int n1) {
         if (lo >= hi) continue;
         const bk_weight *w = j->ws + i;
         float *y = j->y + j->starts[i];
-        if (j->xq.q && bk_int_type(w->type))
+        if (bk_super_type(w->type) ? j->xq.q256 != NULL : j->xq.q != NULL && bk_int_type(w->type))
             KERNELS[j->level].int_rows(w, lo - j->starts[i], hi - j->starts[i], j->M, &j->xq, y, j->starts[j->nw], buf);
         else
             KERNELS[j->level].tile(w, lo - j->starts[i], hi - j->starts[i], j->M, j->x, y, j->starts[j->nw], buf);
@@ -271,11 +271,10 @@ int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y,
         size_t n = (size_t)M * ws[0].K, blocks = n / QK, supers_n = n / 256;
         float *b = scratch(&xbuf, &xcap, 2 * (n / 2 + 2 * blocks) + 33 * supers_n);
         if (!b) return -2;
-        j.xq.q = (int16_t *)b; /* set (if unused) so that the integer path is taken */
         if (ints) {
             float *s = b + n / 2, *sum = s + blocks;
             KERNELS[level].quantize_x(x, M, ws[0].K, (int16_t *)b, s, sum);
-            j.xq.s = s, j.xq.sum = sum;
+            j.xq.q = (int16_t *)b, j.xq.s = s, j.xq.sum = sum;
         }
         if (supers) {
             float *b2 = b + n / 2 + 2 * blocks, *s = b2 + n / 2, *bs = s + supers_n;

@@ -28,7 +28,7 @@ typedef uint16_t u16x32 __attribute__((vector_size(64)));
 typedef int8_t i8x32 __attribute__((vector_size(32)));
 
 /* The quantized activations, on two grids: per block of 32, codes [M, K], scale s and s * sum(codes)
- * [M, K / 32] (the 32-weight block types); per super-block of 256 (Q4_K, Q6_K), codes q256 [M, K],
+ * [M, K / 32] (the 32-weight block types); per super-block of 256 (Q4_K, Q5_K, Q6_K), codes q256 [M, K],
  * scale s256 [M, K / 256] and, per super-block, 32 floats: s256 times its 8 sub-blocks' code sums,
  * even sub-blocks then odd ones, each repeated in kquant_tile's folded lane order. */
 typedef struct {
@@ -238,14 +238,13 @@ BK_INLINE void kquant_tile(const bk_weight *w, int type, int n, int R, int M, co
     int K = w->K, ns = K / 256, bb = type == BK_Q4_K ? 144 : type == BK_Q5_K ? 176 : 210, mins = type != BK_Q6_K;
     for (int sb = 0; sb < ns; sb++) {
         const uint8_t *blk[TILE];
-        uint8_t sc[TILE][16]; /* Q4_K: six-bit scales, then minimums */
+        bk_u8x16 six[TILE]; /* Q4_K, Q5_K: six-bit scales, then minimums */
         float dr[TILE], dm[TILE];
         for (int r = 0; r < TILE; r++) {
             blk[r] = w->data + (int64_t)(n + (r < R ? r : 0)) * w->row_bytes + sb * bb;
             dr[r] = r < R ? bk_fp16(blk[r] + (mins ? 0 : 208)) : 0.0f;
             if (mins) {
-                bk_u8x16 six = q4k_six(blk[r]);
-                memcpy(sc[r], &six, 16);
+                six[r] = q4k_six(blk[r]);
                 dm[r] = r < R ? -bk_fp16(blk[r] + 2) : 0.0f;
             }
         }
@@ -256,10 +255,8 @@ BK_INLINE void kquant_tile(const bk_weight *w, int type, int n, int R, int M, co
             v16 dmv = {dm[0], dm[0], dm[0], dm[0], dm[1], dm[1], dm[1], dm[1],
                        dm[2], dm[2], dm[2], dm[2], dm[3], dm[3], dm[3], dm[3]};
             /* the minimums (lanes 8..15 of each row's six-bit vector): even ones, then odd ones, 4 per row */
-            bk_u8x16 s0, s1, s2, s3;
-            memcpy(&s0, sc[0], 16), memcpy(&s1, sc[1], 16), memcpy(&s2, sc[2], 16), memcpy(&s3, sc[3], 16);
-            bk_u8x16 t01 = __builtin_shufflevector(s0, s1, 8, 10, 12, 14, 24, 26, 28, 30, 9, 11, 13, 15, 25, 27, 29, 31);
-            bk_u8x16 t23 = __builtin_shufflevector(s2, s3, 8, 10, 12, 14, 24, 26, 28, 30, 9, 11, 13, 15, 25, 27, 29, 31);
+            bk_u8x16 t01 = __builtin_shufflevector(six[0], six[1], 8, 10, 12, 14, 24, 26, 28, 30, 9, 11, 13, 15, 25, 27, 29, 31);
+            bk_u8x16 t23 = __builtin_shufflevector(six[2], six[3], 8, 10, 12, 14, 24, 26, 28, 30, 9, 11, 13, 15, 25, 27, 29, 31);
             bk_u8x16 e = __builtin_shufflevector(t01, t23, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
             bk_u8x16 o = __builtin_shufflevector(t01, t23, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
             m0 = bk_u8_to_f32(e) * dmv;
@@ -269,8 +266,8 @@ BK_INLINE void kquant_tile(const bk_weight *w, int type, int n, int R, int M, co
         if (M > 1)
             for (int r = 0; r < TILE; r++)
                 for (int c = 0; c < 4; c++) {
-                    if (type == BK_Q4_K) q4k_pair(blk[r], sc[r], c, &W[r][2 * c], &W[r][2 * c + 1]);
-                    else if (type == BK_Q5_K) q5k_pair(blk[r], sc[r], c, &W[r][2 * c], &W[r][2 * c + 1]);
+                    if (type == BK_Q4_K) q4k_pair(blk[r], (const uint8_t *)&six[r], c, &W[r][2 * c], &W[r][2 * c + 1]);
+                    else if (type == BK_Q5_K) q5k_pair(blk[r], (const uint8_t *)&six[r], c, &W[r][2 * c], &W[r][2 * c + 1]);
                     else if (c < 2) q6k_half(blk[r], c, &W[r][4 * c]);
                 }
         for (int mi = 0; mi < M; mi++) {
@@ -282,8 +279,8 @@ BK_INLINE void kquant_tile(const bk_weight *w, int type, int n, int R, int M, co
                         i16x32 x0 = load_i16x32(xq + 64 * c), x1 = load_i16x32(xq + 64 * c + 32);
                         for (int r = 0; r < TILE; r++) {
                             i16x32 lo, hi;
-                            if (type == BK_Q4_K) q4k_pair(blk[r], sc[r], c, &lo, &hi);
-                            else q5k_pair(blk[r], sc[r], c, &lo, &hi);
+                            if (type == BK_Q4_K) q4k_pair(blk[r], (const uint8_t *)&six[r], c, &lo, &hi);
+                            else q5k_pair(blk[r], (const uint8_t *)&six[r], c, &lo, &hi);
                             a[r] += madd(lo, x0) + madd(hi, x1);
                         }
                     } else if (c < 2) {
