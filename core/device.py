@@ -1,6 +1,8 @@
 """Choosing device and dtype."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .errors import InvalidValue
@@ -61,6 +63,21 @@ def set_cpu_threads(n: int | None) -> None:
 
 def cpu_threads() -> int:
     return _threads
+
+
+@contextlib.contextmanager
+def torch_gets_the_threads():
+    """Torch computes with all of brisk's threads inside (use_one_thread_pool gives it one): the
+    passes of a float model that go to torch's sgemm (prefill) rather than the native kernels."""
+    n = torch.get_num_threads()
+    if n == _threads:
+        yield
+        return
+    torch.set_num_threads(_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def use_one_thread_pool(native_layers: bool) -> None:

@@ -1,7 +1,8 @@
 """Device kernels put into a loaded Transformer from outside, as gpt-fast applies quantization:
 the model (model.py) stays plain torch, and one walk over its modules swaps in, per device,
 
-- CPU, float32 weights: single-row matmuls through NumPy's OpenBLAS (blas.py says why);
+- CPU, float32 weights: brisk's native kernels read them in place (NativeLinear); without the
+  kernels, single-row matmuls through NumPy's OpenBLAS (blas.py says why);
 - CPU, every product on brisk's native kernels: all blocks of a pass in one native call
   (native_decoder.py), and q/k/v and gate/up joined for the passes it does not take;
 - CUDA with Triton: fused RMSNorm, rope and gated activation (fused.py), and q/k/v and gate/up
@@ -17,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import blas, fused
+from .device import torch_gets_the_threads
 from .model import MLP, Attention, RMSNorm, Transformer
 from .native_decoder import NativeDecoder
+from ..quant import native
 from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import concat_linears
 
@@ -35,6 +38,36 @@ class BlasLinear(nn.Linear):
             y = blas.gemv(x, self._np[1])
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+class NativeLinear(BlasLinear):
+    """nn.Linear whose float32 CPU products run on brisk's native kernels, the weight read where it
+    lies: one kernel for any number of rows, so a row's bits do not depend on its batch (MKL's
+    sgemv and sgemm round differently), and a float model's blocks can run in one native call
+    (NativeDecoder). Elsewhere (more than native.F32_MAX_ROWS rows, autograd, other dtypes, no
+    kernels) BlasLinear's path."""
+
+    @property
+    def native(self) -> bool:
+        w = self.weight
+        return w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous() and native.usable(w.shape[1])
+
+    def _native(self) -> native.NativeWeight:
+        nw = self.__dict__.get("_native_weight")
+        if nw is None or nw.tensors[0] is not self.weight or nw.desc.data != self.weight.data_ptr():
+            nw = self.__dict__["_native_weight"] = native.NativeWeight(
+                native.F32, self.out_features, self.in_features, self.weight)
+        return nw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if grad or x.device.type != "cpu" or not self.native:
+            return super().forward(x)
+        if x.numel() > native.F32_MAX_ROWS * x.shape[-1]:
+            with torch_gets_the_threads():
+                return super().forward(x)
+        y = self._native().matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
 
 class FusedRMSNorm(RMSNorm):
@@ -87,14 +120,19 @@ class NativeBlocksTransformer(Transformer):
             made = NativeDecoder(self) if NativeDecoder.takes(self) else None
             self.__dict__["_native_decoder"] = self.rope, made
         y = None if made is None else made.run(x, start, kv, tree)
-        return super().blocks(x, start, kv, tree) if y is None else y
+        if y is not None:
+            return y
+        if made is None or made.max_rows is None:  # quantized: the native kernels keep the threads
+            return super().blocks(x, start, kv, tree)
+        with torch_gets_the_threads():  # a float model's long passes: torch's sgemm, all threads
+            return super().blocks(x, start, kv, tree)
 
 
 def apply_device_kernels(net: nn.Module, device: torch.device) -> None:
     """Swap in the kernels for `device`; call once the layers have their final kinds (after any
     quantization at load)."""
     if device.type == "cpu":
-        _swap(net, {nn.Linear: BlasLinear})
+        _swap(net, {nn.Linear: NativeLinear})
         if any(isinstance(m, GGUFLinear) for m in net.modules()):
             _swap(net, {Attention: JoinedAttention, MLP: JoinedMLP})
             join_projections(net, only=GGUFLinear)

@@ -53,6 +53,8 @@ class NativeDecoder:
             L.cos, L.sin = cos.data_ptr(), sin.data_ptr()
             L.window = a.window or 0
         self.positions = self.rope[0][0].shape[0]
+        # float weights: longer passes (prefill) run the torch blocks, on torch's faster sgemm
+        self.max_rows = native.F32_MAX_ROWS if any(L.qkv[0].type == native.F32 for L in self.layers) else None
 
     @classmethod
     def takes(cls, model, need_rope: bool = True) -> bool:
@@ -92,6 +94,8 @@ class NativeDecoder:
         if tree is not None or x.dtype != torch.float32:
             return None
         B, T, _ = x.shape
+        if self.max_rows is not None and B * T > self.max_rows:
+            return None
         if type(kv) is ContiguousKV and isinstance(start, int):
             cache = self._contiguous(kv)
             if cache is None:

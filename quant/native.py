@@ -33,6 +33,11 @@ SOURCE = KERNELS / "brisk_kernels.c"
 QB = 32  # every format's rows are whole blocks of 32 (or 256) weights
 LEVELS = ("plain", "avx2", "avx512")
 ENABLED = os.environ.get("BRISK_NATIVE", "1") != "0"  # layers built while it is on use the kernels
+F32 = 0  # GGUF's id for plain float32 rows: a float model's weights, read in place
+# Float rows take products with up to this many activation rows here (decode, verification, batched
+# steps: bandwidth-bound, 1.4x MKL's sgemv); longer ones (prefill) go to torch's sgemm, about twice
+# the kernels' 4x4 register tiles there (2026-11-25: 75-110 vs 180-190 GFLOP/s, one AVX-512 core).
+F32_MAX_ROWS = 64
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
 # the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
 INT_DOT_TYPES = {2, 3, 6, 8, 12, 13, 14, I8R}
@@ -213,7 +218,7 @@ class NativeWeight:
         if kind in BLOCK:
             row_bytes = K // BLOCK[kind][0] * BLOCK[kind][1]
         else:
-            row_bytes = K // 2 if kind == I4G else K
+            row_bytes = {I4G: K // 2, I8R: K, F32: 4 * K}[kind]
         if not data.is_contiguous() or data.numel() * data.element_size() != N * row_bytes:
             raise ValueError(f"{data.numel() * data.element_size()} bytes for a [{N}, {K}] weight of kind {kind}")
         if kind == I4G and (scales.dtype != torch.bfloat16 or zeros.dtype != torch.bfloat16):

@@ -56,6 +56,22 @@ def test_int8_rows(level, N, K):
     assert torch.equal(w.rows(torch.tensor([5, 0])), dequantize_int8(q, s)[[5, 0]])
 
 
+@pytest.mark.parametrize("N,K", [(7, 32), (45, 96), (130, 576), (9, 1568)])
+def test_float_rows(level, N, K):
+    """Float32 rows read in place (a float model's weights): a ragged last tile, K past the 512-column
+    chunk, activation rows in groups of 4 (or 2), their remainders and past a block of 64."""
+    g = torch.Generator().manual_seed(N + K)
+    dense = torch.randn(N, K, generator=g)
+    w = native.NativeWeight(native.F32, N, K, dense)
+    x = torch.randn(70, K, generator=g)
+    y = w.matmul(x)
+    _close(y, x.double() @ dense.double().T)
+    for i in (0, 3, 5, 63, 64, 69):  # alone, each row gives the same bits as in the batch
+        assert torch.equal(w.matmul(x[i:i + 1])[0], y[i])
+    assert torch.equal(w.matmul(x[5:11]), y[5:11])
+    assert torch.equal(w.rows(torch.tensor([N - 1, 0])), dense[[N - 1, 0]])
+
+
 def test_threads_split_rows_without_changing_bits():
     """Rows split across threads (and a thread that never gets a chunk) give the same bits."""
     g = torch.Generator().manual_seed(3)

@@ -57,6 +57,32 @@ def _with(llm, model):
     return llm
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_float_model_runs_native_for_short_passes(arch, request):
+    """A float32 model (-q none): its weights read in place by the native kernels, blocks in one
+    native call for passes up to native.F32_MAX_ROWS rows (decode steps, verification, batched
+    steps: their bits the same in every such pass); longer passes (prefill) run the torch blocks
+    on torch's sgemm, with the same results up to float32 round-off."""
+    from brisk.core.kernel_passes import NativeLinear
+    from brisk.quant import native
+
+    llm = LLM.load(str(request.getfixturevalue(f"tiny_{arch}_dir")), device="cpu", dtype="float32", quantize="none")
+    assert type(llm.model) is NativeBlocksTransformer and type(llm.model.lm_head) is NativeLinear
+    assert llm.model.lm_head.native
+    ids = [(7 * i + 3) % 290 + 2 for i in range(native.F32_MAX_ROWS + 6)]
+    with torch.inference_mode():
+        kv = llm.new_cache(128)
+        steps = [llm.model(torch.tensor([[t]]), i, kv)[0, -1] for i, t in enumerate(ids[:20])]
+        kv2 = llm.new_cache(128)
+        chunks = torch.cat([llm.model(torch.tensor([ids[s:s + 5]]), s, kv2)[0] for s in range(0, 20, 5)])
+    assert llm.model.__dict__["_native_decoder"][1] is not None  # the passes above ran natively
+    assert torch.equal(torch.stack(steps), chunks)
+    long_pass = llm.logits(ids)  # more rows than the native pass takes: the torch blocks
+    torch.testing.assert_close(long_pass[:20], chunks, rtol=1e-4, atol=1e-4 * chunks.abs().max().item())
+    want = LLM.logits(_with(llm, _torch_blocks(llm.model)), ids[:20])
+    torch.testing.assert_close(chunks, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
 def test_decode_steps_equal_one_pass_bit_for_bit(tiny_gemma3_dir):
     """A token's logits do not depend on the pass it is in (one-token steps, chunks, one prefill)."""
     llm = LLM.load(str(tiny_gemma3_dir), device="cpu", dtype="float32", quantize="int8")

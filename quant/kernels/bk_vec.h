@@ -46,6 +46,17 @@ BK_INLINE v16 fma16(v16 a, v16 b, v16 c) {
 #endif
 }
 
+/* c + a b as one fused multiply-add where the instruction set has one, else as two roundings: every
+ * copy of a loop built from it rounds the same way (fma16 without hardware FMA is a libm call). */
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__aarch64__)
+#define mac16 fma16
+#else
+BK_INLINE v16 mac16(v16 a, v16 b, v16 c) {
+    v16 p = a * b; /* no fused instruction in this copy to contract into */
+    return c + p;
+}
+#endif
+
 BK_INLINE float reduce16(v16 a) { /* a fixed pairwise order */
     float t[LANES];
     memcpy(t, &a, sizeof t);

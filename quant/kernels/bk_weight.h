@@ -29,7 +29,7 @@ typedef struct {
 /* The columns tiles.c dequantizes at a time for this weight: whole blocks or groups, and whole
  * vectors of 16 floats, about `want` of them (at most K). */
 BK_INLINE int bk_chunk_near(const bk_weight *w, int want) {
-    int unit = w->type == BK_I4G ? w->group : w->type == BK_I8R ? 16 : bk_block_weights(w->type), u = unit;
+    int unit = w->type == BK_I4G ? w->group : w->type == BK_I8R || w->type == BK_F32 ? 16 : bk_block_weights(w->type), u = unit;
     while (u % 16) u += unit;
     u = u >= want ? u : want / u * u;
     return u < w->K ? u : w->K;

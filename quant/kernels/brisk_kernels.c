@@ -246,7 +246,7 @@ static void matmul_chunk(const void *a, int n0, int n1) {
 static int shape_ok(const bk_weight *w) {
     if (w->K <= 0 || w->N <= 0 || w->K % 32) return 0;
     if (w->type == BK_I4G) return w->group > 0 && w->group % 2 == 0 && w->K % w->group == 0;
-    if (w->type == BK_I8R) return 1;
+    if (w->type == BK_I8R || w->type == BK_F32) return 1;
     int bw = bk_block_weights(w->type);
     return bw && w->K % bw == 0;
 }

@@ -23,6 +23,7 @@
 #define BK_INLINE static inline __attribute__((always_inline))
 
 enum {
+    BK_F32 = 0, /* plain float32 rows (a float model's weights, read in place) */
     BK_Q4_0 = 2, BK_Q4_1 = 3, BK_Q5_0 = 6, BK_Q5_1 = 7, BK_Q8_0 = 8,
     BK_Q2_K = 10, BK_Q3_K = 11, BK_Q4_K = 12, BK_Q5_K = 13, BK_Q6_K = 14,
 };

@@ -15,6 +15,13 @@
 #define BK_CHUNK1 256
 #endif
 
+/* activation rows per dot: 4 x 4 sums fill 16 of AVX-512's 32 registers; AVX2's 16 (two per v16) take 2 x 4 */
+#if defined(__AVX512F__)
+#define DOT_ROWS 4
+#else
+#define DOT_ROWS 2
+#endif
+
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 
@@ -43,6 +50,10 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
         }
         return;
     }
+    if (w->type == BK_F32) {
+        memcpy(y, (const float *)r + k0, sizeof(float) * (k1 - k0));
+        return;
+    }
     if (w->type == BK_I8R) {
         float s = w->row_scales[n];
         for (int k = k0; k < k1; k++) y[k - k0] = (float)((const int8_t *)r)[k] * s;
@@ -66,47 +77,75 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
 #undef ROWS_OF
 }
 
-/* acc[r] += tile row r . x over k floats (tile rows ldw apart; k a multiple of LANES): the sums
- * run over 16 fixed lanes, so splitting K into chunks does not change a bit. */
-BK_INLINE void dot_tile(const float *w, int ldw, int k, const float *x, v16 *acc) {
-    v16 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
-    for (int i = 0; i < k; i += LANES) {
-        v16 xv = load16(x + i);
-        a0 += load16(w + i) * xv;
-        a1 += load16(w + ldw + i) * xv;
-        a2 += load16(w + 2 * ldw + i) * xv;
-        a3 += load16(w + 3 * ldw + i) * xv;
+/* acc[m][r] += tile row r . x row m over k floats, for MR activation rows (x rows ldx apart, tile
+ * rows ldw apart; k a multiple of LANES). Every sum runs over 16 fixed lanes, one multiply-add per
+ * vector in column order, so neither splitting K into chunks nor how many activation rows share a
+ * call changes a bit. `next` (or NULL): the next tile's rows, fetched a tile ahead as these are
+ * read (float rows read in place: the hardware's streams restart at every tile's rows). */
+#define DEFINE_DOT(name, MR)                                                                               \
+    BK_INLINE void name(const float *w, int ldw, int k, const float *x, int64_t ldx, v16 *acc,              \
+                        const float *next) {                                                                \
+        v16 a[MR][TILE];                                                                                    \
+        for (int m = 0; m < MR; m++)                                                                        \
+            for (int r = 0; r < TILE; r++) a[m][r] = acc[m * TILE + r];                                     \
+        for (int i = 0; i < k; i += LANES) {                                                                \
+            if (next)                                                                                       \
+                for (int r = 0; r < TILE; r++) __builtin_prefetch(next + r * ldw + i);                     \
+            v16 wv[TILE];                                                                                   \
+            for (int r = 0; r < TILE; r++) wv[r] = load16(w + r * ldw + i);                                 \
+            for (int m = 0; m < MR; m++) {                                                                  \
+                v16 xv = load16(x + m * ldx + i);                                                           \
+                for (int r = 0; r < TILE; r++) a[m][r] = mac16(wv[r], xv, a[m][r]);                         \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int m = 0; m < MR; m++)                                                                        \
+            for (int r = 0; r < TILE; r++) acc[m * TILE + r] = a[m][r];                                     \
     }
-    acc[0] = a0;
-    acc[1] = a1;
-    acc[2] = a2;
-    acc[3] = a3;
-}
+DEFINE_DOT(dot_tile, 1)
+DEFINE_DOT(dot_tile_x4, DOT_ROWS)
+#undef DEFINE_DOT
 
 /* Rows n0..n1 of y [M, N] = x [M, K] w^T; y[m * ldy + n] (this weight's outputs may sit beside
  * others'). A tile's rows are dequantized CHUNK columns at a time: 4 rows of a whole 2048-wide row
- * (32 KB) overflowed the L1 cache and cost a third of the speed. buf: bk_tile_floats(w, M) floats. */
+ * (32 KB) overflowed the L1 cache and cost a third of the speed. Float rows are read where they lie.
+ * Activation rows go MBLOCK at a time (their chunk stays in L2 while the tiles pass), DOT_ROWS of
+ * them per dot. buf: bk_tile_floats(w, M) floats. */
+#define MBLOCK 64
 BK_INLINE void tile_rows(const bk_weight *w, int n0, int n1, int M, const float *x, float *y, int64_t ldy, float *buf) {
     int K = w->K, C = bk_chunk(w), S = C + LANES; /* row stride: padded, off the 4 KB alias */
     v16 *acc = (v16 *)buf; /* [M][TILE] running sums, then the tile's C columns */
     float *tile = buf + (int64_t)M * TILE * LANES;
-    for (int n = n0; n < n1; n += TILE) {
-        int R = n1 - n < TILE ? n1 - n : TILE;
-        if (n + TILE < n1) { /* the next tile's rows on their way while this one computes */
-            const char *next = (const char *)w->data + (int64_t)(n + TILE) * w->row_bytes;
-            for (int64_t b = 0; b < TILE * w->row_bytes; b += 64) __builtin_prefetch(next + b);
-        }
-        memset(acc, 0, sizeof(v16) * TILE * M);
-        for (int k0 = 0; k0 < K; k0 += C) {
-            int k1 = k0 + C < K ? k0 + C : K;
-            for (int r = 0; r < TILE; r++) {
-                if (r < R) dequant_row(w, n + r, k0, k1, tile + (int64_t)r * S);
-                else memset(tile + (int64_t)r * S, 0, sizeof(float) * (k1 - k0)); /* a ragged tail: dropped */
+    for (int m0 = 0; m0 < M; m0 += MBLOCK) {
+        int mc = M - m0 < MBLOCK ? M - m0 : MBLOCK;
+        const float *xb = x + (int64_t)m0 * K;
+        for (int n = n0; n < n1; n += TILE) {
+            int R = n1 - n < TILE ? n1 - n : TILE;
+            if (n + TILE < n1 && w->type != BK_F32) { /* the next tile's rows on their way while this one computes */
+                const char *next = (const char *)w->data + (int64_t)(n + TILE) * w->row_bytes;
+                for (int64_t b = 0; b < TILE * w->row_bytes; b += 64) __builtin_prefetch(next + b);
             }
-            for (int m = 0; m < M; m++) dot_tile(tile, S, k1 - k0, x + (int64_t)m * K + k0, acc + m * TILE);
+            memset(acc, 0, sizeof(v16) * TILE * mc);
+            for (int k0 = 0; k0 < K; k0 += C) {
+                int k1 = k0 + C < K ? k0 + C : K;
+                const float *rows = tile, *next = NULL;
+                int ldw = S;
+                if (w->type == BK_F32 && R == TILE) { /* float rows: multiplied where they lie */
+                    rows = (const float *)(w->data + (int64_t)n * w->row_bytes) + k0, ldw = K;
+                    next = n + 2 * TILE <= n1 ? rows + TILE * K : NULL;
+                } else {
+                    for (int r = 0; r < TILE; r++) {
+                        if (r < R) dequant_row(w, n + r, k0, k1, tile + (int64_t)r * S);
+                        else memset(tile + (int64_t)r * S, 0, sizeof(float) * (k1 - k0)); /* a ragged tail: dropped */
+                    }
+                }
+                int m = 0;
+                for (; m + DOT_ROWS <= mc; m += DOT_ROWS, next = NULL)
+                    dot_tile_x4(rows, ldw, k1 - k0, xb + (int64_t)m * K + k0, K, acc + m * TILE, next);
+                for (; m < mc; m++, next = NULL) dot_tile(rows, ldw, k1 - k0, xb + (int64_t)m * K + k0, K, acc + m * TILE, next);
+            }
+            for (int m = 0; m < mc; m++)
+                for (int r = 0; r < R; r++) y[(int64_t)(m0 + m) * ldy + n + r] = reduce16(acc[m * TILE + r]);
         }
-        for (int m = 0; m < M; m++)
-            for (int r = 0; r < R; r++) y[(int64_t)m * ldy + n + r] = reduce16(acc[m * TILE + r]);
     }
 }
 
