@@ -33,8 +33,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
+# Greedy: the default model (135M, 4-bit) gives its best answer to a known question this way;
+# sampled, its first word alone varies ("The" 15%, "L" 14%, "La" 10%: bench/RESULTS.md).
 run: install
-	$(VENV)/bin/brisk generate "$(PROMPT)"
+	$(VENV)/bin/brisk generate "$(PROMPT)" --temperature 0
 
 test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -25,7 +25,8 @@ def chat(
     top_k: Optional[int] = c.TopKOpt,
     top_p: Optional[float] = c.TopPOpt,
     min_p: Optional[float] = c.MinPOpt,
-    repetition_penalty: float = c.RepOpt,
+    repetition_penalty: Optional[float] = c.RepOpt,
+    loop_stop: bool = c.LoopOpt,
     seed: Optional[int] = c.SeedOpt,
     stop: Optional[List[str]] = c.StopOpt,
     draft: Optional[str] = c.DraftOpt,
@@ -51,7 +52,7 @@ def chat(
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         c.check_draft(draft, draft_k)
         llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads)
-        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop)
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
         conv.session.speculator = c.load_speculator(llm, draft, draft_k)
     if interactive:
@@ -94,6 +95,8 @@ def chat(
         except typer.Exit:
             continue  # the error was printed; the session goes on
         out.print()
+        if conv.session.last is not None and conv.session.last.finish_reason == "loop":
+            out.print(c.LOOP_NOTE, style="dim", markup=False)
         if conv.last_dropped:
             out.print(f"(dropped the {conv.last_dropped} oldest turn(s) to fit the context)", style="dim")
 
@@ -148,6 +151,7 @@ def _command(line: str, conv, out: Console) -> bool:
             if r is not None:
                 msg += (f"\nlast answer: {len(r.tokens)} tokens, prefill {r.prefilled_tokens} tokens at "
                         f"{r.prefill_tps:.1f} tok/s, decode {r.decode_tps:.1f} tok/s, first token {r.ttft_s:.2f} s")
+            msg += "\nsampling: " + ", ".join(f"{k} {v}" for k, v in c.sampling_summary(conv.sampling).items())
             if r is not None and r.spec:
                 sp = r.spec
                 msg += (f"\ndraft {sp['drafter']} (K {sp['k']}): {sp['accepted']}/{sp['drafted']} drafted tokens "

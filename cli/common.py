@@ -21,11 +21,14 @@ QuantizeOpt = typer.Option("auto", "--quantize", "-q", help="auto: run the check
                            "weights stay quantized, other GGUF types are widened) | none: widen to --dtype | "
                            "int8 | int4 | nf4: quantize float weights at load.")
 CtxOpt = typer.Option(None, "--ctx", help="Context length to allocate (default: min(4096, model's)).", min=16)
-TempOpt = typer.Option(None, "--temperature", "-t", help="0 = greedy. Default: the model's generation config, else 0.8.")
-TopKOpt = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off). Default 40.")
-TopPOpt = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off). Default 0.95.")
-MinPOpt = typer.Option(None, "--min-p", help="Drop tokens below min-p x the top probability (0 = off). Default 0.05.")
-RepOpt = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeats (1 = off).")
+TempOpt = typer.Option(None, "--temperature", "-t", help="0 = greedy. Default: the model's recommended setting, else 0.3.")
+TopKOpt = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off). Default: the model's, else 40.")
+TopPOpt = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off). Default: the model's, else 0.9.")
+MinPOpt = typer.Option(None, "--min-p", help="Drop tokens below min-p x the top probability (0 = off). Default: the model's, else 0.1.")
+RepOpt = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats (1 = off). Default: the model's "
+                      "generation config, else 1.")
+LoopOpt = typer.Option(True, "--loop-stop/--no-loop-stop", help="End an answer that has fallen into a word-for-word "
+                       "loop (small models do). Off for output that repeats on purpose.")
 SeedOpt = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output.")
 MaxTokOpt = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate.", min=1)
 StopOpt = typer.Option(None, "--stop", help="Stop when this text appears (repeatable); it is not printed.")
@@ -48,8 +51,9 @@ def user_errors():
         raise typer.Exit(1)
 
 
-def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed):
-    """Flags override the model's generation_config.json, which overrides brisk's defaults."""
+def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop_loops: bool = False):
+    """Flags override the model's own settings (generation_config.json, a GGUF's general.sampling.*),
+    which override brisk's defaults (core/sampling.py)."""
     from ..core.sampling import SamplingParams
 
     gen = llm.checkpoint.generation if llm is not None else {}
@@ -60,8 +64,20 @@ def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, s
     return SamplingParams(
         temperature=float(pick(temperature, "temperature", d.temperature)),
         top_k=int(pick(top_k, "top_k", d.top_k)), top_p=float(pick(top_p, "top_p", d.top_p)),
-        min_p=float(pick(min_p, "min_p", d.min_p)), repetition_penalty=float(repetition_penalty),
-        seed=seed).validate()
+        min_p=float(pick(min_p, "min_p", d.min_p)),
+        repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", d.repetition_penalty)),
+        seed=seed, stop_loops=stop_loops).validate()
+
+
+def sampling_summary(p) -> dict:
+    """The settings an answer was sampled with, for --json and /stats."""
+    if p.greedy:
+        return {"temperature": 0.0, "repetition_penalty": p.repetition_penalty, "stop_loops": p.stop_loops}
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+            "repetition_penalty": p.repetition_penalty, "seed": p.seed, "stop_loops": p.stop_loops}
+
+
+LOOP_NOTE = "(stopped: the answer repeats itself word for word; --no-loop-stop lets it run)"
 
 
 def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], quiet: bool = False,

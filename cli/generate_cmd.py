@@ -25,7 +25,8 @@ def generate(
     top_k: Optional[int] = c.TopKOpt,
     top_p: Optional[float] = c.TopPOpt,
     min_p: Optional[float] = c.MinPOpt,
-    repetition_penalty: float = c.RepOpt,
+    repetition_penalty: Optional[float] = c.RepOpt,
+    loop_stop: bool = c.LoopOpt,
     seed: Optional[int] = c.SeedOpt,
     stop: Optional[List[str]] = c.StopOpt,
     draft: Optional[str] = c.DraftOpt,
@@ -58,7 +59,7 @@ def generate(
             set_cpu_threads(threads)
             return _generate_batch(args or [], model, batch, output, max_concurrency, file, draft, as_json, raw,
                                    system, max_tokens, tuple(stop or ()), device, dtype, ctx,
-                                   (temperature, top_k, top_p, min_p, repetition_penalty, seed))
+                                   (temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop))
         if output is not None:
             raise BriskError("-o/--output goes with --batch (a single answer streams to stdout)")
         model_name, prompt = _split_args(args or [], model, file)
@@ -66,7 +67,7 @@ def generate(
         c.check_draft(draft, draft_k)
         llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize, threads=threads)
         speculator = c.load_speculator(llm, draft, draft_k, quiet=as_json)
-        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop)
         from ..core.generate import Session
 
         session = Session(llm, speculator=speculator)
@@ -81,10 +82,12 @@ def generate(
         res = session.last
         if as_json:
             out = {"model": llm.name, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
-                   **res.to_dict()}
+                   **res.to_dict(), "sampling": c.sampling_summary(sampling)}
             sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
         else:
             sys.stdout.write("\n")
+            if res.finish_reason == "loop":
+                print(c.LOOP_NOTE, file=sys.stderr)
         if res.finish_reason == "interrupted":  # what was generated is printed; the exit says Ctrl-C
             raise typer.Exit(130)
 

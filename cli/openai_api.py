@@ -21,7 +21,7 @@ from ..core.jobs import request_from
 from ..core.sampling import SamplingParams
 from ..core.batching import EngineThread, Sequence
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "loop": "stop", "cancelled": "stop"}
 # OpenAI fields brisk does not implement: refused (400) rather than silently ignored, unless they
 # hold their "off" value (false, null, an empty list, a plain-text response format)
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",

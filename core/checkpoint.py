@@ -116,15 +116,23 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise FileError(f"unreadable safetensors file ({str(e).splitlines()[0]})", path) from None
 
 
-def load_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def safetensors_files(folder: Path) -> list[Path]:
+    """A folder's safetensors weights: the index's shards (each must exist), else *.safetensors."""
     index = folder / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
-        if not shards:
-            raise FileError("empty weight_map", index)
-        files = [folder / s for s in shards]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
+    if not index.exists():
+        return sorted(folder.glob("*.safetensors"))
+    shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    if not shards:
+        raise FileError("empty weight_map", index)
+    files = [folder / s for s in shards]
+    for f in files:
+        if not f.exists():
+            raise FileError("shard listed in the index is missing", f)
+    return files
+
+
+def load_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = safetensors_files(folder)
     if not files:
         pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
         if pickles:
@@ -132,8 +140,6 @@ def load_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
         raise FileError("no *.safetensors weights found", folder)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        if not f.exists():
-            raise FileError("shard listed in the index is missing", f)
         tensors.update(_load_safetensors(f))
     return tensors
 
@@ -222,17 +228,30 @@ def _row_order(hf: str, rows: int, arch: str, cfg: ModelConfig) -> torch.Tensor 
     return _unpermute(torch.arange(rows)[:, None], heads)[:, 0]
 
 
+# a GGUF's recommended sampling (llama.cpp's general.sampling.* keys) -> generation_config.json's names
+_GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                  "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                  "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def gguf_generation(meta: dict) -> dict:
+    """The sampling settings a GGUF recommends, where its metadata holds them as numbers."""
+    return {name: meta[key] for key, name in _GGUF_SAMPLING.items()
+            if isinstance(meta.get(key), (int, float)) and not isinstance(meta.get(key), bool)}
+
+
 def _gguf_header(path: Path):
-    """(config, tokenizer, tensor table, arch), from the cache when this file was seen before:
-    parsing a big vocabulary is the slow part of opening a GGUF."""
+    """(config, tokenizer, tensor table, arch, recommended sampling), from the cache when this file
+    was seen before: parsing a big vocabulary is the slow part of opening a GGUF."""
     from .gguf_file import GGUFFile, TensorInfo
     from .tokenizer import Tokenizer
 
     cached = _gguf_cache_dir(path)
     info = _read_json(cached / "brisk.json") if (cached / "brisk.json").exists() else {}
-    if "tensors" in info:
+    if "tensors" in info and "generation" in info:  # (a cache from before brisk read sampling keys: redone)
         table = [TensorInfo(n, tuple(shape), q, off, nb) for n, shape, q, off, nb in info["tensors"]]
-        return ModelConfig(**info["config"]), Tokenizer.from_hf_folder(cached), table, info["arch"]
+        return (ModelConfig(**info["config"]), Tokenizer.from_hf_folder(cached), table, info["arch"],
+                info["generation"])
     reader = GGUFFile(path)
     meta = reader.metadata
     arch = meta.get("general.architecture", "")
@@ -241,9 +260,10 @@ def _gguf_header(path: Path):
     if not any(t.name == "output.weight" for t in reader.tensors):
         cfg.tie_embeddings = True
     info = {"config": cfg.to_dict(), "arch": arch, "source": str(path.resolve()),
+            "generation": gguf_generation(meta),
             "tensors": [[t.name, list(t.shape), t.qtype, t.offset, t.nbytes] for t in reader.tensors]}
     _save_cache(cached, info, tok)
-    return cfg, tok, reader.tensors, arch
+    return cfg, tok, reader.tensors, arch, info["generation"]
 
 
 def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks: bool = False) -> Checkpoint:
@@ -258,7 +278,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
     from ..quant import gguf_blocks, native
     from .gguf_file import dequantize_tensor
 
-    cfg, tok, table, arch = _gguf_header(path)
+    cfg, tok, table, arch, generation = _gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     native_blocks = native_blocks and keep_quantized
     layers = _repacked_cache(path) if keep_quantized and not native_blocks else None
@@ -306,7 +326,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
             tensors["model.embed_tokens.weight"] = modules.pop("model.embed_tokens").dequantize()
         else:
             modules["lm_head"] = modules.pop("model.embed_tokens")
-    return Checkpoint(name, "gguf", path, cfg, tensors, tok, {}, extra, modules=modules)
+    return Checkpoint(name, "gguf", path, cfg, tensors, tok, generation, extra, modules=modules)
 
 
 def _native_layer(data, t, order: torch.Tensor | None):
@@ -434,7 +454,15 @@ def _save_cache(dest: Path, info: dict, tok) -> None:
         tok.save(tmp)
         (tmp / "brisk.json").write_text(json.dumps(info))
         (tmp / "source.txt").write_text(str(info.get("source", "")))
-        os.replace(tmp, dest)
+        if not dest.exists():
+            os.replace(tmp, dest)
+            return
+        # the folder is there (an older header beside the float and repacked caches): replace the
+        # header's files one by one, brisk.json last, since it is what says the header is complete
+        names = sorted(f.name for f in tmp.iterdir())
+        for name in [n for n in names if n != "brisk.json"] + ["brisk.json"]:
+            os.replace(tmp / name, dest / name)
+        tmp.rmdir()
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
 

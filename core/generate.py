@@ -67,7 +67,7 @@ class Session:
             raise PromptTooLong(len(prompt_ids), ctx, limit=self.llm.config.max_seq_len)
         sampler = Sampler(sampling)
         out = OutputStream(self.llm.tokenizer, self.llm.eos_ids, stop, min(max_tokens, ctx - len(prompt_ids)),
-                           len(prompt_ids))
+                           len(prompt_ids), sampling.stop_loops)
         res = self.last = out.result
         logits = self.prefill(prompt_ids)
         res.prefilled_tokens = self._prefilled

@@ -103,12 +103,13 @@ def _bos_post_processor(path: Path, bos: str, bos_id: int) -> None:
 
 
 def write_generation_config(ckpt: Checkpoint, folder: Path) -> None:
-    gen = dict(ckpt.generation)
+    gen = dict(ckpt.generation)  # a GGUF's holds only its recommended sampling: add the special ids
+    tok = ckpt.tokenizer
+    if (not gen or ckpt.kind == "gguf") and (tok.bos_id is not None or tok.eos_ids):
+        gen = {"bos_token_id": tok.bos_id, "eos_token_id": sorted(tok.eos_ids) if len(tok.eos_ids) > 1 else _eos_id(tok),
+               **gen}
     if not gen:
-        tok = ckpt.tokenizer
-        if tok.bos_id is None and not tok.eos_ids:
-            return
-        gen = {"bos_token_id": tok.bos_id, "eos_token_id": sorted(tok.eos_ids) if len(tok.eos_ids) > 1 else _eos_id(tok)}
+        return
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 

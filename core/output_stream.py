@@ -19,7 +19,7 @@ class GenerationResult:
     tokens: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # prompt tokens actually run; fewer when the cache had a prefix
-    finish_reason: str = ""  # "eos", "stop", "length" or "interrupted"
+    finish_reason: str = ""  # "eos", "stop", "length", "loop" or "interrupted"
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -69,13 +69,41 @@ class StopMatcher:
         return out
 
 
+class LoopGuard:
+    """Spots an answer stuck in a loop: its last tokens are one unit of `period` <= MAX_PERIOD tokens
+    repeated, over at least MIN_SPAN tokens and at least REPEATS times. Small models do this under
+    greedy and sampled decoding alike ("Paris - Paris - Paris - ..." to the token limit); an exact
+    repeat of that length is almost never what an answer means (a list of zeros is the exception:
+    the flag that turns it off says so). O(MAX_PERIOD) per token: one run length per period."""
+
+    MAX_PERIOD, MIN_SPAN, REPEATS = 64, 32, 3
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.runs = [0] * (self.MAX_PERIOD + 1)  # runs[p]: trailing tokens equal to the one p before
+
+    def push(self, token: int) -> bool:
+        """Record the next token; True when the tail has become a loop."""
+        t, runs = self.tokens, self.runs
+        t.append(token)
+        n = len(t)
+        for p in range(1, min(self.MAX_PERIOD, n - 1) + 1):
+            runs[p] = runs[p] + 1 if t[n - 1 - p] == token else 0
+            if runs[p] >= max(self.MIN_SPAN, (self.REPEATS - 1) * p):
+                return True
+        return False
+
+
 class OutputStream:
     """EOS ends a sequence unseen; stop strings are held back and cut; the budget (max tokens, or
     what the context leaves) ends it; text leaves in pieces as the detokenizer completes them.
+    With stop_loops, a repetition loop (LoopGuard) ends it too.
     Timings: first token from `started` (prefill), decode from the first token to the end."""
 
-    def __init__(self, tokenizer, eos_ids: set[int], stop: Sequence[str], budget: int, prompt_tokens: int):
+    def __init__(self, tokenizer, eos_ids: set[int], stop: Sequence[str], budget: int, prompt_tokens: int,
+                 stop_loops: bool = False):
         self.result = GenerationResult(prompt_tokens=prompt_tokens)
+        self.loops = LoopGuard() if stop_loops else None
         self.decoder, self.stopper = IncrementalDecoder(tokenizer), StopMatcher(stop)
         self.eos_ids, self.budget = eos_ids, budget
         self.started = time.perf_counter()
@@ -101,17 +129,19 @@ class OutputStream:
             return piece + self.finish("stop")
         if len(res.tokens) >= self.budget:
             return piece + self.finish("length")
+        if self.loops is not None and self.loops.push(token):
+            return piece + self.finish("loop")
         return piece
 
     def finish(self, reason: str) -> str:
-        """End the sequence ("eos", "stop", "length", "interrupted", "cancelled"); returns the text
-        still held back, which eos and length release (a tail that turned out not to be a stop)."""
+        """End the sequence ("eos", "stop", "length", "loop", "interrupted", "cancelled"); returns the
+        text still held back, which eos, length and loop release (a tail that was not a stop)."""
         res = self.result
         res.finish_reason = reason
         self.finished_at = time.perf_counter()
         res.decode_s = self.finished_at - (self.first_token_at or self.finished_at)
         tail = ""
-        if reason in ("eos", "length"):
+        if reason in ("eos", "length", "loop"):
             tail, _ = self.stopper.feed(self.decoder.flush())
             tail += self.stopper.flush()
             res.text += tail

@@ -52,6 +52,20 @@ def test_generate_runner_json(tiny_llama_dir):
     assert {"text", "decode_tok_s", "prefill_tok_s", "ttft_s"} <= out.keys()
 
 
+def test_generate_stops_a_loop_by_default_and_reports_its_sampling(tiny_gguf_path):
+    """The random-weight model loops under greedy: generate ends it (and says so) unless told not to;
+    --json names the settings used, the model's own where a flag does not override them."""
+    args = ["generate", str(tiny_gguf_path), "hi", "-t", "0", "-n", "200", "--json"]
+    looped = json.loads(runner.invoke(app, args).stdout.strip().splitlines()[-1])
+    plain = json.loads(runner.invoke(app, args + ["--no-loop-stop"]).stdout.strip().splitlines()[-1])
+    assert looped["finish_reason"] == "loop" and plain["finish_reason"] == "length"
+    assert looped["generated_tokens"] < 200 and plain["text"].startswith(looped["text"])
+    assert looped["sampling"] == {"temperature": 0.0, "repetition_penalty": 1.0, "stop_loops": True}
+    assert plain["sampling"]["stop_loops"] is False
+    r = brisk(*args[:-1])  # on a terminal-less stderr, one line says why the answer ended early
+    assert r.returncode == 0 and "repeats itself" in r.stderr
+
+
 def test_generate_stdin_and_file(tiny_llama_dir, tmp_path):
     a = brisk("generate", str(tiny_llama_dir), "--temperature", "0", "-n", "5", "--raw", input="The fox")
     f = tmp_path / "p.txt"
@@ -370,3 +384,42 @@ def test_invalid_values_name_the_flag_and_batch_lines_the_field(tiny_llama_dir, 
     batch.write_text(json.dumps({"prompt": "hi", "top_p": 2}) + "\n")
     r = runner.invoke(app, ["generate", str(tiny_llama_dir), "--batch", str(batch)])
     assert r.exit_code == 1 and r.stderr.strip() == f"error: {batch}:1: top_p must be in (0, 1], got 2.0", r.output
+
+
+def test_model_sampling_settings_sit_between_flags_and_defaults():
+    """A GGUF's general.sampling.* keys (as llama.cpp's converter writes them) are the model's
+    recommended settings, like generation_config.json: flags override them, they override brisk's."""
+    from types import SimpleNamespace
+
+    from brisk.cli.common import sampling_params
+    from brisk.core.checkpoint import gguf_generation
+    from brisk.core.sampling import SamplingParams
+
+    gen = gguf_generation({"general.sampling.temp": 0.2, "general.sampling.top_p": 0.9, "general.sampling.top_k": 20,
+                           "general.sampling.min_p": True, "general.sampling.penalty_repeat": 1.05,
+                           "general.sampling.sequence": "kpt", "general.name": "x"})
+    assert gen == {"temperature": 0.2, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
+    llm = SimpleNamespace(checkpoint=SimpleNamespace(generation=gen))
+    p = sampling_params(llm, None, None, None, None, None, None)
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (0.2, 20, 0.9, SamplingParams().min_p, 1.05)
+    p = sampling_params(llm, 0.7, None, 1.0, None, 1.0, 3, True)
+    assert (p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.seed, p.stop_loops) == (0.7, 20, 1.0, 1.0, 3, True)
+
+
+def test_a_stale_gguf_header_cache_is_replaced_in_place(tiny_gguf_path, tmp_path, monkeypatch):
+    """A header cache from an older brisk (no "generation" key) is parsed again and rewritten in its
+    folder, beside the float caches there, so the next open is fast again."""
+    import brisk.core.checkpoint as ck
+
+    monkeypatch.setattr(ck, "CACHE_DIR", tmp_path / "cache")
+    gguf = tmp_path / "m.gguf"
+    shutil.copy(tiny_gguf_path, gguf)
+    ck._gguf_header(gguf)
+    folder = ck._gguf_cache_dir(gguf)
+    info = json.loads((folder / "brisk.json").read_text())
+    del info["generation"]
+    (folder / "brisk.json").write_text(json.dumps(info))
+    (folder / "float.safetensors").write_bytes(b"kept")
+    assert ck._gguf_header(gguf)[4] == {}
+    assert "generation" in json.loads((folder / "brisk.json").read_text())
+    assert (folder / "float.safetensors").read_bytes() == b"kept" and not list(tmp_path.glob("cache/gguf/*.tmp*"))

@@ -169,3 +169,37 @@ def test_output_stream_rules(tiny):
     out = OutputStream(tok, {eos}, ("zzz",), 2, 3)
     text = "".join(out.push(t) for t in ids[:2])
     assert out.result.finish_reason == "length" and text == tok.decode(ids[:2]) and out.result.decode_s >= 0
+
+
+def test_loop_guard_fires_on_an_exact_repeat_only():
+    from brisk.core.output_stream import LoopGuard
+
+    G = LoopGuard
+    for period in (1, 2, 7, 16, 40, G.MAX_PERIOD):
+        unit = list(range(100, 100 + period))
+        tokens = [1, 2, 3] + unit * 200
+        g = LoopGuard()
+        fired = next(i for i, t in enumerate(tokens) if g.push(t))
+        # the repeat is seen once the unit has followed itself for max(MIN_SPAN, (REPEATS-1)*period) tokens
+        assert fired == 3 + period + max(G.MIN_SPAN, (G.REPEATS - 1) * period) - 1, period
+    g = LoopGuard()  # a period over MAX_PERIOD, and text that only nearly repeats, never fire
+    assert not any(g.push(t) for t in list(range(G.MAX_PERIOD + 1)) * 5)
+    g = LoopGuard()
+    assert not any(g.push(t) for i in range(400) for t in (7, 8, 9, i))  # "7 8 9 0 7 8 9 1 ..."
+
+
+@pytest.mark.parametrize("prompt", ["hi", "Once upon a time"])
+def test_stop_loops_ends_a_looping_answer_where_it_starts_repeating(tiny_gguf_path, prompt):
+    """The random-weight model falls into greedy loops: with stop_loops the answer is the plain
+    answer's prefix up to where LoopGuard sees the loop, and says why it ended."""
+    from dataclasses import replace
+
+    from brisk.core.output_stream import LoopGuard
+
+    llm = LLM.load(str(tiny_gguf_path), device="cpu")
+    plain = llm.generate(prompt, GREEDY, max_tokens=200)
+    g = LoopGuard()
+    at = next(i for i, t in enumerate(plain.tokens) if g.push(t))  # StopIteration: the model no longer loops
+    res = llm.generate(prompt, replace(GREEDY, stop_loops=True), max_tokens=200)
+    assert res.finish_reason == "loop" and res.tokens == plain.tokens[:at + 1]
+    assert res.text == llm.tokenizer.decode(res.tokens)

@@ -47,7 +47,8 @@ class Sequence:
         self.n_ready = 0  # leading blocks known to be computed (and published)
         self.sampler = Sampler(request.sampling)
         self.out = OutputStream(tokenizer, set() if request.ignore_eos else eos_ids, request.stop,
-                                min(request.max_tokens, ctx - len(request.prompt_ids)), len(request.prompt_ids))
+                                min(request.max_tokens, ctx - len(request.prompt_ids)), len(request.prompt_ids),
+                                request.sampling.stop_loops)
         self.result = self.out.result
         self.on_event = on_event
         self.preemptions = 0

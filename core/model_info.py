@@ -1,0 +1,438 @@
+"""What a model is and what running it would take, read from its headers only (`brisk info`).
+
+Nothing here reads tensor data: a GGUF's header (through checkpoint._gguf_header, cached beside the
+file's other load caches) and a Hugging Face folder's config.json, tokenizer files and the JSON
+header of each safetensors file. Memory figures follow what the loader does on each device
+(checkpoint.load_gguf, llm.build_model, kv.ContiguousKV): which weights stay quantized, in which
+layout, and the dtype everything else and the KV cache are widened to.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .config import ModelConfig
+from .errors import BriskError, FileError, InvalidValue
+
+DEFAULT_CTX = 4096  # as LLM.load: min(--ctx or 4096, the model's maximum)
+
+# Layers the loader may keep quantized (checkpoint.load_gguf): projections, the head, the embedding.
+_QUANTIZED_LAYERS = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+_FLOAT_GGUF_TYPES = (0, 1, 30)  # F32, F16, BF16
+_INT_DTYPES = {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}  # safetensors: held as stored
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
+_MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors format's own limit
+
+
+@dataclass
+class TypeUsage:
+    """The tensors of one stored type: a GGUF type (Q4_K, F32...) or a safetensors dtype (BF16, I32...)."""
+    type: str
+    tensors: int
+    bytes: int
+    elements: int
+
+
+@dataclass
+class MemoryFit:
+    """Whether the model would fit on one device: its weights as brisk holds them there, plus the
+    KV cache for the chosen context, against the memory free now."""
+    device: str  # "cpu" or "cuda:N"
+    dtype: str  # the float dtype weights are widened to and the KV cache is kept in
+    weights_bytes: int
+    kv_bytes: int
+    needed_bytes: int  # weights + KV cache (activations and the runtime itself come on top)
+    available_bytes: int | None  # MemAvailable for the CPU, free memory for a GPU; None: unknown
+    total_bytes: int | None
+    fits: bool | None
+    approximate: bool  # weights_bytes is an estimate rather than the loader's exact layout
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    path: str
+    format: str  # "gguf" or "hf"
+    architecture: str  # GGUF general.architecture or config.json model_type
+    parameters: int
+    file_bytes: int
+    quantization: list[TypeUsage]  # by stored type, most bytes first
+    quant_method: str | None  # an HF folder's quantization_config, in words
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    ffn_dim: int
+    context_length: int  # the model's maximum
+    ctx: int  # the context the KV figures are for
+    vocab_size: int
+    tie_embeddings: bool
+    sliding_window: int | None
+    sliding_layers: int
+    chat_template: bool
+    sampling: dict  # the model's recommended settings (generation_config.json, general.sampling.*)
+    kv_dtype: str  # of the CPU cache
+    kv_bytes_per_token: int  # on the CPU
+    kv_bytes: int  # on the CPU, for ctx tokens
+    memory: list[MemoryFit] = field(default_factory=list)  # the CPU, then each GPU torch sees
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_info(model: str | None = None, ctx: int | None = None) -> ModelInfo:
+    """Describe `model` (a .gguf file, an HF folder, a hub id already in the local cache, or None for
+    the default) without loading its weights. ctx: the context for the KV-cache figures (default,
+    as the loader: min(4096, the model's maximum)). Raises FileError for anything unreadable."""
+    name, path = _locate(model)
+    if path.is_file():
+        return _gguf_info(name, path, ctx)
+    return _hf_info(name, path, ctx)
+
+
+# ---------------------------------------------------------------- finding the model
+
+def _locate(model: str | None) -> tuple[str, Path]:
+    """checkpoint.resolve, except that a hub id is only looked up in the local cache: info never
+    downloads a model."""
+    from . import checkpoint
+
+    if model is None or model == "default" or Path(model).expanduser().exists() or model.endswith(".gguf") \
+            or model.startswith((".", "/", "~")) or not checkpoint.HUB_ID.match(model):
+        return checkpoint.resolve(model)
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = model.partition("@")
+    try:
+        return model, Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True,
+                                             allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
+    except Exception:
+        raise FileError("no such file or folder, and not in the local Hugging Face cache (info never "
+                        "downloads: `brisk generate` or `brisk chat` fetch a hub model)", model) from None
+
+
+# ---------------------------------------------------------------- GGUF
+
+def _gguf_info(name: str, path: Path, ctx: int | None) -> ModelInfo:
+    import gguf
+
+    from .checkpoint import _gguf_header
+
+    if path.suffix in (".safetensors", ".bin", ".pt"):
+        raise FileError("pass the checkpoint folder (with config.json), not a weights file", name)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise FileError(f"cannot read ({e.strerror or e})", name) from None
+    if magic != b"GGUF":
+        raise FileError(f"not a GGUF file (bad magic {magic!r})", name)
+    try:
+        cfg, tok, table, arch, *rest = _gguf_header(path)
+    except BriskError:
+        raise
+    except (KeyError, ValueError, TypeError, IndexError, OSError) as e:  # metadata of the wrong shape
+        raise FileError(f"unreadable GGUF metadata ({type(e).__name__}: {e})", name) from None
+    generation = rest[0] if rest else {}
+
+    usage: dict[str, TypeUsage] = {}
+    for t in table:
+        kind = _gguf_type_name(gguf, t.qtype)
+        u = usage.setdefault(kind, TypeUsage(kind, 0, 0, 0))
+        u.tensors, u.bytes, u.elements = u.tensors + 1, u.bytes + t.nbytes, u.elements + math.prod(t.shape)
+    info = _common(name, path, "gguf", arch, cfg, ctx, tok.has_chat_template, generation,
+                   sorted(usage.values(), key=lambda u: -u.bytes), None,
+                   parameters=sum(u.elements for u in usage.values()), file_bytes=path.stat().st_size)
+    widened = set()
+    info.memory = _fits(info, cfg, lambda device, size: _gguf_weight_bytes(
+        table, arch, cfg, device, size, widened if device == "cpu" else set()))
+    if widened:
+        info.notes.append(f"{', '.join(sorted(_gguf_type_name(gguf, q) for q in widened))} weights have no "
+                          "quantized kernel in brisk yet: widened to float at load (counted so above)")
+    return info
+
+
+def _gguf_type_name(gguf, qtype: int) -> str:
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def _gguf_weight_bytes(table, arch: str, cfg: ModelConfig, device: str, float_size: int,
+                       widened: set) -> tuple[int, bool]:
+    """Bytes of weights as load_gguf and build_model would hold them on `device`, and whether that is
+    an estimate. On the CPU with brisk's native kernels, every type they read stays in the file's
+    blocks; without them (and on a GPU) Q4_0/Q4_1/Q4_K/Q8_0 are repacked (gguf_blocks), an untied
+    quantized embedding is widened, and everything else is widened to the float dtype."""
+    from ..quant import gguf_blocks, native
+    from .checkpoint import gguf_to_hf_name
+
+    native_on = device == "cpu" and native.available()
+    total, approximate = 0, device != "cpu"
+    for t in table:
+        hf = "rope_freqs" if t.name == "rope_freqs.weight" else gguf_to_hf_name(t.name, arch)
+        if hf is None:
+            continue  # the loader skips tensors it has no use for
+        n = math.prod(t.shape)
+        matrix = len(t.shape) == 2 and hf.endswith(_QUANTIZED_LAYERS)
+        untied_embedding = hf == "model.embed_tokens.weight" and not cfg.tie_embeddings
+        if native_on and matrix and native.takes(t.qtype, t.shape[1]):
+            total += t.nbytes  # read in place from the memory-mapped file
+        elif not native_on and matrix and not untied_embedding and gguf_blocks.fits(t.qtype, t.shape[1]):
+            total += _repacked_bytes(t.qtype, *t.shape)
+        else:
+            total += n * (4 if hf == "rope_freqs" else float_size)
+            if matrix and hf.endswith("_proj.weight") and t.qtype not in _FLOAT_GGUF_TYPES:
+                widened.add(t.qtype)
+    return total, approximate
+
+
+def _repacked_bytes(qtype: int, rows: int, cols: int) -> int:
+    """A GGUF weight repacked by gguf_blocks.to_layer: Int8Linear (int8 codes, a bf16 scale per row)
+    for Q8_0; Int4Linear (4-bit codes, bf16 scale and zero per 32 weights) for the 4-bit types, which
+    also holds the scales and zeros again in its kernel's layout where that kernel takes the shape."""
+    from ..quant import gguf_blocks
+
+    if qtype == gguf_blocks.Q8_0:
+        return rows * cols + 2 * rows
+    groups = rows * cols // gguf_blocks.BLOCK
+    codes, scales_zeros = rows * cols // 2, groups * 2 * 2
+    return codes + scales_zeros * (2 if rows % 32 == 0 else 1)
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+def _hf_info(name: str, folder: Path, ctx: int | None) -> ModelInfo:
+    from . import config as config_mod
+    from .checkpoint import _read_json
+
+    cfg_json = _read_json(folder / "config.json")
+    if not cfg_json:
+        raise FileError("missing or empty config.json", folder)
+    cfg = config_mod.from_hf_config(cfg_json)
+    files = _weight_files(folder)
+    tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    for f in files:
+        tensors.update(safetensors_header(f))
+    qcfg = cfg_json.get("quantization_config") or {}
+
+    usage: dict[str, TypeUsage] = {}
+    for dtype, shape, nbytes in tensors.values():
+        u = usage.setdefault(dtype, TypeUsage(dtype, 0, 0, 0))
+        u.tensors, u.bytes, u.elements = u.tensors + 1, u.bytes + nbytes, u.elements + math.prod(shape)
+    # a quantized checkpoint packs several weights into each stored element: count the model's own
+    parameters = _logical_parameters(cfg) if qcfg else sum(u.elements for u in usage.values())
+
+    notes, has_template = [], False
+    try:
+        from .tokenizer import Tokenizer
+
+        has_template = Tokenizer.from_hf_folder(folder).has_chat_template
+    except BriskError as e:
+        notes.append(f"the tokenizer would not load: {e}")
+    generation = _read_json(folder / "generation_config.json")
+    sampling = {k: generation[k] for k in _SAMPLING_KEYS if k in generation}
+    info = _common(name, folder, "hf", cfg_json.get("model_type") or cfg.arch, cfg, ctx, has_template, sampling,
+                   sorted(usage.values(), key=lambda u: -u.bytes), _describe_quant(qcfg) if qcfg else None,
+                   parameters=parameters, file_bytes=sum(f.stat().st_size for f in files))
+    info.notes.extend(notes)
+    info.memory = _fits(info, cfg, lambda device, size: _hf_weight_bytes(tensors, cfg, size, bool(qcfg), device))
+    return info
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    from .checkpoint import safetensors_files
+
+    files = safetensors_files(folder)
+    if files:
+        return files
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise FileError("weights are PyTorch pickles (*.bin/*.pt): info reads safetensors headers only", folder)
+    raise FileError("no *.safetensors weights found", folder)
+
+
+def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """{tensor name: (dtype, shape, bytes)} from a safetensors file's header: its 8-byte length and
+    the JSON after it; the tensor data is never read."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise FileError("not a safetensors file (shorter than its header length)", path)
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, _MAX_SAFETENSORS_HEADER):
+                raise FileError(f"corrupt safetensors header (it claims {n} bytes; the file has {size})", path)
+            raw = f.read(n)
+    except OSError as e:
+        raise FileError(f"cannot read ({e.strerror or e})", path) from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise FileError("corrupt safetensors header (not JSON)", path) from None
+    if not isinstance(header, dict):
+        raise FileError("corrupt safetensors header (not a JSON object)", path)
+    data = size - 8 - n
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            if not (isinstance(dtype, str) and 0 <= begin <= end <= data and min(shape, default=0) >= 0):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise FileError(f"corrupt safetensors header (entry {name!r})", path) from None
+        out[name] = (dtype, shape, int(end - begin))
+    return out
+
+
+def _logical_parameters(cfg: ModelConfig) -> int:
+    """The parameters of the model itself (the float model a quantized checkpoint was made from),
+    counted on the meta device: no memory."""
+    import torch
+
+    from .model import Transformer
+
+    with torch.device("meta"):
+        net = Transformer(cfg)
+    n = sum(p.numel() for p in net.parameters())
+    return n - net.lm_head.weight.numel() if cfg.tie_embeddings else n
+
+
+def _hf_weight_bytes(tensors: dict, cfg: ModelConfig, float_size: int, quantized: bool,
+                     device: str) -> tuple[int, bool]:
+    """Float tensors widened to the device's dtype; a quantized checkpoint's integer tensors (packed
+    weights, zero points, indices) as stored, which approximates the layers its format loads into."""
+    names = {k.removeprefix("language_model.") for k in tensors}
+    total = 0
+    for name, (dtype, shape, nbytes) in tensors.items():
+        name = name.removeprefix("language_model.")
+        if cfg.tie_embeddings and name == "lm_head.weight" and "model.embed_tokens.weight" in names:
+            continue  # the head is the embedding
+        total += nbytes if dtype in _INT_DTYPES else math.prod(shape) * float_size
+    return total, quantized or device != "cpu"
+
+
+def _describe_quant(q: dict) -> str:
+    """A quantization_config in words: "gptq 4-bit, group 128", "bitsandbytes nf4 (double quant)"."""
+    method = str(q.get("quant_method") or "unknown")
+    if method == "bitsandbytes" or q.get("load_in_4bit") or q.get("load_in_8bit"):
+        if q.get("load_in_8bit"):
+            return "bitsandbytes int8"
+        kind = q.get("bnb_4bit_quant_type", "fp4")
+        return f"bitsandbytes {kind}" + (" (double quant)" if q.get("bnb_4bit_use_double_quant") else "")
+    words = [method]
+    if q.get("bits"):
+        words.append(f"{q['bits']}-bit")
+    text = " ".join(words)
+    group = q.get("group_size", q.get("q_group_size"))
+    if isinstance(group, int) and group > 0:
+        text += f", group {group}"
+    if q.get("desc_act"):
+        text += ", act-order"
+    if q.get("sym") is False:
+        text += ", asymmetric"
+    return text
+
+
+# ---------------------------------------------------------------- shared
+
+def _common(name, path, fmt, arch, cfg: ModelConfig, ctx, chat_template, sampling, usage, quant_method,
+            parameters: int, file_bytes: int) -> ModelInfo:
+    notes = []
+    chosen = min(ctx or DEFAULT_CTX, cfg.max_seq_len)
+    if chosen < 16:  # as LLM.load
+        raise InvalidValue("ctx", chosen, "", template=f"{{option}} {chosen}: too small")
+    if ctx is not None and ctx > cfg.max_seq_len:
+        notes.append(f"ctx {ctx} is more than the model's {cfg.max_seq_len}: brisk caps it there")
+    sliding = sum(t == "sliding" for t in cfg.layer_types) if cfg.sliding_window else 0
+    if sliding:
+        notes.append(f"{sliding} of {cfg.n_layers} layers attend over a sliding window of {cfg.sliding_window} "
+                     "tokens; brisk's KV cache still holds every position for them (counted so)")
+    size = _float_size("cpu")
+    per_token = kv_bytes_per_token(cfg, size)
+    return ModelInfo(
+        name=name, path=str(path), format=fmt, architecture=arch, parameters=parameters, file_bytes=file_bytes,
+        quantization=usage, quant_method=quant_method, layers=cfg.n_layers, heads=cfg.n_heads,
+        kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.dim, ffn_dim=cfg.ffn_dim,
+        context_length=cfg.max_seq_len, ctx=chosen, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings,
+        sliding_window=cfg.sliding_window if sliding else None, sliding_layers=sliding,
+        chat_template=bool(chat_template), sampling=dict(sampling), kv_dtype=_dtype_name("cpu"),
+        kv_bytes_per_token=per_token, kv_bytes=per_token * chosen, notes=notes)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
+    """The KV cache per token: K and V for every layer, [kv_heads, head_dim] each, in the activations'
+    dtype (kv.ContiguousKV.for_model; the paged cache is laid out the same)."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * element_size
+
+
+def _auto_dtype(device: str):
+    import torch
+
+    from .device import pick_dtype
+
+    return pick_dtype("auto", torch.device(device))
+
+
+def _float_size(device: str) -> int:
+    return _auto_dtype(device).itemsize
+
+
+def _dtype_name(device: str) -> str:
+    return str(_auto_dtype(device)).removeprefix("torch.")
+
+
+def _fits(info: ModelInfo, cfg: ModelConfig, weight_bytes) -> list[MemoryFit]:
+    """The CPU, then each GPU torch sees: weights there plus the KV cache for info.ctx, against the
+    memory available now. weight_bytes(device, float element size) -> (bytes, approximate)."""
+    out = []
+    devices = [("cpu", "cpu")] + [(f"cuda:{i}", "cuda") for i in range(_cuda_count())]
+    for name, kind in devices:
+        size = _float_size(kind)
+        weights, approximate = weight_bytes(kind, size)
+        kv = kv_bytes_per_token(cfg, size) * info.ctx
+        available, total = memory_available() if kind == "cpu" else _cuda_memory(name)
+        needed = weights + kv
+        out.append(MemoryFit(name, _dtype_name(kind), weights, kv, needed, available, total,
+                             None if available is None else needed <= available, approximate))
+    return out
+
+
+def _cuda_count() -> int:
+    import torch
+
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver reads as no GPU, as pick_device does
+        return 0
+
+
+def _cuda_memory(device: str) -> tuple[int | None, int | None]:
+    import torch
+
+    try:
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), int(total)
+    except Exception:
+        return None, None
+
+
+def memory_available(meminfo: str = "/proc/meminfo") -> tuple[int | None, int | None]:
+    """(MemAvailable, MemTotal) in bytes from /proc/meminfo; None where it cannot be read."""
+    values = {}
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemAvailable", "MemTotal"):
+                    values[key] = int(rest.split()[0]) * 1024  # given in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return values.get("MemAvailable"), values.get("MemTotal")
