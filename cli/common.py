@@ -101,9 +101,31 @@ def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], 
         if quiet or not sys.stderr.isatty():
             llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize)
         else:
-            with err_console.status(f"loading {model or 'default model'}…", spinner="dots"):
+            with loading_bar(f"loading {model or 'default model'}"):
                 llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize)
     return llm
+
+
+@contextlib.contextmanager
+def loading_bar(what: str):
+    """A spinner for `what` on stderr, and a bar under it for each long step the loader reports
+    (core/progress.py): widening a GGUF once, quantizing at load."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from ..core import progress
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        bar.add_task(what, total=None)
+        steps: dict[str, int] = {}
+
+        def step(name: str, done: int, total: int) -> None:
+            if name not in steps:
+                steps[name] = bar.add_task(name, total=total)
+            bar.update(steps[name], completed=done, total=total)
+
+        with progress.listening(step):
+            yield
 
 
 def check_draft(draft: Optional[str], draft_k: str):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import config as config_mod
+from . import progress
 from .config import ModelConfig
 from .errors import FileError
 
@@ -403,7 +404,7 @@ def _float_cache(path: Path, table, arch: str, cfg: ModelConfig, names: list[str
                   f"float32 once ({nbytes / 2**20:.0f} MiB cached under {CACHE_DIR}; `brisk cache --clear` frees it)")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = dict(cached)
-    for t in missing:
+    for t in progress.track(missing, f"widening {path.name} to float32 (once)", len(missing)):
         hf = gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight" else "rope_freqs"
         tensors[hf] = _convert_tensor(dequantize_tensor(data, t), hf, arch, cfg)
     _save_tensors(file, tensors)

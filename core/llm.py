@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from . import progress
 from .checkpoint import Checkpoint, load_checkpoint
 from .device import pick_device, pick_dtype, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue
@@ -205,7 +206,19 @@ def quantize_at_load(net: Transformer, method: str) -> None:
         return (Int4Linear.from_float(source, 32, keep_codes=tied and name == "lm_head") if method == "int4"
                 else Int8Linear.from_float(source))
 
-    replace_modules(net, convert)
+    total = sum(isinstance(m, (nn.Linear, QuantLinear)) for m in net.modules())
+    done = 0
+
+    def counted(name, m):
+        nonlocal done
+        if not isinstance(m, (nn.Linear, QuantLinear)):
+            return None
+        layer = convert(name, m)
+        done += 1
+        progress.report(f"quantizing to {method}", done, total)
+        return layer
+
+    replace_modules(net, counted)
     if tied and isinstance(net.lm_head, QuantLinear):
         net.model.embed_tokens = QuantEmbedding(net.lm_head, net.model.norm.weight.dtype)
     _exact_top_logits(net)

@@ -203,3 +203,29 @@ def test_stop_loops_ends_a_looping_answer_where_it_starts_repeating(tiny_gguf_pa
     res = llm.generate(prompt, replace(GREEDY, stop_loops=True), max_tokens=200)
     assert res.finish_reason == "loop" and res.tokens == plain.tokens[:at + 1]
     assert res.text == llm.tokenizer.decode(res.tokens)
+
+
+def test_long_load_steps_report_progress(smollm2_path, tiny_llama_dir, tmp_path, monkeypatch):
+    """Widening a GGUF once and quantizing at load report (what, done, total) from 0 to total, the
+    total being the tensors widened / the linear layers converted (the CLI draws its bars from these)."""
+    import shutil
+
+    import brisk.core.checkpoint as ck
+    from brisk.core import progress
+
+    monkeypatch.setattr(ck, "CACHE_DIR", tmp_path / "cache")
+    gguf = tmp_path / "m.gguf"
+    shutil.copy(smollm2_path, gguf)
+    for model, quantize, word in ((gguf, "none", "widening"), (tiny_llama_dir, "int8", "quantizing")):
+        seen = []
+        with progress.listening(lambda *a: seen.append(a)):
+            llm = LLM.load(str(model), device="cpu", dtype="float32", quantize=quantize)
+        steps = [s[1:] for s in seen if word in s[0]]
+        n = steps[-1][1] if steps else 0
+        if word == "widening":  # every tensor of a quantized type, once; the float ones are cheap
+            assert n == sum(t.qtype not in (0, 1, 30) for t in ck._gguf_header(gguf)[2])
+            assert steps == [(i, n) for i in range(n + 1)]
+        else:
+            float_model = LLM.load(str(model), device="cpu", dtype="float32", quantize="none").model
+            assert n == sum(isinstance(m, torch.nn.Linear) for m in float_model.modules())
+            assert steps == [(i, n) for i in range(1, n + 1)] and llm.quantization.startswith("int8")
