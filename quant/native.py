@@ -40,7 +40,7 @@ F32 = 0  # GGUF's id for plain float32 rows: a float model's weights, read in pl
 F32_MAX_ROWS = 64
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
 # the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
-INT_DOT_TYPES = {2, 3, 6, 8, 12, 13, 14, I8R}
+INT_DOT_TYPES = {2, 3, 6, 8, 12, 13, 14, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
 SUPER_TYPES = {12, 13, 14}  # of those, the ones whose activations are quantized per 256 (Q4_K, Q5_K, Q6_K), not per 32
 INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",

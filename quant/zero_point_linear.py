@@ -3,9 +3,12 @@ zero point, w[n, k] = (q[n, k] - z[g(k), n]) * s[g(k), n], g(k) the group of inp
 
 Subclasses keep the checkpoint's tensors as buffers and say how to decode them (`codes`).
 
-On the CPU, 4-bit layers run torch's packed int4 kernel, which computes (q - 8) * scale + zero per
-group of columns; GPTQ/AWQ weights map onto it as scale = s, zero = (8 - z) * s. Its groups are
-fixed-size and contiguous, so
+On the CPU, 4-bit layers run brisk's native kernels on Int4Linear's layout (int4 groups, bf16 scale
+and zero), or without them torch's packed int4 kernel; both compute (q - 8) * scale + zero per
+group of columns, and GPTQ/AWQ weights map onto that as scale = s, zero = (8 - z) * s. The native
+kernels make a row's result independent of its batch (speculative and batched greedy decoding keep
+plain greedy's tokens) and run decode ~6x faster than torch's kernel (bench/RESULTS.md, 2026-11-25).
+Their groups are fixed-size and contiguous, so
 - act-order checkpoints (g_idx not sorted) permute the weight's columns by argsort(g_idx) at load
   and gather the activations' columns the same way at run time;
 - one group per row (group_size -1), groups over 256 columns or a short last group repeat their
@@ -13,10 +16,10 @@ fixed-size and contiguous, so
 The kernel's copy of the codes replaces the checkpoint's `qweight` (holding both would double the
 memory); `codes` reads them back from the kernel's layout when asked.
 
-The kernel's fast path takes bfloat16 activations and scales: the fp16 scales lose 3 bits (on the
-zero term at most 1/64 of a quantization step), the rounding Int4Linear has too. It takes float32
-exactly (ZeroPointLinear.exact = True before loading), but that path is not vectorized: measured
-2x slower for one token, 20-35x slower for a 16-128 token prefill.
+Either kernel takes bfloat16 scales: the fp16 scales lose 3 bits (on the zero term at most 1/64 of
+a quantization step), the rounding Int4Linear has too. Torch's kernel takes float32 scales exactly
+(ZeroPointLinear.exact = True before loading), but that path is not vectorized: measured 2x slower
+for one token, 20-35x slower for a 16-128 token prefill.
 
 On CUDA the same codes, scales and zeros (bf16) run through the Triton int4 kernel
 (triton_matmul.py) in Int4Linear's layout, act-order permutation included.
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_matmul
+from . import native, triton_matmul
 from .linear import QuantLinear, pack_int4, unpack_int4, unpack_int4_kernel
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes, largest first
@@ -73,29 +76,47 @@ class ZeroPointLinear(QuantLinear):
         self.kernel_group = kg
         self.use_kernel = True
         self.qweight = None
-        if self.scales.device.type == "cpu":
+        if self.scales.device.type == "cpu" and native.usable(self.in_features, kg) and not self.exact:
+            self._int4_layout(q, s.T.contiguous(), ((8 - z) * s).T.contiguous())  # read in place by the kernels
+        elif self.scales.device.type == "cpu":
             self.register_buffer("_packed", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1),
                                  persistent=False)
             dtype = torch.float32 if self.exact else torch.bfloat16
             self.register_buffer("_scales_zeros", torch.stack((s, (8 - z) * s), dim=-1).to(dtype).contiguous(),
                                  persistent=False)  # [K / kg, N, 2]
         else:
-            self._gpu_layout(q, s.T.contiguous(), ((8 - z) * s).T.contiguous())
+            self._int4_layout(q, s.T.contiguous(), ((8 - z) * s).T.contiguous())
 
-    def _gpu_layout(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-        """Int4Linear's layout (pack_int4 codes [N, K/2], scales and zeros [N, K/kg]) for the Triton kernel."""
+    def _int4_layout(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Int4Linear's layout (pack_int4 codes [N, K/2], scales and zeros [N, K/kg]): the native
+        kernels' on the CPU, the Triton kernel's on CUDA."""
         self._packed = self._scales_zeros = None
         self.register_buffer("_q4", pack_int4(q), persistent=False)
         self.register_buffer("_s4", scales.to(torch.bfloat16), persistent=False)
         self.register_buffer("_z4", zeros.to(torch.bfloat16), persistent=False)
 
+    @property
+    def native(self) -> bool:
+        """Whether the native kernels run this layer as it is (no act-order column permutation, which
+        only _matmul applies): what NativeDecoder and the thread-pool choice look for."""
+        return (getattr(self, "_q4", None) is not None and self._q4.device.type == "cpu"
+                and getattr(self, "_perm", None) is None and native.usable(self.in_features, self.kernel_group))
+
+    def _native(self) -> native.NativeWeight:
+        nw = self.__dict__.get("_native_weight")
+        if nw is None or nw.tensors[0] is not self._q4:
+            nw = self.__dict__["_native_weight"] = native.NativeWeight(
+                native.I4G, self.out_features, self.in_features, self._q4, self._s4, self._z4, self.kernel_group)
+        return nw
+
     def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_native_weight", None)
         out = super()._apply(fn, recurse)
         if self.use_kernel and getattr(self, "_packed", None) is not None and self._packed.device.type != "cpu":
             # moved off the CPU: rebuild the kernel data in the GPU kernel's layout
             q = unpack_int4_kernel(self._packed, self.out_features, self.in_features)
             sz = self._scales_zeros.float()
-            self._gpu_layout(q, sz[..., 0].T.contiguous(), sz[..., 1].T.contiguous())
+            self._int4_layout(q, sz[..., 0].T.contiguous(), sz[..., 1].T.contiguous())
         return out
 
     def _kernel_codes(self) -> torch.Tensor:
@@ -115,6 +136,8 @@ class ZeroPointLinear(QuantLinear):
             return None
         if getattr(self, "_perm", None) is not None:
             x = x.index_select(1, self._perm)  # the act-order permutation of the kernel's columns
+        if x.device.type == "cpu" and getattr(self, "_q4", None) is not None and native.usable(self.in_features, self.kernel_group):
+            return self._native().matmul(x.float())
         if x.device.type == "cpu" and self._packed is not None:
             return torch._weight_int4pack_mm_for_cpu(x.to(self._scales_zeros.dtype), self._packed, self.kernel_group,
                                                      self._scales_zeros)

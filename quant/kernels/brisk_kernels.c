@@ -236,7 +236,7 @@ static void matmul_chunk(const void *a, int n0, int n1) {
         if (lo >= hi) continue;
         const bk_weight *w = j->ws + i;
         float *y = j->y + j->starts[i];
-        if (bk_super_type(w->type) ? j->xq.q256 != NULL : j->xq.q != NULL && bk_int_type(w->type))
+        if (bk_super_type(w->type) ? j->xq.q256 != NULL : j->xq.q != NULL && bk_int_weight(w))
             KERNELS[j->level].int_rows(w, lo - j->starts[i], hi - j->starts[i], j->M, &j->xq, y, j->starts[j->nw], buf);
         else
             KERNELS[j->level].tile(w, lo - j->starts[i], hi - j->starts[i], j->M, j->x, y, j->starts[j->nw], buf);
@@ -263,7 +263,7 @@ int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y,
         if (!shape_ok(ws + i) || ws[i].K != ws[0].K) return -1;
         j.starts[i + 1] = j.starts[i] + ws[i].N;
         supers |= bk_super_type(ws[i].type);
-        ints |= bk_int_type(ws[i].type) && !bk_super_type(ws[i].type);
+        ints |= bk_int_weight(ws + i) && !bk_super_type(ws[i].type);
     }
     if ((ints || supers) && int_dot) { /* the activations quantized once, by the calling thread, on the grids needed */
         static _Thread_local float *xbuf;

@@ -43,11 +43,17 @@ BK_INLINE int bk_int_type(int type) {
            type == BK_Q6_K || type == BK_I8R;
 }
 
+/* whether this weight's products take the integer path: its type's, or int4 groups whose groups are
+ * whole blocks of 32 (GPTQ/AWQ's 32, 64, 128) */
+BK_INLINE int bk_int_weight(const bk_weight *w) {
+    return bk_int_type(w->type) || (w->type == BK_I4G && w->group % QK == 0);
+}
+
 /* the types on the 256-grid */
 BK_INLINE int bk_super_type(int type) { return type == BK_Q4_K || type == BK_Q5_K || type == BK_Q6_K; }
 
 /* the types with a per-block minimum (weight = d code + m) */
-#define HAS_MIN(type) ((type) == BK_Q4_1 || (type) == BK_Q4_K)
+#define HAS_MIN(type) ((type) == BK_Q4_1 || (type) == BK_Q4_K || (type) == BK_I4G)
 
 /* lane l = a[2l] b[2l] + a[2l+1] b[2l+1], exact in int32 */
 BK_INLINE vi16 madd(i16x32 a, i16x32 b) {
@@ -96,6 +102,20 @@ BK_INLINE i16x32 nibbles(const uint8_t *p) {
     return __builtin_shufflevector(c & 15, c >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,
                                    19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
 #endif
+}
+
+/* 16 bytes of 4-bit codes as 32 int16 in column order: byte i holds columns 2i (low) and 2i + 1 (high) */
+BK_INLINE i16x32 nibble_pairs(const uint8_t *p) {
+    i16x16 c = __builtin_convertvector(bk_load_u8x16(p), i16x16);
+    return __builtin_shufflevector(c & 15, c >> 4, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25,
+                                   10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+
+BK_INLINE float bk_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 /* 32 bytes as 32 int16 (zero-extended) */
@@ -148,6 +168,13 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
                     hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi};
         return (q | (i16x32)(((h >> bit) & 1) << 4)) - 16;
 #endif
+    }
+    if (type == BK_I4G) { /* weight = (code - 8) s + z = s code + (z - 8 s), s and z per group */
+        int g = b * QK / w->group, groups = w->K / w->group;
+        float sc = bk_bf16(w->scales[(int64_t)n * groups + g]);
+        *d = sc;
+        *m = bk_bf16(w->zeros[(int64_t)n * groups + g]) - 8.0f * sc;
+        return nibble_pairs(p + b * (QK / 2));
     }
     /* Q4_0 / Q4_1: code byte j holds weight j (low nibble) and j + 16 (high) */
     p += b * (type == BK_Q4_0 ? 18 : 20);
