@@ -139,7 +139,7 @@ def main():
     threads = torch.get_num_threads()
     rows = []  # (engine, weights, decode tok/s, pp512 tok/s, model bytes)
     ids = None
-    for quantize, label in (("none", "float32 (widened)"), ("auto", "Q4_1 kept (int4 kernel)"),
+    for quantize, label in (("none", "float32 (widened)"), ("auto", "Q4_1 kept (native kernels)"),
                             ("int8", "int8 at load"), ("int4", "int4 g32 at load")):
         dec, pp, ids, nbytes = bench_brisk(path, "float32", quantize)
         torch.set_num_threads(threads)

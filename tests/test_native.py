@@ -61,7 +61,8 @@ def test_int8_rows(level, N, K):
 @pytest.mark.parametrize("N,K", [(7, 32), (45, 96), (130, 576), (9, 1568)])
 def test_float_rows(level, N, K):
     """Float32 rows read in place (a float model's weights): a ragged last tile, K past the 512-column
-    chunk, activation rows in groups of 4 (or 2), their remainders and past a block of 64."""
+    chunk, activation rows in groups of 4 (or 2), their remainders and past a block of 64; up to 4
+    rows take the row-by-row path (decode), more the tiles, with the same bits."""
     g = torch.Generator().manual_seed(N + K)
     dense = torch.randn(N, K, generator=g)
     w = native.NativeWeight(native.F32, N, K, dense)
@@ -71,6 +72,8 @@ def test_float_rows(level, N, K):
     for i in (0, 3, 5, 63, 64, 69):  # alone, each row gives the same bits as in the batch
         assert torch.equal(w.matmul(x[i:i + 1])[0], y[i])
     assert torch.equal(w.matmul(x[5:11]), y[5:11])
+    for m in (2, 3, 4):
+        assert torch.equal(w.matmul(x[7:7 + m]), y[7:7 + m])
     assert torch.equal(w.rows(torch.tensor([N - 1, 0])), dense[[N - 1, 0]])
 
 
