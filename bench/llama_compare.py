@@ -65,18 +65,24 @@ MODEL_LABELS = {"smollm2": "SmolLM2-135M Q4_1", "gemma3": "Gemma 3 270M Q4_K_M",
 
 
 def build_llama1b() -> Path:
-    """A llama GGUF with random weights, F16 written tensor by tensor, then Q4_K_M by llama.cpp."""
+    return build_random_llama(LLAMA1B, ["Q4_K_M"])["Q4_K_M"]
+
+
+def build_random_llama(c: dict, ftypes: list[str]) -> dict[str, Path]:
+    """A llama GGUF with random weights per llama.cpp file type (Q4_K_M, Q6_K...): F16 written tensor
+    by tensor once, then each type by llama.cpp's quantizer; cached under BENCH_CACHE."""
     import gguf
     import llama_cpp
 
-    c = LLAMA1B
-    out = BENCH_CACHE / f"llama-{c['layers']}x{c['dim']}-random-Q4_K_M.gguf"
-    if out.exists():
-        return out
+    outs = {f: BENCH_CACHE / f"llama-{c['layers']}x{c['dim']}-random-{f}.gguf" for f in ftypes}
+    todo = [f for f, p in outs.items() if not p.exists()]
+    if not todo:
+        return outs
     BENCH_CACHE.mkdir(parents=True, exist_ok=True)
-    f16, tmp = out.with_suffix(f".f16.tmp{os.getpid()}"), out.with_suffix(f".tmp{os.getpid()}")
+    f16 = BENCH_CACHE / f"llama-{c['layers']}x{c['dim']}-random.f16.tmp{os.getpid()}"
+    tmp = f16.with_suffix(f".q.tmp{os.getpid()}")
     t0 = time.perf_counter()
-    print(f"building {out.name} (once) ...", file=sys.stderr, flush=True)
+    print(f"building {', '.join(outs[f].name for f in todo)} (once) ...", file=sys.stderr, flush=True)
     try:
         w = gguf.GGUFWriter(f16, "llama")
         w.add_name("brisk bench random llama")
@@ -122,18 +128,17 @@ def build_llama1b() -> Path:
         w.close()
         t1 = time.perf_counter()
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # the quantizer's per-tensor log
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, os.cpu_count() or 1
-        if llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), params) != 0:
-            raise RuntimeError("llama_model_quantize failed")
-        os.replace(tmp, out)
+        for f in todo:
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{f}"), os.cpu_count() or 1
+            if llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), params) != 0:
+                raise RuntimeError(f"llama_model_quantize to {f} failed")
+            os.replace(tmp, outs[f])
     finally:
         for p in (f16, tmp):
             p.unlink(missing_ok=True)
-    t2 = time.perf_counter()
-    print(f"built {out} ({out.stat().st_size / 1e6:.0f} MB): F16 written in {t1 - t0:.0f} s, "
-          f"quantized in {t2 - t1:.0f} s", file=sys.stderr, flush=True)
-    return out
+    print(f"built in {time.perf_counter() - t0:.0f} s (F16 written in {t1 - t0:.0f} s)", file=sys.stderr, flush=True)
+    return outs
 
 
 class Brisk:
