@@ -21,6 +21,9 @@ from ..core.jobs import request_from
 from ..core.sampling import SamplingParams
 from ..core.batching import EngineThread, Sequence
 
+# A request's body is read into memory before anything else: bounded (a context's worth of text
+# is well under 1 MiB; a long chat history under a few)
+MAX_BODY_BYTES = 8 << 20
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "loop": "stop", "cancelled": "stop"}
 # OpenAI fields brisk does not implement: refused (400) rather than silently ignored, unless they
 # hold their "off" value (false, null, an empty list, a plain-text response format)
@@ -116,8 +119,16 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
         return await _complete(request, body, dict(max_tokens=16, template_prompt=False, system=None), chat=False)
 
     async def _body(request: HTTPRequest) -> dict:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+        data = bytearray()
+        async for part in request.stream():  # read up to the limit, whatever the header said
+            data += part
+            if len(data) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(bytes(data))
         except ValueError:
             raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):

@@ -84,15 +84,22 @@ def prompt_ids(llm, obj: dict, template_prompt: bool = True, system: str | None 
     return llm.prompt_ids(prompt, raw=raw, system=sys_msg)
 
 
+# Every generated token is matched against every stop string: bounded, so one request cannot slow
+# the engine's step for all the others (OpenAI takes up to 4).
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+
+
 def stop_strings(obj: dict, default=()) -> tuple[str, ...]:
     stop = obj.get("stop")
     if stop is None:
         return tuple(default)
     if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
-    raise InvalidValue("stop", stop, "must be a string or a list of strings")
+        stop = [stop]
+    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise InvalidValue("stop", stop, "must be a string or a list of strings")
+    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise BriskError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each")
+    return tuple(stop)
 
 
 def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop=(),

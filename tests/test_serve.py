@@ -284,3 +284,32 @@ def test_core_errors_map_to_openai_codes_by_class(server, path, body, code, para
     err = out["error"]
     assert status == 400 and (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param), out
     assert "--" not in err["message"]
+
+
+def test_request_limits_refuse_one_request_and_serve_the_next(server, tiny):
+    """An oversized body (413, whether or not its length is declared) and too many or too long stop
+    strings (400) are refused without harming the requests after them."""
+    from brisk.cli.openai_api import MAX_BODY_BYTES
+    from brisk.core.jobs import MAX_STOP_CHARS, MAX_STOPS
+
+    big = json.dumps({"model": "tiny", "prompt": "x" * (MAX_BODY_BYTES + 1)})
+    code, out = server.raw("POST", "/v1/completions", big)
+    assert code == 413 and "MiB" in out["error"]["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)  # chunked: no length declared
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Authorization", f"Bearer {KEY}")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    try:
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 2):
+            conn.send(b"100000\r\n" + b"x" * (1 << 20) + b"\r\n")
+        conn.send(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server may answer and close before the sender is done
+    assert conn.getresponse().status == 413
+    conn.close()
+    for stop in (["a"] * (MAX_STOPS + 1), "s" * (MAX_STOP_CHARS + 1)):
+        code, out = server.raw("POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "stop": stop})
+        assert code == 400 and "stop" in out["error"]["message"], out
+    r = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=4)
+    assert r.choices[0].text == reference(tiny, tiny.prompt_ids("Hello", raw=True), 4).text
