@@ -105,6 +105,7 @@ def test_chat_piped_with_commands(tiny_llama_dir, tmp_path):
     saved = json.loads(save.read_text())
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant", "user", "assistant"]
     assert "prefilled" in r.stdout and "unknown command" in r.stdout
+    assert "sampling: temperature 0.0, repetition_penalty 1.0, stop_loops True" in r.stdout
 
 
 def test_bench_json(tiny_llama_dir):
