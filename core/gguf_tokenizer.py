@@ -39,15 +39,33 @@ def build_tokenizer(meta: dict) -> Tokenizer:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
         raise FileError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise FileError("GGUF tokenizer.ggml.tokens must be a list of strings")
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-    if kind == "gpt2":
-        tk = _byte_level_bpe(meta, tokens)
-    elif kind == "llama":
-        tk = _sentencepiece_bpe(meta, tokens, types)
-    else:
-        raise UnsupportedFormat(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
-    _add_whole_tokens(tk, tokens, types)
+    _check_list(meta, "tokenizer.ggml.token_type", types, len(tokens), int)
+    _check_list(meta, "tokenizer.ggml.scores", meta.get("tokenizer.ggml.scores"), len(tokens), (int, float))
+    if not isinstance(kind, str) or kind not in ("gpt2", "llama"):
+        raise UnsupportedFormat(f"GGUF tokenizer model {kind!r:.40} is not supported (supported: gpt2, llama)")
+    try:
+        tk = _byte_level_bpe(meta, tokens) if kind == "gpt2" else _sentencepiece_bpe(meta, tokens, types)
+        _add_whole_tokens(tk, tokens, types)
+    except (TypeError, ValueError, OverflowError, Exception) as e:
+        if isinstance(e, FileError):
+            raise
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise FileError(f"GGUF tokenizer could not be built from its metadata ({reason})") from None
     return tk
+
+
+def _check_list(meta: dict, key: str, values, n: int, kind) -> None:
+    """A per-token array: absent, or one value of the right type for each token."""
+    if values is None or key not in meta:
+        return
+    if not isinstance(values, list) or len(values) != n:
+        raise FileError(f"GGUF {key} must list one value for each of the {n} tokens, "
+                        f"has {len(values) if isinstance(values, list) else type(values).__name__}")
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+        raise FileError(f"GGUF {key} holds values of the wrong type")
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
@@ -58,7 +76,12 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 
 
 def _byte_level_bpe(meta: dict, tokens: list[str]) -> Tokenizer:
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    raw = meta.get("tokenizer.ggml.merges") or []
+    merges = [tuple(m.split(" ", 1)) for m in raw if isinstance(m, str)] if isinstance(raw, list) else []
+    bad = next((i for i, m in enumerate(merges) if len(m) != 2 or not all(m)), None)
+    if not isinstance(raw, list) or len(merges) != len(raw) or bad is not None:
+        at = f" (entry {bad}: {raw[bad]!r:.40})" if bad is not None and len(merges) == len(raw) else ""
+        raise FileError(f"GGUF tokenizer.ggml.merges must be strings 'left right'{at}")
     tk = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=merges))
     pre = meta.get("tokenizer.ggml.pre") or "default"
     # An unknown name gets GPT-2's split: right for the many vocabularies derived from it.
@@ -76,7 +99,7 @@ def _byte_level_bpe(meta: dict, tokens: list[str]) -> Tokenizer:
 def _sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
     scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    unk = tokens[unk_id] if isinstance(unk_id, int) and not isinstance(unk_id, bool) and 0 <= unk_id < len(tokens) else None
     tk = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=_spm_merges(tokens, types, scores),
                               unk_token=unk, fuse_unk=True, byte_fallback=True))
     # SentencePiece writes spaces as U+2581 and (add_dummy_prefix) puts one before the text.

@@ -56,9 +56,15 @@ class Tokenizer:
         eos_ids = {token_id(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")}
         # llama.cpp's default: SentencePiece vocabularies want BOS, byte-level BPE ones do not
         add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            import warnings
+
+            warnings.warn(f"GGUF tokenizer.chat_template is not text ({type(template).__name__}): ignored")
+            template = None
         return cls(backend, bos_id=token_id("tokenizer.ggml.bos_token_id"),
                    eos_id=token_id("tokenizer.ggml.eos_token_id"), eos_ids=eos_ids,
-                   add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template"))
+                   add_bos=add_bos if isinstance(add_bos, bool) else bool(add_bos), chat_template=template)
 
     @classmethod
     def from_hf_folder(cls, path: str | Path) -> Tokenizer:
@@ -81,10 +87,10 @@ class Tokenizer:
             return backend.token_to_id(text) if text else None
 
         bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
-        if bos_id is None and isinstance(gen.get("bos_token_id"), int):
+        n_ids = backend.get_vocab_size(with_added_tokens=True)
+        if bos_id is None and _token_ids(gen.get("bos_token_id")) and gen["bos_token_id"] < n_ids:
             bos_id = gen["bos_token_id"]
-        extra = gen.get("eos_token_id", [])
-        eos_ids = set(extra if isinstance(extra, list) else [extra]) | set(cfg.get(_BRISK_EOS_KEY, []))
+        eos_ids = {i for i in _token_ids(gen.get("eos_token_id")) + _token_ids(cfg.get(_BRISK_EOS_KEY)) if i < n_ids}
         if eos_id is None and eos_ids:
             eos_id = min(eos_ids)
         add_bos = cfg.get("add_bos_token")
@@ -127,6 +133,13 @@ class Tokenizer:
 
     # ---- text <-> ids --------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise BriskError(f"text to encode must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates (undecodable bytes of a command-line argument)
+            text = text.encode("utf-8", "surrogateescape" if _escapes_only(text) else "surrogatepass") \
+                .decode("utf-8", "replace")
         ids = self.backend.encode(text, add_special_tokens=False).ids
         # One BOS, even when the text already starts with the BOS token text (a doubled BOS
         # hurts generation; transformers would add a second one here).
@@ -151,12 +164,26 @@ class Tokenizer:
         try:
             if self._template is None:
                 self._template = _jinja_env().from_string(self.chat_template)
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                tools=None, documents=None)
+            with _TemplateLimits() as limits:
+                out = []
+                for piece in self._template.generate(
+                        messages=messages, add_generation_prompt=add_generation_prompt,
+                        bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                        tools=None, documents=None):
+                    out.append(piece)
+                    limits.add_output(len(piece))
+            return "".join(out)
+        except TemplateLimitExceeded as e:
+            raise BriskError(f"chat template refused: {e}") from None
         except jinja2.TemplateError as e:
-            raise BriskError(f"chat template: {e}") from None
+            raise BriskError(f"chat template: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        except RecursionError:
+            raise BriskError("chat template refused: it recurses too deeply") from None
+        except (OverflowError, MemoryError) as e:  # the sandbox's range limit, or an allocation refused
+            reason = str(e).splitlines()[0] if str(e) else "it needs too much memory"
+            raise BriskError(f"chat template refused: {reason}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
+            raise BriskError(f"chat template failed: {type(e).__name__}: {e}"[:300]) from None
 
     # ---- comparing two tokenizers (e.g. a draft model's) ----------------------------------
     def vocab_fingerprint(self) -> tuple[int, str]:
@@ -259,6 +286,12 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _token_ids(value) -> list[int]:
+    """An id or a list of ids, as generation_config.json gives EOS; anything else counts as none."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
 def _token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
     if isinstance(value, dict):
@@ -277,6 +310,92 @@ def _chat_template(path: Path, cfg: dict) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
+# Limits for rendering a chat template: a model file's template is untrusted input, and one that
+# loops for ever or builds a gigabyte string must be refused with a message, never hang.
+TEMPLATE_SECONDS = 5.0  # wall time for one rendering
+TEMPLATE_MAX_CHARS = 4 << 20  # output (about a million tokens), and any one string or list the template builds
+
+
+class TemplateLimitExceeded(Exception):
+    pass
+
+
+def _escapes_only(text: str) -> bool:
+    """Whether every lone surrogate is a surrogateescape'd byte (U+DC80..U+DCFF)."""
+    return all(not 0xD800 <= ord(ch) <= 0xDFFF or 0xDC80 <= ord(ch) <= 0xDCFF for ch in text)
+
+
+class _TemplateLimits:
+    """A time limit on the template's own code (a tracer on the frames Jinja compiles, checked on
+    each line they run, so any loop counts) and an output size limit. The tracer is this thread's
+    only, and the previous one (a debugger, coverage) is put back after."""
+
+    def __init__(self, seconds: float | None = None, max_chars: int | None = None):
+        import time
+
+        self.deadline = time.monotonic() + (TEMPLATE_SECONDS if seconds is None else seconds)
+        self.max_chars = TEMPLATE_MAX_CHARS if max_chars is None else max_chars
+        self.chars = 0
+        self.lines = 0
+
+    def add_output(self, n: int) -> None:
+        self.chars += n
+        if self.chars > self.max_chars:
+            raise TemplateLimitExceeded(f"its output exceeds {self.max_chars} characters")
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            self.lines += 1
+            if self.lines % 256 == 0:
+                import time
+
+                if time.monotonic() > self.deadline:
+                    raise TemplateLimitExceeded(f"it ran longer than {TEMPLATE_SECONDS:g} s (a loop too long?)")
+        return self._local
+
+    def _global(self, frame, event, arg):
+        if frame.f_code.co_filename == "<template>":
+            return self._local
+        return None
+
+    def __enter__(self):
+        import sys
+
+        self._saved = sys.gettrace()
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.settrace(self._saved)
+        return False
+
+
+def _checked_binop(left, operator, right):
+    """`*`, `**` and `%` in a template, refused where the result would be huge."""
+    import operator as op
+
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > TEMPLATE_MAX_CHARS:
+                raise TemplateLimitExceeded(f"it builds a sequence of {len(seq) * n} items")
+        return op.mul(left, right)
+    if operator == "**":
+        if (isinstance(left, int) and isinstance(right, int) and abs(left) > 1
+                and right > 0 and abs(left).bit_length() * right > 4096):
+            raise TemplateLimitExceeded(f"it computes a number of about {abs(left).bit_length() * right} bits")
+        return op.pow(left, right)
+    if operator == "%":
+        if isinstance(left, str):
+            import re
+
+            if any(int(w) > 4096 for w in re.findall(r"%[-+ #0]*(\d+)", left)):
+                raise TemplateLimitExceeded("it formats with a huge width")
+        return op.mod(left, right)
+    raise TemplateLimitExceeded(f"operator {operator}")
+
+
 def _jinja_env():
     """Jinja set up the way transformers renders chat templates."""
     import jinja2
@@ -291,7 +410,25 @@ def _jinja_env():
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class LimitedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "%"])
+
+        def call_binop(self, context, operator, left, right):
+            return _checked_binop(left, operator, right)
+
+    def bounded(name, size_arg):
+        original = env.filters[name]
+
+        def f(value, *args, **kwargs):
+            width = args[0] if args else kwargs.get(size_arg, 0)
+            if isinstance(width, int) and width > TEMPLATE_MAX_CHARS:
+                raise TemplateLimitExceeded(f"|{name}({width}) is too wide")
+            return original(value, *args, **kwargs)
+        env.filters[name] = f
+
+    env = LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    for name, arg in (("center", "width"), ("indent", "width"), ("truncate", "length"), ("wordwrap", "width")):
+        bounded(name, arg)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -1,0 +1,1 @@
+"""brisk's own fuzz harness for model files: see harness.py."""
