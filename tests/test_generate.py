@@ -229,3 +229,13 @@ def test_long_load_steps_report_progress(smollm2_path, tiny_llama_dir, tmp_path,
             float_model = LLM.load(str(model), device="cpu", dtype="float32", quantize="none").model
             assert n == sum(isinstance(m, torch.nn.Linear) for m in float_model.modules())
             assert steps == [(i, n) for i in range(1, n + 1)] and llm.quantization.startswith("int8")
+    from brisk.quant import native  # without the native kernels: the first load repacks for torch's
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    for first in (True, False):
+        seen = []
+        with progress.listening(lambda *a: seen.append(a)):
+            LLM.load(str(gguf), device="cpu", dtype="float32")
+        steps = [s[1:] for s in seen if "repacking" in s[0]]
+        n = len(ck._gguf_header(gguf)[2])
+        assert steps == ([(i, n) for i in range(n + 1)] if first else []), steps[-2:]  # then cached
