@@ -10,6 +10,7 @@ from .errors import FileError, UnsupportedFormat
 # HF `architectures` / `model_type` and GGUF `general.architecture` names we run.
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "smollm"}
 SUPPORTED = sorted(LLAMA_FAMILY | {"gemma3", "gemma3_text"})
+DEFAULT_CTX = 4096  # the context allocated unless --ctx says otherwise (at most the model's)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from torch import nn
 
 from . import progress
 from .checkpoint import Checkpoint, load_checkpoint
+from .config import DEFAULT_CTX
 from .device import pick_device, pick_dtype, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue
 from .kernel_passes import apply_device_kernels
@@ -61,7 +62,7 @@ class LLM:
         apply_device_kernels(net, dev)  # last: after every layer has its final kind
         if dev.type == "cpu":
             use_one_thread_pool(any(getattr(m, "native", False) for m in net.modules()))
-        ctx = min(ctx or 4096, ckpt.config.max_seq_len)
+        ctx = min(ctx or DEFAULT_CTX, ckpt.config.max_seq_len)
         if ctx < 16:
             raise InvalidValue("ctx", ctx, "", template=f"{{option}} {ctx}: too small")
         net.setup_rope(ctx, dev)

@@ -13,10 +13,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .config import ModelConfig
+from .config import DEFAULT_CTX, ModelConfig
 from .errors import BriskError, FileError, InvalidValue
 
-DEFAULT_CTX = 4096  # as LLM.load: min(--ctx or 4096, the model's maximum)
 
 # Layers the loader may keep quantized (checkpoint.load_gguf): projections, the head, the embedding.
 _QUANTIZED_LAYERS = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
