@@ -43,6 +43,10 @@ I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type i
 INT_DOT_TYPES = {2, 3, 6, 8, 12, 13, 14, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
 SUPER_TYPES = {12, 13, 14}  # of those, the ones whose activations are quantized per 256 (Q4_K, Q5_K, Q6_K), not per 32
 INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
+# of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, 2.6x faster on
+# Q4_K than 16-bit ones); BRISK_ACT8=0 keeps them 16-bit
+ACT8_TYPES = {12, 13, 14}
+ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
@@ -168,6 +172,8 @@ def library():
     lib.bk_decoder.restype = i
     lib.bk_int_dot.argtypes, lib.bk_int_dot.restype = [i], None
     lib.bk_int_dot(int(INT_DOT))
+    lib.bk_act8.argtypes, lib.bk_act8.restype = [i], None
+    lib.bk_act8(int(ACT8))
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
     return lib
 
@@ -178,6 +184,14 @@ def set_int_dot(on: bool) -> None:
     INT_DOT = on
     if available():
         library().bk_int_dot(int(on))
+
+
+def set_act8(on: bool) -> None:
+    """Whether the ACT8_TYPES take 8-bit activations (else 16-bit ones, as the other integer types)."""
+    global ACT8
+    ACT8 = on
+    if available():
+        library().bk_act8(int(on))
 
 
 def set_threads(n: int) -> None:

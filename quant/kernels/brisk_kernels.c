@@ -27,6 +27,7 @@
 #include "bk_weight.h"
 #include "gguf_types.h"
 #include "int_dot.h"
+#include "int8_dot.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -42,6 +43,7 @@ typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
 typedef void (*int_rows_fn)(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);
 typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *); /* both grids */
+typedef void (*quantize_x8_fn)(const float *, int, int, int8_t *, int8_t *, float *, int16_t *, int16_t *);
 typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,
                           const int32_t *, float *, int);
 #define LEVEL_FUNCTIONS(S)                                                                                  \
@@ -51,7 +53,8 @@ typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache
                        const int32_t *, float *, int);                                                     \
     void bk_int_rows_##S(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);      \
     void bk_quantize_x_##S(const float *, int, int, int16_t *, float *, float *);                         \
-    void bk_quantize_x256_##S(const float *, int, int, int16_t *, float *, float *);
+    void bk_quantize_x256_##S(const float *, int, int, int16_t *, float *, float *);                      \
+    void bk_quantize_x8_##S(const float *, int, int, int8_t *, int8_t *, float *, int16_t *, int16_t *);
 LEVEL_FUNCTIONS(plain)
 #if BK_LEVELS > 1
 LEVEL_FUNCTIONS(avx2)
@@ -84,8 +87,10 @@ static const struct {
     decoder_fn decoder;
     int_rows_fn int_rows;
     quantize_x_fn quantize_x, quantize_x256;
+    quantize_x8_fn quantize_x8;
 } KERNELS[] = {
-#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, bk_quantize_x256_##S}
+#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, \
+                  bk_quantize_x256_##S, bk_quantize_x8_##S}
     LEVEL(plain),
 #if BK_LEVELS > 1
     LEVEL(avx2),
@@ -209,6 +214,11 @@ static int int_dot = 1;
 
 void bk_int_dot(int on) { int_dot = on; }
 
+/* 8-bit activations for the K-quants (int8_dot.h; 0: int_dot.h's 16-bit ones) */
+static int act8 = 1;
+
+void bk_act8(int on) { act8 = on; }
+
 static _Thread_local float *tile_buf;
 static _Thread_local size_t tile_cap;
 
@@ -236,7 +246,7 @@ static void matmul_chunk(const void *a, int n0, int n1) {
         if (lo >= hi) continue;
         const bk_weight *w = j->ws + i;
         float *y = j->y + j->starts[i];
-        if (bk_super_type(w->type) ? j->xq.q256 != NULL : j->xq.q != NULL && bk_int_weight(w))
+        if (bk_act8_type(w->type) && j->xq.q8 ? 1 : bk_super_type(w->type) ? j->xq.q256 != NULL : j->xq.q != NULL && bk_int_weight(w))
             KERNELS[j->level].int_rows(w, lo - j->starts[i], hi - j->starts[i], j->M, &j->xq, y, j->starts[j->nw], buf);
         else
             KERNELS[j->level].tile(w, lo - j->starts[i], hi - j->starts[i], j->M, j->x, y, j->starts[j->nw], buf);
@@ -258,19 +268,29 @@ int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y,
     if (nw < 1 || nw > MAX_JOINED) return -1;
     level = clamp_level(level);
     matmul_job j = {ws, nw, M, {0}, x, {0}, y, level};
-    int ints = 0, supers = 0;
+    int ints = 0, supers = 0, eights = 0;
     for (int i = 0; i < nw; i++) {
         if (!shape_ok(ws + i) || ws[i].K != ws[0].K) return -1;
         j.starts[i + 1] = j.starts[i] + ws[i].N;
-        supers |= bk_super_type(ws[i].type);
+        eights |= act8 && bk_act8_type(ws[i].type);
+        supers |= bk_super_type(ws[i].type) && !(act8 && bk_act8_type(ws[i].type));
         ints |= bk_int_weight(ws + i) && !bk_super_type(ws[i].type);
     }
-    if ((ints || supers) && int_dot) { /* the activations quantized once, by the calling thread, on the grids needed */
+    if ((ints || supers || eights) && int_dot) { /* the activations quantized once, by the calling thread, on the grids needed */
         static _Thread_local float *xbuf;
         static _Thread_local size_t xcap;
         size_t n = (size_t)M * ws[0].K, blocks = n / QK, supers_n = n / 256;
-        float *b = scratch(&xbuf, &xcap, 2 * (n / 2 + 2 * blocks) + 33 * supers_n);
+        /* floats: 16-bit codes and 2 per block; 16-bit codes and 33 per super-block; two copies of
+         * 8-bit codes, 1 float and 32 int16 per super-block */
+        float *b = scratch(&xbuf, &xcap, 2 * (n / 2 + 2 * blocks) + 33 * supers_n + n / 2 + 17 * supers_n);
         if (!b) return -2;
+        if (eights) {
+            float *e = b + 2 * (n / 2 + 2 * blocks) + 33 * supers_n, *s = e + n / 2;
+            int8_t *q = (int8_t *)e, *qp = q + n;
+            int16_t *xs = (int16_t *)(s + supers_n), *xm = xs + 16 * supers_n;
+            KERNELS[level].quantize_x8(x, M, ws[0].K, q, qp, s, xs, xm);
+            j.xq.q8 = q, j.xq.q8p = qp, j.xq.s8 = s, j.xq.xs8 = xs, j.xq.xm8 = xm;
+        }
         if (ints) {
             float *s = b + n / 2, *sum = s + blocks;
             KERNELS[level].quantize_x(x, M, ws[0].K, (int16_t *)b, s, sum);

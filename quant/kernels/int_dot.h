@@ -36,6 +36,13 @@ typedef struct {
     const float *s, *sum;
     const int16_t *q256;
     const float *s256, *bs256;
+    /* the 8-bit activations of the K-quants (int8_dot.h), where those are on: per row and super-block
+     * of 256, codes in order (q8) and in Q4_K/Q5_K's sub-block order 0 2 1 3 4 6 5 7 (q8p), a scale
+     * (s8), Q6_K's 16 sums of 16 codes (xs8) and, for Q4_K/Q5_K's minimums, 8 zeros then the 8 sums
+     * of 32 codes (xm8) */
+    const int8_t *q8, *q8p;
+    const float *s8;
+    const int16_t *xs8, *xm8;
 } bk_xq;
 
 BK_INLINE int bk_int_type(int type) {

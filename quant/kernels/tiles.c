@@ -10,6 +10,7 @@
 #include "bk_weight.h"
 #include "gguf_types.h"
 #include "int_dot.h"
+#include "int8_dot.h"
 
 #ifndef BK_CHUNK1
 #define BK_CHUNK1 256
@@ -194,6 +195,14 @@ void CAT(bk_dequant_rows, BK_SUFFIX)(const bk_weight *w, const int64_t *rows, in
 /* Rows n0..n1 of an integer-block weight (bk_int_type) times quantized activations (int_dot.h). */
 void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
                                  float *buf) {
+    if (x->q8 && bk_act8_type(w->type)) {
+        v16 one[1], *acc = M == 1 ? one : (v16 *)buf; /* decode: the sums in registers */
+        switch (w->type) {
+        case BK_Q4_K: int8_tile_rows(w, BK_Q4_K, n0, n1, M, x, y, ldy, acc); return;
+        case BK_Q5_K: int8_tile_rows(w, BK_Q5_K, n0, n1, M, x, y, ldy, acc); return;
+        case BK_Q6_K: int8_tile_rows(w, BK_Q6_K, n0, n1, M, x, y, ldy, acc); return;
+        }
+    }
     if (M == 1) { /* decode: the sums in registers (the same operations) */
         v16 a[1];
 #define ONE(T) int_tile_rows(w, T, n0, n1, 1, x, y, ldy, a); return
@@ -233,4 +242,8 @@ void CAT(bk_quantize_x, BK_SUFFIX)(const float *x, int M, int K, int16_t *q, flo
 
 void CAT(bk_quantize_x256, BK_SUFFIX)(const float *x, int M, int K, int16_t *q, float *s, float *bs) {
     quantize_x256(x, M, K, q, s, bs);
+}
+
+void CAT(bk_quantize_x8, BK_SUFFIX)(const float *x, int M, int K, int8_t *q, int8_t *qp, float *s, int16_t *xs, int16_t *xm) {
+    quantize_x8(x, M, K, q, qp, s, xs, xm);
 }

@@ -1,0 +1,273 @@
+/* Products of the K-quants (Q4_K, Q5_K, Q6_K) with 8-bit activations, as llama.cpp takes them.
+ *
+ * Why beside int_dot.h's 16-bit path: a 1.1B Q4_K_M model decoded at 0.38x llama.cpp's speed on one
+ * AMD EPYC core with 16-bit activations (2026-11-25): widening every 4-bit code to 16 bits and
+ * multiplying it by its sub-block scale costs more instructions than the bytes take to arrive. With
+ * the activations as int8, the codes stay bytes: one multiply-add of unsigned codes by signed
+ * activations (pairs summed to int16, maddubs), one multiply-add of those by the sub-block scales
+ * (to int32, madd), 64 weights per instruction. The price is the activations' rounding: one scale
+ * per 256 inputs, |q| <= 127 (llama.cpp's Q8_K grid); measured on Gemma 3 270M Q4_K_M as KL ~0.005
+ * to the same file widened (bench/kept_kl.py). BRISK_ACT8=0 (native.set_act8) keeps the 16-bit path.
+ *
+ * The integers are exact and the float epilogue is written once (kq8_accumulate), so a row's result
+ * is the same bits whether it is computed alone or among other activation rows. Included by tiles.c
+ * after int_dot.h (one copy per instruction set). */
+#ifndef BRISK_INT8_DOT_H
+#define BRISK_INT8_DOT_H
+
+#include "int_dot.h"
+
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+typedef int8_t i8x64 __attribute__((vector_size(64)));
+typedef uint16_t u16x32v __attribute__((vector_size(64)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+
+/* the types that take 8-bit activations when they are on */
+BK_INLINE int bk_act8_type(int type) { return type == BK_Q4_K || type == BK_Q5_K || type == BK_Q6_K; }
+
+BK_INLINE u8x64 load_u8x64(const uint8_t *p) {
+    u8x64 v;
+    memcpy(&v, p, 64);
+    return v;
+}
+
+/* 32 bytes twice: [p[0..31] | p[0..31]] */
+BK_INLINE u8x64 twice_u8x32(const uint8_t *p) {
+    u8x32 h;
+    memcpy(&h, p, 32);
+    return __builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                   22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                   14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* bytes shifted right by 4, as 16-bit lanes (x86 has no byte shift), high nibbles only */
+BK_INLINE u8x64 high_nibbles(u8x64 v) { return (u8x64)(((u16x32v)v >> 4) & 0x0F0F); }
+
+/* lane i = a[2i] b[2i] + a[2i+1] b[2i+1], a unsigned, b signed bytes; exact for the codes here
+ * (|sum| <= 2 x 63 x 128 < 2^15, never the instruction's saturation) */
+BK_INLINE i16x32 maddubs(u8x64 a, i8x64 b) {
+#if defined(__AVX512BW__)
+    return (i16x32)_mm512_maddubs_epi16((__m512i)a, (__m512i)b);
+#elif defined(__AVX2__)
+    __m256i a2[2], b2[2], r[2];
+    memcpy(a2, &a, 64);
+    memcpy(b2, &b, 64);
+    r[0] = _mm256_maddubs_epi16(a2[0], b2[0]);
+    r[1] = _mm256_maddubs_epi16(a2[1], b2[1]);
+    i16x32 out;
+    memcpy(&out, r, 64);
+    return out;
+#else
+    i16x32 ae = __builtin_convertvector(__builtin_shufflevector(a, a, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62), i16x32);
+    i16x32 ao = __builtin_convertvector(__builtin_shufflevector(a, a, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63), i16x32);
+    i16x32 be = __builtin_convertvector(__builtin_shufflevector(b, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62), i16x32);
+    i16x32 bo = __builtin_convertvector(__builtin_shufflevector(b, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63), i16x32);
+    return ae * be + ao * bo;
+#endif
+}
+
+BK_INLINE i8x64 load_i8x64(const int8_t *p) {
+    i8x64 v;
+    memcpy(&v, p, 64);
+    return v;
+}
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048 /* how far ahead of the super-block being read its row's stream is fetched */
+#endif
+
+/* One super-block of one weight row, ready for the multiply-adds: four vectors of 64 codes (unsigned
+ * bytes) and, per vector, its sub-blocks' scales as int16 lanes (one per code pair). Q4_K/Q5_K:
+ * vector v holds sub-blocks (2v', 2v'+2) or (2v'+1, 2v'+3) (the layout of their code bytes), and the
+ * activations are stored in that order (quantize_x8's permuted copy); Q6_K: weights 64v..64v+63 in
+ * order, with the code offset of 32 taken off after (the bias term). */
+typedef struct {
+    u8x64 c[4];
+    i16x32 s[4];
+} kq8_block;
+
+/* int16 lane patterns of the sub-block scales, one shuffle each: [sc[a] x 16 | sc[b] x 16] (a 32-code
+ * sub-block over 16 pair lanes) and [sc[a] x 8 | sc[b] x 8 | sc[c] x 8 | sc[d] x 8] (Q6_K's 16) */
+#define R8(i) i, i, i, i, i, i, i, i
+#define HALVES(sc, a, b) __builtin_shufflevector(sc, sc, R8(a), R8(a), R8(b), R8(b))
+#define QUARTERS(sc, a, b, c, d) __builtin_shufflevector(sc, sc, R8(a), R8(b), R8(c), R8(d))
+
+/* Sub-block scales as int16: Q4_K/Q5_K the six-bit ones (lanes 0..7 of six), Q6_K the 16 int8 ones */
+BK_INLINE i16x16 kq8_scales(const uint8_t *blk, int type, bk_u8x16 six) {
+    if (type == BK_Q6_K) {
+        typedef int8_t i8x16 __attribute__((vector_size(16)));
+        i8x16 s;
+        memcpy(&s, blk + 192, 16);
+        return __builtin_convertvector(s, i16x16);
+    }
+    return __builtin_convertvector(six, i16x16);
+}
+
+BK_INLINE void kq8_unpack(const uint8_t *blk, int type, i16x16 sc, kq8_block *o) {
+    if (type == BK_Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            u8x64 a = load_u8x64(blk + 64 * h);
+            u8x32 q;
+            memcpy(&q, blk + 128 + 32 * h, 32);
+            typedef uint16_t u16x16v __attribute__((vector_size(32)));
+            u8x32 b0 = (u8x32)(((u16x16v)q << 4) & 0x3030), b1 = (u8x32)(((u16x16v)q << 2) & 0x3030);
+            u8x32 b2 = q & 0x30, b3 = (u8x32)(((u16x16v)q >> 2) & 0x3030);
+            u8x64 lo = __builtin_shufflevector(b0, b1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
+            u8x64 hi = __builtin_shufflevector(b2, b3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
+            o->c[2 * h] = (a & 15) | lo;
+            o->c[2 * h + 1] = high_nibbles(a) | hi;
+            o->s[2 * h] = h ? QUARTERS(sc, 8, 9, 10, 11) : QUARTERS(sc, 0, 1, 2, 3);
+            o->s[2 * h + 1] = h ? QUARTERS(sc, 12, 13, 14, 15) : QUARTERS(sc, 4, 5, 6, 7);
+        }
+        return;
+    }
+    const uint8_t *qs = blk + (type == BK_Q4_K ? 16 : 48);
+    for (int p = 0; p < 2; p++) { /* code bytes 64p..64p+63: sub-blocks 4p, 4p+2 (low nibbles) and 4p+1, 4p+3 */
+        u8x64 a = load_u8x64(qs + 64 * p);
+        u8x64 lo = a & 15, hi = high_nibbles(a);
+        if (type == BK_Q5_K) { /* the fifth bit of sub-block j is bit j of qh's bytes */
+            u8x64 qh = twice_u8x32(blk + 16);
+            const int j = 4 * p;
+            u8x64 mlo = {0}, mhi = {0};
+            for (int i = 0; i < 32; i++) {
+                mlo[i] = (uint8_t)(1u << j), mlo[32 + i] = (uint8_t)(1u << (j + 2));
+                mhi[i] = (uint8_t)(2u << j), mhi[32 + i] = (uint8_t)(2u << (j + 2));
+            }
+            lo |= (u8x64)((qh & mlo) != 0) & 16;
+            hi |= (u8x64)((qh & mhi) != 0) & 16;
+        }
+        o->c[2 * p] = lo, o->c[2 * p + 1] = hi;
+        o->s[2 * p] = p ? HALVES(sc, 4, 6) : HALVES(sc, 0, 2);
+        o->s[2 * p + 1] = p ? HALVES(sc, 5, 7) : HALVES(sc, 1, 3);
+    }
+}
+
+/* The exact int32 lanes of one row's super-block times one activation row's (x: its 256 codes in the
+ * type's order; xs: Q6_K's 16 sums of 16 codes) */
+BK_INLINE vi16 kq8_dot(const kq8_block *b, int type, i16x16 sc, const int8_t *x, const int16_t *xs) {
+    vi16 a = madd(maddubs(b->c[0], load_i8x64(x)), b->s[0]);
+    for (int v = 1; v < 4; v++) a += madd(maddubs(b->c[v], load_i8x64(x + 64 * v)), b->s[v]);
+    if (type == BK_Q6_K) { /* codes are q + 32: take 32 sc_g (sum of group g's activations) off */
+        i16x16 s;
+        memcpy(&s, xs, 32);
+        i16x32 sc2 = __builtin_shufflevector(sc, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
+        i16x32 s2 = __builtin_shufflevector(s, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
+        a -= madd(sc2, s2) << 5;
+    }
+    return a;
+}
+
+/* One row's super-block: its scales (sc: Q4_K/Q5_K six-bit scales then minimums, Q6_K its 16),
+ * d and -dmin. */
+typedef struct {
+    i16x16 sc;
+    float d, dmin;
+} kq8_head;
+
+BK_INLINE kq8_head kq8_read(const uint8_t *blk, int type) {
+    kq8_head h;
+    if (type == BK_Q6_K) {
+        typedef int8_t i8x16 __attribute__((vector_size(16)));
+        i8x16 s;
+        memcpy(&s, blk + 192, 16);
+        h.sc = __builtin_convertvector(s, i16x16);
+        h.d = bk_fp16(blk + 208), h.dmin = 0.0f;
+    } else {
+        h.sc = __builtin_convertvector(q4k_six(blk), i16x16);
+        h.d = bk_fp16(blk), h.dmin = -bk_fp16(blk + 2);
+    }
+    return h;
+}
+
+/* f += one (row, super-block, activation row)'s product: the exact integers, then the float
+ * epilogue. Every path (one activation row or many) goes through here, so a row's bits do not
+ * depend on its batch. xm: [0 x 8, the 8 sums of 32 codes] (Q4_K/Q5_K's minimum term). */
+BK_INLINE v16 kq8_accumulate(const kq8_block *b, int type, const kq8_head *h, const int8_t *x, const int16_t *xs,
+                             const int16_t *xm, float s, v16 f) {
+    vi16 a = kq8_dot(b, type, h->sc, x, xs);
+    if (type == BK_Q6_K) return fma16(__builtin_convertvector(a, v16), splat16(h->d * s), f);
+    /* written as multiply-adds so that no copy is left to -ffp-contract (see fma16) */
+    v16 t = fma16(__builtin_convertvector(a, v16), splat16(h->d * s), (v16){0});
+    { /* minimums x sums of 32, in int32 lanes 4..7 */
+        i16x16 m;
+        memcpy(&m, xm, 32);
+        i16x32 sc2 = __builtin_shufflevector(h->sc, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
+        i16x32 m2 = __builtin_shufflevector(m, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
+        t = fma16(__builtin_convertvector(madd(sc2, m2), v16), splat16(h->dmin * s), t);
+    }
+    return f + t; /* one add on the running sum's chain, not two multiply-adds */
+}
+
+/* Rows n0..n1 of a K-quant weight times M rows of 8-bit activations, y[m * ldy + n]. One activation
+ * row: row after row, each read start to end (the matrix is one forward stream); several: tiles of
+ * 4 rows, each super-block unpacked once for all M (acc: M x TILE vectors). */
+BK_INLINE void int8_tile_rows(const bk_weight *w, int type, int n0, int n1, int M, const bk_xq *x, float *y,
+                              int64_t ldy, v16 *acc) {
+    int K = w->K, ns = K / 256, bb = type == BK_Q4_K ? 144 : type == BK_Q5_K ? 176 : 210;
+    const int8_t *xq = type == BK_Q6_K ? x->q8 : x->q8p;
+    if (M == 1) {
+        for (int n = n0; n < n1; n++) {
+            const uint8_t *row = w->data + (int64_t)n * w->row_bytes;
+            v16 f = {0};
+            for (int sb = 0; sb < ns; sb++) {
+                const uint8_t *blk = row + sb * bb;
+                const char *ahead = (const char *)blk + PREFETCH_BYTES;
+                for (int o = 0; o < bb; o += 64) __builtin_prefetch(ahead + o);
+                kq8_head h = kq8_read(blk, type);
+                kq8_block b;
+                kq8_unpack(blk, type, h.sc, &b);
+                f = kq8_accumulate(&b, type, &h, xq + sb * 256, x->xs8 + sb * 16, x->xm8 + sb * 16, x->s8[sb], f);
+            }
+            y[n] = reduce16(f);
+        }
+        return;
+    }
+    for (int n = n0; n < n1; n += TILE) {
+        int R = n1 - n < TILE ? n1 - n : TILE;
+        for (int i = 0; i < M * TILE; i++) acc[i] = (v16){0};
+        for (int sb = 0; sb < ns; sb++) {
+            kq8_head h[TILE];
+            kq8_block b[TILE];
+            for (int r = 0; r < R; r++) {
+                const uint8_t *blk = w->data + (int64_t)(n + r) * w->row_bytes + sb * bb;
+                h[r] = kq8_read(blk, type);
+                kq8_unpack(blk, type, h[r].sc, &b[r]);
+            }
+            for (int mi = 0; mi < M; mi++) {
+                int64_t at = (int64_t)mi * ns + sb;
+                for (int r = 0; r < R; r++)
+                    acc[mi * TILE + r] = kq8_accumulate(&b[r], type, &h[r], xq + at * 256, x->xs8 + at * 16,
+                                                        x->xm8 + at * 16, x->s8[at], acc[mi * TILE + r]);
+            }
+        }
+        for (int mi = 0; mi < M; mi++)
+            for (int r = 0; r < R; r++) y[(int64_t)mi * ldy + n + r] = reduce16(acc[mi * TILE + r]);
+    }
+}
+
+/* x [M, K] -> the 8-bit activations (K a multiple of 256): bk_xq's q8, q8p, s8, xs8, xm8 */
+BK_INLINE void quantize_x8(const float *x, int M, int K, int8_t *q, int8_t *qp, float *s, int16_t *xs, int16_t *xm) {
+    const float magic = 12582912.0f;
+    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* qp's sub-block j holds x's sub-block order[j] */
+    for (int64_t b = 0; b < (int64_t)M * (K / 256); b++) {
+        const float *xb = x + b * 256;
+        float amax = 0.0f;
+        for (int k = 0; k < 256; k++) amax = fabsf(xb[k]) > amax ? fabsf(xb[k]) : amax;
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int t32[8] = {0}, t16[16] = {0};
+        for (int k = 0; k < 256; k++) {
+            int v = (int)((xb[k] * inv + magic) - magic);
+            q[b * 256 + k] = (int8_t)v;
+            t32[k / 32] += v;
+            t16[k / 16] += v;
+        }
+        for (int j = 0; j < 8; j++) memcpy(qp + b * 256 + 32 * j, q + b * 256 + 32 * order[j], 32);
+        s[b] = amax / 127.0f;
+        for (int l = 0; l < 16; l++) {
+            xs[b * 16 + l] = (int16_t)t16[l];
+            xm[b * 16 + l] = (int16_t)(l < 8 ? 0 : t32[l - 8]);
+        }
+    }
+}
+
+#endif
