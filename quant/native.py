@@ -4,9 +4,10 @@ then runs torch's kernels, saying so once.
 
 One product for every weight format (GGUF's Q4_0..Q8_0 and K-quants, brisk's int4 groups and int8
 rows), read in place from the blocks. The integer-code types (INT_DOT_TYPES) multiply their codes
-with the activations quantized to 16 bits per block of 32 (per super-block of 256 for Q4_K, Q5_K,
-Q6_K), exact int32 sums scaled in float (kernels/int_dot.h); the others dequantize tiles of rows to
-float32 and multiply float32 activations (kernels/tiles.c). Either way a row's bits do not depend on
+with the activations quantized to 16 bits per block of 32, exact int32 sums scaled in float
+(kernels/int_dot.h), except the K-quants Q4_K, Q5_K, Q6_K (ACT8_TYPES), whose activations are 8-bit
+per super-block of 256 as llama.cpp's (kernels/int8_dot.h; BRISK_ACT8=0: 16-bit ones, per 256); the
+others dequantize tiles of rows to float32 and multiply float32 activations (kernels/tiles.c). Either way a row's bits do not depend on
 how many rows share the call (batch-invariant), which keeps greedy speculative and batched decoding
 equal to plain decoding. The library is plain C (no Python or torch headers), so one build serves
 every Python and torch version; it picks AVX-512, AVX2+FMA or plain C (NEON on ARM through the

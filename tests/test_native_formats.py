@@ -87,8 +87,25 @@ def test_dequantize_is_gguf_bit_for_bit(level, name, K, source):
     assert torch.equal(rows, torch.from_numpy(ref[ids.numpy()]))
 
 
+@pytest.fixture(params=["8-bit", "16-bit"])
+def act_bits(request):
+    """The K-quants' activations both ways (int8_dot.h, the default, and int_dot.h's 16-bit grid)."""
+    native.set_act8(request.param == "8-bit")
+    yield request.param
+    native.set_act8(True)
+
+
 @pytest.mark.parametrize("name,K", CASES)
 def test_matmul_is_close_and_batch_invariant(level, name, K):
+    _close_and_batch_invariant(name, K)
+
+
+@pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES if n in ("Q4_K", "Q5_K", "Q6_K")])
+def test_k_quants_both_activation_grids(level, act_bits, name, K):
+    _close_and_batch_invariant(name, K)
+
+
+def _close_and_batch_invariant(name, K):
     w, ref = weight(name, K)
     g = torch.Generator().manual_seed(K)
     wd = torch.from_numpy(ref).double()
@@ -130,12 +147,23 @@ def _extreme_block(name: str) -> np.ndarray:
     return b
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
-def test_extreme_super_blocks_do_not_overflow(level, name):
+def _q6k_top_codes() -> np.ndarray:
+    """A Q6_K super-block with every code 63 (31 after the offset) and every scale -128: the largest
+    pair sums of the 8-bit path's unsigned codes (2 x 63 x 127) times its largest scales."""
+    b = np.full(210, 0xFF, np.uint8)
+    b[192:208] = np.uint8(128)
+    b[208:210] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    return b
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q6_K top codes"])
+def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
     K, rows = 512, 5
-    raw = np.tile(_extreme_block(name), (rows, K // 256))
+    top = name == "Q6_K top codes"
+    block, name = (_q6k_top_codes(), "Q6_K") if top else (_extreme_block(name), name)
+    raw = np.tile(block, (rows, K // 256))
     ref = torch.from_numpy(gguf.quants.dequantize(raw, T[name])).double()
-    assert ref.abs().max().item() == {"Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}[name]
+    assert ref.abs().max().item() == (31 * 128 if top else {"Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}[name])
     w = native.NativeWeight(int(T[name]), rows, K, torch.from_numpy(raw))
     x = torch.ones(3, K)
     x[1] = -1.0

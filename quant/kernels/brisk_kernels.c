@@ -1,17 +1,19 @@
 /* brisk's native CPU kernels: matrix products straight from quantized weights.
  *
  * A plain C library (no Python or torch headers), loaded with ctypes by quant/native.py and built by
- * the platform's C compiler in about a second. One kernel for every weight format: a tile of 4 rows
- * is dequantized to float32 into a small buffer (gguf_types.h knows the formats), then each
- * activation row is multiplied against the tile with float32 sums. Why this shape:
- *  - the activations stay float32: 8-bit activations per block (llama.cpp's integer dot products,
- *    tried first) cost a 135M model KL 0.02 to the float model and flipped its greedy answer;
- *  - the weights become exactly the floats of the widened model, so a layer's output is the widened
- *    model's up to float32 summation order;
- *  - one tile serves any number of activation rows (decode: 1; verification, batches, prefill: many),
- *    and every output is the same operations in the same order whatever that number and a row's
- *    place among them: a row's result does not depend on its batch (batch-invariant), which keeps
- *    greedy speculative and batched decoding token-for-token equal to plain decoding.
+ * the platform's C compiler in about a second. Three kinds of products, by weight type:
+ *  - float activations (tiles.c): a tile of 4 rows dequantized to float32 into a small buffer
+ *    (gguf_types.h knows the formats), then float32 sums: the widened model's floats up to summation
+ *    order (Q5_1, Q2_K, Q3_K, float32 rows, int4 groups of other sizes);
+ *  - 16-bit activations (int_dot.h): exact int32 sums of codes times activations rounded to 2^-16 of
+ *    their block's largest, scaled in float (Q4_0, Q4_1, Q5_0, Q8_0, int8 rows, int4 groups of 32k);
+ *    8-bit ones per block cost SmolLM2-135M KL 0.02 to its float self and flipped its greedy answer;
+ *  - 8-bit activations (int8_dot.h) for the K-quants, llama.cpp's grid: KL ~0.008 on Gemma 3 270M
+ *    Q4_K_M, and the 16-bit path left a 1.1B Q4_K_M model at 0.38x llama.cpp's decode speed.
+ * Every output is the same operations in the same order whatever the number of activation rows
+ * (decode: 1; verification, batches, prefill: many) and a row's place among them: a row's result
+ * does not depend on its batch (batch-invariant), which keeps greedy speculative and batched
+ * decoding token-for-token equal to plain decoding.
  * The sums run over 16 fixed lanes (GCC vector extensions: one AVX-512 register, two AVX2 ones, four
  * NEON or SSE ones) reduced in a fixed order, so a level gives the same bits on every machine.
  * The kernels (tiles.c) are compiled once per instruction set (plain, AVX2+FMA, AVX-512) and picked

@@ -73,7 +73,7 @@ BK_INLINE i8x64 load_i8x64(const int8_t *p) {
 }
 
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048 /* how far ahead of the super-block being read its row's stream is fetched */
+#define PREFETCH_BYTES 3072 /* how far ahead of the super-block being read its row's stream is fetched */
 #endif
 
 /* One super-block of one weight row, ready for the multiply-adds: four vectors of 64 codes (unsigned
@@ -86,10 +86,23 @@ typedef struct {
     i16x32 s[4];
 } kq8_block;
 
-/* int16 lane patterns of the sub-block scales, one shuffle each: [sc[a] x 16 | sc[b] x 16] (a 32-code
- * sub-block over 16 pair lanes) and [sc[a] x 8 | sc[b] x 8 | sc[c] x 8 | sc[d] x 8] (Q6_K's 16) */
+/* q4k_six's vector from general-purpose registers: 12 integer operations on ports the vector work
+ * leaves idle, where the vector version took about as many vector ones (GGUF's 6-bit packing: bytes
+ * 0..3 scales 0..3 and 4..7 minimums 0..3 in their low 6 bits; bytes 8..11 the low 4 bits of scales
+ * and minimums 4..7, whose top 2 bits are the top bits of bytes 0..7) */
+BK_INLINE bk_u8x16 six_scalar(const uint8_t *blk) {
+    uint32_t a, b, c;
+    memcpy(&a, blk + 4, 4), memcpy(&b, blk + 8, 4), memcpy(&c, blk + 12, 4);
+    uint32_t s03 = a & 0x3f3f3f3fu, m03 = b & 0x3f3f3f3fu;
+    uint32_t s47 = (c & 0x0f0f0f0fu) | ((a >> 6) & 0x03030303u) << 4;
+    uint32_t m47 = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 6) & 0x03030303u) << 4;
+    uint64_t lo = s03 | (uint64_t)s47 << 32, hi = m03 | (uint64_t)m47 << 32;
+    typedef uint64_t u64x2 __attribute__((vector_size(16)));
+    return (bk_u8x16)(u64x2){lo, hi}; /* through a register: two 8-byte stores read back as 16 stall */
+}
+
+/* Q6_K's int16 scale lanes, one shuffle each: [sc[a] x 8 | sc[b] x 8 | sc[c] x 8 | sc[d] x 8] */
 #define R8(i) i, i, i, i, i, i, i, i
-#define HALVES(sc, a, b) __builtin_shufflevector(sc, sc, R8(a), R8(a), R8(b), R8(b))
 #define QUARTERS(sc, a, b, c, d) __builtin_shufflevector(sc, sc, R8(a), R8(b), R8(c), R8(d))
 
 /* Sub-block scales as int16: Q4_K/Q5_K the six-bit ones (lanes 0..7 of six), Q6_K the 16 int8 ones */
@@ -103,7 +116,25 @@ BK_INLINE i16x16 kq8_scales(const uint8_t *blk, int type, bk_u8x16 six) {
     return __builtin_convertvector(six, i16x16);
 }
 
-BK_INLINE void kq8_unpack(const uint8_t *blk, int type, i16x16 sc, kq8_block *o) {
+/* Q4_K/Q5_K: [sc_a x 16 | sc_b x 16] as int16 straight from the six-bit bytes (one byte shuffle
+ * within 128-bit lanes, cheaper than a cross-lane word permute) */
+BK_INLINE i16x32 six_halves(bk_u8x16 six, i16x16 sc, int a, int b) {
+#if defined(__AVX512BW__)
+    __m512i src = _mm512_broadcast_i32x4((__m128i)six);
+    char A = (char)a, B = (char)b, Z = (char)0x80;
+    __m512i ctl = _mm512_set_epi8(Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B, Z, B,
+                                  Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A, Z, A);
+    (void)sc;
+    return (i16x32)_mm512_shuffle_epi8(src, ctl);
+#else
+    (void)six;
+    i16x32 v = {0};
+    for (int i = 0; i < 16; i++) v[i] = sc[a], v[16 + i] = sc[b];
+    return v;
+#endif
+}
+
+BK_INLINE void kq8_unpack(const uint8_t *blk, int type, i16x16 sc, bk_u8x16 six, kq8_block *o) {
     if (type == BK_Q6_K) {
         for (int h = 0; h < 2; h++) {
             u8x64 a = load_u8x64(blk + 64 * h);
@@ -137,8 +168,8 @@ BK_INLINE void kq8_unpack(const uint8_t *blk, int type, i16x16 sc, kq8_block *o)
             hi |= (u8x64)((qh & mhi) != 0) & 16;
         }
         o->c[2 * p] = lo, o->c[2 * p + 1] = hi;
-        o->s[2 * p] = p ? HALVES(sc, 4, 6) : HALVES(sc, 0, 2);
-        o->s[2 * p + 1] = p ? HALVES(sc, 5, 7) : HALVES(sc, 1, 3);
+        o->s[2 * p] = six_halves(six, sc, 4 * p, 4 * p + 2);
+        o->s[2 * p + 1] = six_halves(six, sc, 4 * p + 1, 4 * p + 3);
     }
 }
 
@@ -161,6 +192,7 @@ BK_INLINE vi16 kq8_dot(const kq8_block *b, int type, i16x16 sc, const int8_t *x,
  * d and -dmin. */
 typedef struct {
     i16x16 sc;
+    bk_u8x16 six;
     float d, dmin;
 } kq8_head;
 
@@ -171,9 +203,11 @@ BK_INLINE kq8_head kq8_read(const uint8_t *blk, int type) {
         i8x16 s;
         memcpy(&s, blk + 192, 16);
         h.sc = __builtin_convertvector(s, i16x16);
+        h.six = (bk_u8x16){0};
         h.d = bk_fp16(blk + 208), h.dmin = 0.0f;
     } else {
-        h.sc = __builtin_convertvector(q4k_six(blk), i16x16);
+        h.six = six_scalar(blk);
+        h.sc = __builtin_convertvector(h.six, i16x16);
         h.d = bk_fp16(blk), h.dmin = -bk_fp16(blk + 2);
     }
     return h;
@@ -211,11 +245,10 @@ BK_INLINE void int8_tile_rows(const bk_weight *w, int type, int n0, int n1, int 
             v16 f = {0};
             for (int sb = 0; sb < ns; sb++) {
                 const uint8_t *blk = row + sb * bb;
-                const char *ahead = (const char *)blk + PREFETCH_BYTES;
-                for (int o = 0; o < bb; o += 64) __builtin_prefetch(ahead + o);
+                if (PREFETCH_BYTES) for (int o = 0; o < bb; o += 64) __builtin_prefetch(blk + PREFETCH_BYTES + o);
                 kq8_head h = kq8_read(blk, type);
                 kq8_block b;
-                kq8_unpack(blk, type, h.sc, &b);
+                kq8_unpack(blk, type, h.sc, h.six, &b);
                 f = kq8_accumulate(&b, type, &h, xq + sb * 256, x->xs8 + sb * 16, x->xm8 + sb * 16, x->s8[sb], f);
             }
             y[n] = reduce16(f);
@@ -231,13 +264,21 @@ BK_INLINE void int8_tile_rows(const bk_weight *w, int type, int n0, int n1, int 
             for (int r = 0; r < R; r++) {
                 const uint8_t *blk = w->data + (int64_t)(n + r) * w->row_bytes + sb * bb;
                 h[r] = kq8_read(blk, type);
-                kq8_unpack(blk, type, h[r].sc, &b[r]);
+                kq8_unpack(blk, type, h[r].sc, h[r].six, &b[r]);
             }
             for (int mi = 0; mi < M; mi++) {
                 int64_t at = (int64_t)mi * ns + sb;
-                for (int r = 0; r < R; r++)
-                    acc[mi * TILE + r] = kq8_accumulate(&b[r], type, &h[r], xq + at * 256, x->xs8 + at * 16,
-                                                        x->xm8 + at * 16, x->s8[at], acc[mi * TILE + r]);
+                if (R == TILE) { /* in registers: a store to acc could alias the activation bytes */
+                    v16 f[TILE];
+                    for (int r = 0; r < TILE; r++) f[r] = acc[mi * TILE + r];
+                    for (int r = 0; r < TILE; r++)
+                        f[r] = kq8_accumulate(&b[r], type, &h[r], xq + at * 256, x->xs8 + at * 16, x->xm8 + at * 16, x->s8[at], f[r]);
+                    for (int r = 0; r < TILE; r++) acc[mi * TILE + r] = f[r];
+                } else {
+                    for (int r = 0; r < R; r++)
+                        acc[mi * TILE + r] = kq8_accumulate(&b[r], type, &h[r], xq + at * 256, x->xs8 + at * 16,
+                                                            x->xm8 + at * 16, x->s8[at], acc[mi * TILE + r]);
+                }
             }
         }
         for (int mi = 0; mi < M; mi++)
