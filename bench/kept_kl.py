@@ -1,11 +1,11 @@
 """How far the native kernels' kept-quantized path is from the same file widened to float32, per GGUF
 type: KL(widened || kept) per token, top-1 agreement and the logits' relative error on held-out text.
 
-    python bench/kept_kl.py [--tokens 1024]
+    python bench/kept_kl.py [--tokens 1024] [--k-quant-act-bits 16]
 
 Both sides hold the same weights (the file's, dequantized exactly on the widened side), so what is
-measured is the kernels' arithmetic: 16-bit activations for the integer types, a different
-summation order for all. Files: the two real models (SmolLM2 Q4_1, Gemma 3 270M Q4_K_M) and a
+measured is the kernels' arithmetic: 16-bit activations for the integer types, 8-bit ones for the
+K-quants (Q4_K, Q5_K, Q6_K; 16-bit with --k-quant-act-bits 16), a different summation order for all. Files: the two real models (SmolLM2 Q4_1, Gemma 3 270M Q4_K_M) and a
 4-layer Llama-shaped model with random weights (widths 2048/5632, which every K-quant takes) in each
 of llama.cpp's file types. Random weights give near-uniform distributions, on which KL is small
 whatever the error: read their relative logit error. Not a test; recorded in bench/RESULTS.md.
@@ -49,7 +49,11 @@ def compare(path: Path, n_tokens: int, window: int = 512) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--k-quant-act-bits", type=int, choices=(8, 16), default=8)
     a = ap.parse_args()
+    from brisk.quant import native
+
+    native.set_act8(a.k_quant_act_bits == 8)
     files = {"SmolLM2-135M Q4_1": model_path("smollm2"), "Gemma 3 270M Q4_K_M": model_path("gemma3")}
     files |= {f"random 4x2048 llama {f}": p for f, p in build_random_llama(SMALL, FTYPES).items()}
     print("| file | kept as | tokens | KL mean | KL max | top-1 agreement | relative logit error |")
