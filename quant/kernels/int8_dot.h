@@ -193,7 +193,7 @@ BK_INLINE vi16 kq8_dot(const kq8_block *b, int type, i16x16 sc, const int8_t *x,
 typedef struct {
     i16x16 sc;
     bk_u8x16 six;
-    float d, dmin;
+    v16 d, dmin; /* splat */
 } kq8_head;
 
 BK_INLINE kq8_head kq8_read(const uint8_t *blk, int type) {
@@ -204,32 +204,34 @@ BK_INLINE kq8_head kq8_read(const uint8_t *blk, int type) {
         memcpy(&s, blk + 192, 16);
         h.sc = __builtin_convertvector(s, i16x16);
         h.six = (bk_u8x16){0};
-        h.d = bk_fp16(blk + 208), h.dmin = 0.0f;
+        h.d = splat16(bk_fp16(blk + 208)), h.dmin = (v16){0};
     } else {
         h.six = six_scalar(blk);
         h.sc = __builtin_convertvector(h.six, i16x16);
-        h.d = bk_fp16(blk), h.dmin = -bk_fp16(blk + 2);
+        h.d = splat16(bk_fp16(blk)), h.dmin = splat16(-bk_fp16(blk + 2));
     }
     return h;
 }
 
 /* f += one (row, super-block, activation row)'s product: the exact integers, then the float
- * epilogue. Every path (one activation row or many) goes through here, so a row's bits do not
- * depend on its batch. xm: [0 x 8, the 8 sums of 32 codes] (Q4_K/Q5_K's minimum term). */
+ * epilogue: t = ints d (+ minimum ints -dmin), f += t s, with d, dmin splat once per row and
+ * super-block and s once per activation row and super-block (a scalar d s per pair had cost
+ * prefill two scalar multiplies and two broadcasts each). Every path (one activation row or
+ * many) goes through here, so a row's bits do not depend on its batch. xm: [0 x 8, the 8 sums of
+ * 32 codes] (Q4_K/Q5_K's minimum term). */
 BK_INLINE v16 kq8_accumulate(const kq8_block *b, int type, const kq8_head *h, const int8_t *x, const int16_t *xs,
-                             const int16_t *xm, float s, v16 f) {
+                             const int16_t *xm, v16 s, v16 f) {
     vi16 a = kq8_dot(b, type, h->sc, x, xs);
-    if (type == BK_Q6_K) return fma16(__builtin_convertvector(a, v16), splat16(h->d * s), f);
     /* written as multiply-adds so that no copy is left to -ffp-contract (see fma16) */
-    v16 t = fma16(__builtin_convertvector(a, v16), splat16(h->d * s), (v16){0});
-    { /* minimums x sums of 32, in int32 lanes 4..7 */
+    v16 t = fma16(__builtin_convertvector(a, v16), h->d, (v16){0});
+    if (type != BK_Q6_K) { /* minimums x sums of 32, in int32 lanes 4..7 */
         i16x16 m;
         memcpy(&m, xm, 32);
         i16x32 sc2 = __builtin_shufflevector(h->sc, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
         i16x32 m2 = __builtin_shufflevector(m, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
-        t = fma16(__builtin_convertvector(madd(sc2, m2), v16), splat16(h->dmin * s), t);
+        t = fma16(__builtin_convertvector(madd(sc2, m2), v16), h->dmin, t);
     }
-    return f + t; /* one add on the running sum's chain, not two multiply-adds */
+    return fma16(t, s, f);
 }
 
 /* Rows n0..n1 of a K-quant weight times M rows of 8-bit activations, y[m * ldy + n]. One activation
@@ -249,7 +251,7 @@ BK_INLINE void int8_tile_rows(const bk_weight *w, int type, int n0, int n1, int 
                 kq8_head h = kq8_read(blk, type);
                 kq8_block b;
                 kq8_unpack(blk, type, h.sc, h.six, &b);
-                f = kq8_accumulate(&b, type, &h, xq + sb * 256, x->xs8 + sb * 16, x->xm8 + sb * 16, x->s8[sb], f);
+                f = kq8_accumulate(&b, type, &h, xq + sb * 256, x->xs8 + sb * 16, x->xm8 + sb * 16, splat16(x->s8[sb]), f);
             }
             y[n] = reduce16(f);
         }
@@ -268,16 +270,17 @@ BK_INLINE void int8_tile_rows(const bk_weight *w, int type, int n0, int n1, int 
             }
             for (int mi = 0; mi < M; mi++) {
                 int64_t at = (int64_t)mi * ns + sb;
+                v16 sx = splat16(x->s8[at]);
                 if (R == TILE) { /* in registers: a store to acc could alias the activation bytes */
                     v16 f[TILE];
                     for (int r = 0; r < TILE; r++) f[r] = acc[mi * TILE + r];
                     for (int r = 0; r < TILE; r++)
-                        f[r] = kq8_accumulate(&b[r], type, &h[r], xq + at * 256, x->xs8 + at * 16, x->xm8 + at * 16, x->s8[at], f[r]);
+                        f[r] = kq8_accumulate(&b[r], type, &h[r], xq + at * 256, x->xs8 + at * 16, x->xm8 + at * 16, sx, f[r]);
                     for (int r = 0; r < TILE; r++) acc[mi * TILE + r] = f[r];
                 } else {
                     for (int r = 0; r < R; r++)
                         acc[mi * TILE + r] = kq8_accumulate(&b[r], type, &h[r], xq + at * 256, x->xs8 + at * 16,
-                                                            x->xm8 + at * 16, x->s8[at], acc[mi * TILE + r]);
+                                                            x->xm8 + at * 16, sx, acc[mi * TILE + r]);
                 }
             }
         }
