@@ -251,7 +251,8 @@ def test_output_loads_back_close_to_float(tiny_llama_dir, tmp_path, method, extr
         deq = fmt.load_linear(sub, name, qcfg, sub.pop(name + ".bias", None)).dequantize(torch.float32)
         rel = ((deq - w).norm() / w.norm()).item()
         if method != "awq":  # AWQ's weights carry the folded scales: compare through the model instead
-            assert rel < {4: 0.15, 3: 0.45, 8: 0.01}[summary["options"]["bits"]], (name, rel)
+            # GPTQ clips ranges (grid search) and spreads errors: more weight error, less output error
+            assert rel < {4: 0.2, 3: 0.45, 8: 0.01}[summary["options"]["bits"]], (name, rel)
         assert torch.equal(q.model.get_submodule(name).dequantize(torch.float32), deq)
 
 
