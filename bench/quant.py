@@ -4,9 +4,11 @@ For each model (SmolLM2-135M from its GGUF, Gemma 3 270M when installed), with t
 float32 as the base: `brisk quantize` with gptq and awq 4-bit (group 128, or 64 where widths need it), nf4 and int8 (wall time),
 `brisk eval --base` on bench/heldout.txt (perplexity, KL vs base, top-1 agreement), `brisk bench`
 (decode tok/s, model bytes). Round-to-nearest int4 at the same group size (the yardstick for GPTQ and AWQ) and
-the GGUF as stored are evaluated too. Appends a table to bench/RESULTS.md.
+the GGUF as stored are evaluated too, and llama.cpp's own quantizer (Q4_0, Q4_K_M, Q8_0, from the same
+base written as an F32 GGUF; needs the bench extra) by the same meter. Appends a table to
+bench/RESULTS.md.
 
-    python bench/quant.py [--models smollm2,gemma] [--keep DIR]
+    python bench/quant.py [--models smollm2,gemma] [--keep DIR] [--only brisk|llama.cpp]
 """
 from __future__ import annotations
 
@@ -68,6 +70,64 @@ def rtn_int4(base, group: int, sym: bool) -> dict:
     return run_eval(llm, ids, 512, 256, base=ref).to_dict()
 
 
+LLAMA_TYPES = ["Q4_0", "Q4_K_M", "Q8_0"]  # llama.cpp's own quantizer on the same float base
+
+
+def widened_gguf(path: Path, out: Path) -> Path:
+    """The GGUF at `path` with every tensor dequantized to float32 (the base brisk's methods start
+    from, as a file llama.cpp's quantizer reads): metadata copied, file type ALL_F32."""
+    import gguf
+    import numpy as np
+
+    if out.exists():
+        return out
+    r = gguf.GGUFReader(path)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(out) + ".part", arch)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        w.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(str(out) + ".part", out)
+    return out
+
+
+def llama_cpp_quantize(base: Path, ftype: str, out: Path) -> float:
+    """llama.cpp's quantizer (llama-cpp-python, the bench extra): base -> out; seconds taken."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), os.cpu_count() or 1
+    t = time.perf_counter()
+    if llama_cpp.llama_model_quantize(str(base).encode(), str(out).encode(), params) != 0:
+        raise SystemExit(f"llama.cpp could not quantize {base} to {ftype}")
+    return time.perf_counter() - t
+
+
+def llama_cpp_rows(path: Path, work: Path) -> list:
+    """llama.cpp's types from the same float base, evaluated and timed by brisk like its own methods."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama-cpp-python not installed (pip install -e '.[bench]'): no llama.cpp rows", file=sys.stderr)
+        return []
+    base = widened_gguf(path, work / f"{path.stem}-F32.gguf")
+    rows = []
+    for ftype in LLAMA_TYPES:
+        out = work / f"{path.stem}-{ftype}.gguf"
+        seconds = llama_cpp_quantize(base, ftype, out)
+        rows.append((f"llama.cpp {ftype}", seconds, evaluate(out, path), *decode(out)))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def model_paths(names):
     from brisk.core.checkpoint import default_model_path
 
@@ -89,12 +149,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2,gemma")
     ap.add_argument("--keep", help="keep the quantized checkpoints in this folder")
+    ap.add_argument("--only", choices=["brisk", "llama.cpp"], help="only brisk's methods, or only llama.cpp's types")
     args = ap.parse_args()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="brisk-quant-bench-"))
     tables = []
     for label, (path, group) in model_paths(args.models.split(",")).items():
         rows = []
         base_tps, base_bytes = decode(path, "none")
+        if args.only == "llama.cpp":
+            rows += [("float32 base", None, {"ppl": evaluate(path, path, "none")["ppl"], "kl_mean": 0.0,
+                                             "top1_agreement": 1.0}, base_tps, base_bytes)]
+            rows += llama_cpp_rows(path, work)
+            tables.append(_table(label, rows, base_tps))
+            continue
         rows.append(("float32 base", None, {"ppl": evaluate(path, path, "none")["ppl"], "kl_mean": 0.0,
                                             "top1_agreement": 1.0}, base_tps, base_bytes))
         rows.append(("GGUF as stored", None, evaluate(path, path), *decode(path)))
@@ -107,6 +174,8 @@ def main():
             seconds = time.perf_counter() - t
             rows.append((method, seconds, evaluate(out, path), *decode(out)))
             print(label, rows[-1], flush=True)
+        if args.only != "brisk":
+            rows += llama_cpp_rows(path, work)
         tables.append(_table(label, rows, base_tps))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "?"
