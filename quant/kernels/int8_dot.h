@@ -66,6 +66,12 @@ BK_INLINE i16x32 maddubs(u8x64 a, i8x64 b) {
 #endif
 }
 
+/* 16 int16 then 16 zeros: a madd over them sums only the first 16 lanes' pairs */
+BK_INLINE i16x32 zext_i16(i16x16 v) {
+    return __builtin_shufflevector(v, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16,
+                                   16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
+}
+
 BK_INLINE i8x64 load_i8x64(const int8_t *p) {
     i8x64 v;
     memcpy(&v, p, 64);
@@ -86,35 +92,9 @@ typedef struct {
     i16x32 s[4];
 } kq8_block;
 
-/* q4k_six's vector from general-purpose registers: 12 integer operations on ports the vector work
- * leaves idle, where the vector version took about as many vector ones (GGUF's 6-bit packing: bytes
- * 0..3 scales 0..3 and 4..7 minimums 0..3 in their low 6 bits; bytes 8..11 the low 4 bits of scales
- * and minimums 4..7, whose top 2 bits are the top bits of bytes 0..7) */
-BK_INLINE bk_u8x16 six_scalar(const uint8_t *blk) {
-    uint32_t a, b, c;
-    memcpy(&a, blk + 4, 4), memcpy(&b, blk + 8, 4), memcpy(&c, blk + 12, 4);
-    uint32_t s03 = a & 0x3f3f3f3fu, m03 = b & 0x3f3f3f3fu;
-    uint32_t s47 = (c & 0x0f0f0f0fu) | ((a >> 6) & 0x03030303u) << 4;
-    uint32_t m47 = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 6) & 0x03030303u) << 4;
-    uint64_t lo = s03 | (uint64_t)s47 << 32, hi = m03 | (uint64_t)m47 << 32;
-    typedef uint64_t u64x2 __attribute__((vector_size(16)));
-    return (bk_u8x16)(u64x2){lo, hi}; /* through a register: two 8-byte stores read back as 16 stall */
-}
-
 /* Q6_K's int16 scale lanes, one shuffle each: [sc[a] x 8 | sc[b] x 8 | sc[c] x 8 | sc[d] x 8] */
 #define R8(i) i, i, i, i, i, i, i, i
 #define QUARTERS(sc, a, b, c, d) __builtin_shufflevector(sc, sc, R8(a), R8(b), R8(c), R8(d))
-
-/* Sub-block scales as int16: Q4_K/Q5_K the six-bit ones (lanes 0..7 of six), Q6_K the 16 int8 ones */
-BK_INLINE i16x16 kq8_scales(const uint8_t *blk, int type, bk_u8x16 six) {
-    if (type == BK_Q6_K) {
-        typedef int8_t i8x16 __attribute__((vector_size(16)));
-        i8x16 s;
-        memcpy(&s, blk + 192, 16);
-        return __builtin_convertvector(s, i16x16);
-    }
-    return __builtin_convertvector(six, i16x16);
-}
 
 /* Q4_K/Q5_K: [sc_a x 16 | sc_b x 16] as int16 straight from the six-bit bytes (one byte shuffle
  * within 128-bit lanes, cheaper than a cross-lane word permute) */
@@ -181,8 +161,8 @@ BK_INLINE vi16 kq8_dot(const kq8_block *b, int type, i16x16 sc, const int8_t *x,
     if (type == BK_Q6_K) { /* codes are q + 32: take 32 sc_g (sum of group g's activations) off */
         i16x16 s;
         memcpy(&s, xs, 32);
-        i16x32 sc2 = __builtin_shufflevector(sc, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
-        i16x32 s2 = __builtin_shufflevector(s, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
+        i16x32 sc2 = zext_i16(sc);
+        i16x32 s2 = zext_i16(s);
         a -= madd(sc2, s2) << 5;
     }
     return a;
@@ -206,7 +186,7 @@ BK_INLINE kq8_head kq8_read(const uint8_t *blk, int type) {
         h.six = (bk_u8x16){0};
         h.d = splat16(bk_fp16(blk + 208)), h.dmin = (v16){0};
     } else {
-        h.six = six_scalar(blk);
+        h.six = q4k_six(blk);
         h.sc = __builtin_convertvector(h.six, i16x16);
         h.d = splat16(bk_fp16(blk)), h.dmin = splat16(-bk_fp16(blk + 2));
     }
@@ -227,8 +207,8 @@ BK_INLINE v16 kq8_accumulate(const kq8_block *b, int type, const kq8_head *h, co
     if (type != BK_Q6_K) { /* minimums x sums of 32, in int32 lanes 4..7 */
         i16x16 m;
         memcpy(&m, xm, 32);
-        i16x32 sc2 = __builtin_shufflevector(h->sc, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
-        i16x32 m2 = __builtin_shufflevector(m, (i16x16){0}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16);
+        i16x32 sc2 = zext_i16(h->sc);
+        i16x32 m2 = zext_i16(m);
         t = fma16(__builtin_convertvector(madd(sc2, m2), v16), h->dmin, t);
     }
     return fma16(t, s, f);
@@ -247,7 +227,7 @@ BK_INLINE void int8_tile_rows(const bk_weight *w, int type, int n0, int n1, int 
             v16 f = {0};
             for (int sb = 0; sb < ns; sb++) {
                 const uint8_t *blk = row + sb * bb;
-                if (PREFETCH_BYTES) for (int o = 0; o < bb; o += 64) __builtin_prefetch(blk + PREFETCH_BYTES + o);
+                for (int o = 0; o < bb; o += 64) __builtin_prefetch(blk + PREFETCH_BYTES + o);
                 kq8_head h = kq8_read(blk, type);
                 kq8_block b;
                 kq8_unpack(blk, type, h.sc, h.six, &b);
