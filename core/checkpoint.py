@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -368,6 +369,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
 
 def _native_layer(data, t, order: torch.Tensor | None):
     """A GGUF weight as a GGUFLinear over the file's bytes (a copy only where rows must be reordered)."""
+    from ..quant import gguf_interleave, native
     from ..quant.gguf_linear import GGUFLinear
 
     rows = t.shape[0]
@@ -378,7 +380,30 @@ def _native_layer(data, t, order: torch.Tensor | None):
         with warnings.catch_warnings():  # read-only memory map: the kernels never write to it
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(raw)
+    if native.ACT8 and gguf_interleave.packable(t.qtype, rows, t.shape[1]):
+        # Q4_K rows interleaved for the kernels (2x faster); the file's pages it was read from are
+        # handed back, else memory would hold the weight twice
+        packed = gguf_interleave.pack(blocks)
+        if order is None:
+            _release_pages(raw)
+        return GGUFLinear(packed, t.qtype, rows, t.shape[1], layout=native.X8)
     return GGUFLinear(blocks, t.qtype, rows, t.shape[1])
+
+
+def _release_pages(view) -> None:
+    """Drop a read-only file mapping's pages under `view` from this process's memory (they stay in
+    the page cache; touching them again reads them back). Linux; elsewhere nothing happens."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = -(-view.ctypes.data // page) * page
+    end = (view.ctypes.data + view.nbytes) // page * page
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
 
 
 def _repacked_file(path: Path) -> Path:

@@ -196,7 +196,7 @@ def quantize_at_load(net: Transformer, method: str) -> None:
             return None
         if isinstance(m, GGUFLinear) and gguf_blocks.fits(m.qtype, m.in_features):
             # a GGUF's 4-bit blocks carry over into int4 exactly (Q8_0 into int8 per row), no float copy
-            layer = gguf_blocks.to_layer(m.blocks.numpy(), m.out_features, m.in_features, m.qtype)
+            layer = gguf_blocks.to_layer(m.file_blocks().numpy(), m.out_features, m.in_features, m.qtype)
             if isinstance(layer, want):
                 if tied and name == "lm_head" and isinstance(layer, Int4Linear):
                     layer.keep_codes = True

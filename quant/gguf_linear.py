@@ -1,22 +1,24 @@
 """A GGUF weight kept in the file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K), multiplied
-by brisk's native kernels on the CPU: no repacking, no float copy, memory-mapped from the file where
-its rows need no reordering. The block layouts are in kernels/gguf_types.h."""
+by brisk's native kernels on the CPU: no float copy, memory-mapped from the file where its rows need
+no reordering and no interleaving (Q4_K's rows are interleaved 8 at a time at load: the same bytes,
+moved, gguf_interleave.py). The block layouts are in kernels/gguf_types.h."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import native
+from . import gguf_interleave, native
 from .linear import QuantLinear
 
 
 class GGUFLinear(QuantLinear):
     def __init__(self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
-                 bias: torch.Tensor | None = None):
-        """blocks: uint8 [N, bytes per row], the rows' blocks as the file stores them."""
+                 bias: torch.Tensor | None = None, layout: int = 0):
+        """blocks: uint8 [N, bytes per row], the rows' blocks as the file stores them (layout 0) or
+        interleaved (native.X8: gguf_interleave.pack's)."""
         super().__init__(in_features, out_features, bias)
-        self.qtype = qtype
+        self.qtype, self.layout = qtype, layout
         self.register_buffer("blocks", blocks)
         self.use_kernel = True
 
@@ -38,7 +40,7 @@ class GGUFLinear(QuantLinear):
         nw = self.__dict__.get("_native_weight")
         if nw is None:  # built on first use, after any move between devices
             nw = self.__dict__["_native_weight"] = native.NativeWeight(
-                self.qtype, self.out_features, self.in_features, self.blocks)
+                self.qtype, self.out_features, self.in_features, self.blocks, layout=self.layout)
         return nw
 
     def _apply(self, fn, recurse=True):
@@ -60,11 +62,15 @@ class GGUFLinear(QuantLinear):
             return self._native().dequantize().to(dtype)
         import gguf  # the reference implementation, where the kernels cannot run
 
-        w = gguf.quants.dequantize(self.blocks.cpu().numpy(), gguf.GGMLQuantizationType(self.qtype))
+        w = gguf.quants.dequantize(self.file_blocks().cpu().numpy(), gguf.GGMLQuantizationType(self.qtype))
         return torch.from_numpy(np.ascontiguousarray(w)).to(device=self.blocks.device, dtype=dtype)
 
+    def file_blocks(self) -> torch.Tensor:
+        """The blocks in the file's layout."""
+        return gguf_interleave.unpack(self.blocks) if self.layout else self.blocks
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", type={self.type_name}"
+        return super().extra_repr() + f", type={self.type_name}" + (", rows interleaved" if self.layout else "")
 
 
 class JoinedGGUF(nn.Module):

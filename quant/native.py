@@ -47,6 +47,7 @@ INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 # of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, 2.6x faster on
 # Q4_K than 16-bit ones); BRISK_ACT8=0 keeps them 16-bit
 ACT8_TYPES = {12, 13, 14}
+X8 = 8  # bk_weight's layout of Q4_K rows interleaved by 8 (kernels/q4k_x8.h): the kernels' fastest, 8-bit only
 ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
@@ -130,7 +131,7 @@ class Weight(ctypes.Structure):
     """bk_weight in brisk_kernels.c: one weight matrix as the kernels see it."""
     _fields_ = [("type", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("group", ctypes.c_int),
                 ("data", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("scales", ctypes.c_void_p),
-                ("zeros", ctypes.c_void_p), ("row_scales", ctypes.c_void_p)]
+                ("zeros", ctypes.c_void_p), ("row_scales", ctypes.c_void_p), ("layout", ctypes.c_int)]
 
 
 class Arch(ctypes.Structure):
@@ -229,7 +230,12 @@ class NativeWeight:
     """A weight matrix the kernels read in place: the tensors (kept alive here) and their description."""
 
     def __init__(self, kind: int, N: int, K: int, data: torch.Tensor, scales: torch.Tensor | None = None,
-                 zeros: torch.Tensor | None = None, group: int = 0, row_scales: torch.Tensor | None = None):
+                 zeros: torch.Tensor | None = None, group: int = 0, row_scales: torch.Tensor | None = None,
+                 layout: int = 0):
+        """layout: 0, the rows as the format stores them, or X8 (Q4_K rows interleaved by 8:
+        quant/gguf_interleave.py)."""
+        if layout not in (0, X8) or layout == X8 and kind != 12:
+            raise ValueError(f"layout {layout} for a weight of kind {kind}")
         if kind in BLOCK:
             row_bytes = K // BLOCK[kind][0] * BLOCK[kind][1]
         else:
@@ -241,7 +247,7 @@ class NativeWeight:
         self.tensors = [t.contiguous() if t is not None else None for t in (data, scales, zeros, row_scales)]
         self.tensors[3] = None if row_scales is None else self.tensors[3].float().contiguous()
         ptr = [t.data_ptr() if t is not None else None for t in self.tensors]
-        self.desc = Weight(kind, N, K, group, ptr[0], row_bytes, ptr[1], ptr[2], ptr[3])
+        self.desc = Weight(kind, N, K, group, ptr[0], row_bytes, ptr[1], ptr[2], ptr[3], layout)
         self.N, self.K = N, K
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

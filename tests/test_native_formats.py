@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from brisk.quant import native
+from brisk.quant import gguf_interleave, native
 
 from int_dot_bound import activation_bound
 
@@ -25,10 +25,10 @@ N = 37  # rows: not a multiple of the kernels' tile of 4 (a ragged last tile)
 
 
 def shapes(name: str) -> list[int]:
-    return [256, 512] if name.endswith("_K") else [96, 512]
+    return [256, 512] if name.removesuffix(" x8").endswith("_K") else [96, 512]
 
 
-CASES = [(name, K) for name in TYPES for K in shapes(name)]
+CASES = [(name, K) for name in TYPES + ["Q4_K x8"] for K in shapes(name)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,11 +63,19 @@ def blocks(name: str, K: int, source: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def weight(name: str, K: int, source: str = "random") -> tuple[native.NativeWeight, np.ndarray]:
+    """name "Q4_K x8": Q4_K with its rows interleaved by 8 (gguf_interleave), as brisk loads Q4_K
+    (N = 37: four groups and a tail of 5 rows in the file's layout)."""
+    x8 = name == "Q4_K x8"
+    name = name.removesuffix(" x8")
     made = blocks(name, K, source)
     if made is None:
         pytest.skip(f"the gguf package cannot quantize {name}")
     raw, ref = made
     assert native.takes(int(T[name]), K)
+    if x8:
+        packed = gguf_interleave.pack(torch.from_numpy(raw))
+        assert torch.equal(gguf_interleave.unpack(packed), torch.from_numpy(raw))
+        return native.NativeWeight(int(T[name]), N, K, packed, layout=native.X8), ref
     return native.NativeWeight(int(T[name]), N, K, torch.from_numpy(raw)), ref
 
 
@@ -100,7 +108,7 @@ def test_matmul_is_close_and_batch_invariant(level, name, K):
     _close_and_batch_invariant(name, K)
 
 
-@pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES if n in ("Q4_K", "Q5_K", "Q6_K")])
+@pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES if n in ("Q4_K", "Q5_K", "Q6_K", "Q4_K x8")])
 def test_k_quants_both_activation_grids(level, act_bits, name, K):
     _close_and_batch_invariant(name, K)
 
@@ -116,7 +124,7 @@ def _close_and_batch_invariant(name, K):
         want = x.double() @ wd.T
         scale = x.double().abs() @ wd.abs().T  # float32 sums err relative to sum |x w|
         err = (y.double() - want).abs()
-        bound = 1e-5 * scale + 1.001 * activation_bound(x, wd, int(T[name])) + 1e-30
+        bound = 1e-5 * scale + 1.001 * activation_bound(x, wd, int(T[name.removesuffix(" x8")])) + 1e-30
         assert (err <= bound).all(), f"{name} M={M}: max error / bound {(err / bound).max().item()}"
         for i in range(M):  # alone, each row gives the bits it gives in the batch
             assert torch.equal(w.matmul(x[i:i + 1])[0], y[i]), f"{name} M={M}: row {i} differs alone"
@@ -156,18 +164,34 @@ def _q6k_top_codes() -> np.ndarray:
     return b
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q6_K top codes"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q6_K top codes", "Q4_K x8"])
 def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
-    K, rows = 512, 5
-    top = name == "Q6_K top codes"
+    K, rows = 512, 13  # Q4_K x8: a group of 8 and 5 rows after it
+    top, x8 = name == "Q6_K top codes", name == "Q4_K x8"
+    name = name.removesuffix(" x8")
     block, name = (_q6k_top_codes(), "Q6_K") if top else (_extreme_block(name), name)
     raw = np.tile(block, (rows, K // 256))
     ref = torch.from_numpy(gguf.quants.dequantize(raw, T[name])).double()
     assert ref.abs().max().item() == (31 * 128 if top else {"Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}[name])
-    w = native.NativeWeight(int(T[name]), rows, K, torch.from_numpy(raw))
+    data = gguf_interleave.pack(torch.from_numpy(raw)) if x8 else torch.from_numpy(raw)
+    w = native.NativeWeight(int(T[name]), rows, K, data, layout=native.X8 if x8 else 0)
     x = torch.ones(3, K)
     x[1] = -1.0
     x[2, ::2] = -1.0  # mixed signs: partial sums cancel
     y = w.matmul(x).double()
     want = x.double() @ ref.T
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-3)
+
+
+def test_interleaved_rows_split_anywhere_across_threads():
+    """Threads split a joined product's rows in chunks of 32 counted over all its weights: the second
+    weight's groups of 8 are then cut mid-group. Each row must still get its bits."""
+    a, _ = weight("Q4_K x8", 512)
+    b, _ = weight("Q4_K x8", 512, "quantized")
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    native.set_threads(2)
+    try:
+        joined = native.JoinedWeights([a, b]).matmul(x)
+    finally:
+        native.set_threads(torch.get_num_threads())
+    assert torch.equal(joined, torch.cat([a.matmul(x), b.matmul(x)], dim=1))

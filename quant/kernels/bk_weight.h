@@ -21,7 +21,10 @@ typedef struct {
     int64_t row_bytes;
     const uint16_t *scales, *zeros; /* BK_I4G: bf16 [N, K / group] */
     const float *row_scales;        /* BK_I8R: [N] */
+    int layout;                     /* 0: rows as the format stores them; BK_X8: Q4_K rows interleaved by 8 (q4k_x8.h) */
 } bk_weight;
+
+#define BK_X8 8
 
 #define TILE 4 /* weight rows dequantized and multiplied together */
 #define BK_CHUNK 512 /* columns of a tile dequantized at a time: 4 x 512 floats (8 KB) stay in L1 */

@@ -11,6 +11,7 @@
 #include "gguf_types.h"
 #include "int_dot.h"
 #include "int8_dot.h"
+#include "q4k_x8.h"
 
 #ifndef BK_CHUNK1
 #define BK_CHUNK1 256
@@ -61,6 +62,11 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
         return;
     }
     int bw = bk_block_weights(w->type), bb = bk_block_bytes(w->type);
+    if (w->layout == BK_X8) {
+        uint8_t blk[144];
+        for (int b = k0 / bw; b < k1 / bw; b++) dq_q4_k(x8_block(w, n, b, blk), y + b * bw - k0);
+        return;
+    }
 #define ROWS_OF(FN) for (int b = k0 / bw; b < k1 / bw; b++) FN(r + (int64_t)b * bb, y + b * bw - k0); break
     switch (w->type) {
     case BK_Q4_0: ROWS_OF(dq_q4_0);
@@ -195,6 +201,10 @@ void CAT(bk_dequant_rows, BK_SUFFIX)(const bk_weight *w, const int64_t *rows, in
 /* Rows n0..n1 of an integer-block weight (bk_int_type) times quantized activations (int_dot.h). */
 void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
                                  float *buf) {
+    if (w->layout == BK_X8) {
+        x8_rows(w, n0, n1, M, x, y, ldy, (v16 *)buf);
+        return;
+    }
     if (x->q8 && bk_act8_type(w->type)) {
         v16 one[1], *acc = M == 1 ? one : (v16 *)buf; /* decode: the sums in registers */
         switch (w->type) {

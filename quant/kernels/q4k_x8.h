@@ -1,0 +1,163 @@
+/* Q4_K with its rows interleaved 8 at a time (layout BK_X8), times 8-bit activations.
+ *
+ * Why: in the file's layout one row's super-block is one row's work: its scales decoded, four code
+ * vectors multiplied and each scaled by its sub-blocks' scales, then a float epilogue, all for 256
+ * weights. With 8 rows side by side every vector holds the same 8 code positions of 8 rows, so one
+ * broadcast of 8 activations serves 8 rows, a sub-block's 32 codes are summed in int16 before a
+ * single scale multiply-add, and the scales, d, dmin and the float epilogue are done once per 8
+ * rows. On one AMD EPYC core (2026-11-25) Q4_K went from ~16 to ~24 GB/s of weights from memory
+ * (35 from L3); llama.cpp repacks Q4_K for x86 for the same reason.
+ *
+ * Layout (quant/gguf_interleave.py writes it): rows in groups of 8; per group, super-block after
+ * super-block, 1152 bytes (8 x 144, the file's size):
+ *   [0, 1024)     codes: 16 vectors of 64 bytes; vector u holds, for rows 0..7 in turn, bytes
+ *                 8u..8u+7 of the row's 128 code bytes. Byte i of vector 4c + t: low nibble = weight
+ *                 64c + 8t + i of the super-block (sub-block 2c), high nibble = weight 64c + 32 + 8t + i
+ *                 (sub-block 2c + 1), as in the file.
+ *   [1024, 1040)  d of rows 0..7 (fp16)
+ *   [1040, 1056)  -dmin of rows 0..7 (fp16, sign flipped: exact)
+ *   [1056, 1152)  the 12 scale bytes of each row, regrouped: bytes 0..3 of rows 0..7, then bytes
+ *                 4..7 of rows 0..7, then bytes 8..11 (so every row's six-bit scales and minimums
+ *                 decode in one 32-byte vector each).
+ * Rows past the last whole group (N % 8) follow in the file's layout, at the file's offsets.
+ *
+ * The integers are exact (a sub-block's int16 sum is at most 4 x 2 x 15 x 127 = 15240) and the float
+ * epilogue is one function for one activation row or many: a row's bits do not depend on the batch. */
+#ifndef BRISK_Q4K_X8_H
+#define BRISK_Q4K_X8_H
+
+#include "int8_dot.h"
+
+#define X8_ROWS 8
+#define X8_BYTES 1152 /* one group's super-block */
+#ifndef X8_PREFETCH
+#define X8_PREFETCH 4608 /* bytes ahead of the super-block being read (4 of them): measured 2304..4608 best */
+#endif
+
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef uint8_t u8x32s __attribute__((vector_size(32)));
+
+/* 8 activation bytes in every 64-bit lane */
+BK_INLINE i8x64 bcast8(const int8_t *p) {
+#if defined(__AVX512F__)
+    uint64_t u;
+    memcpy(&u, p, 8);
+    return (i8x64)_mm512_set1_epi64((long long)u);
+#else /* (a vector splat of a uint64 crashes GCC 12's AVX2 build) */
+    i8x64 v;
+    for (int i = 0; i < 64; i += 8) memcpy((int8_t *)&v + i, p, 8);
+    return v;
+#endif
+}
+
+BK_INLINE bk_v8 half8(const uint8_t *p) {
+#if defined(__F16C__)
+    return (bk_v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    bk_v8 v;
+    for (int i = 0; i < 8; i++) v[i] = bk_fp16(p + 2 * i);
+    return v;
+#endif
+}
+
+/* One group's super-block, decoded once for every activation row */
+typedef struct {
+    i16x32 s[8];   /* sub-block j's scales: int16 lanes 4r..4r+3 hold row r's */
+    i16x32 m0, m1; /* minimums 0..3 and 4..7: lane 4r + t holds row r's minimum t (or 4 + t) */
+    v16 d, nm;     /* lanes 2r, 2r + 1: row r's d and -dmin */
+} x8_head;
+
+#define SPREAD(v, j) __builtin_shufflevector(v, v, j, j, j, j, 4 + j, 4 + j, 4 + j, 4 + j, 8 + j, 8 + j, 8 + j, 8 + j, \
+    12 + j, 12 + j, 12 + j, 12 + j, 16 + j, 16 + j, 16 + j, 16 + j, 20 + j, 20 + j, 20 + j, 20 + j, 24 + j, 24 + j, \
+    24 + j, 24 + j, 28 + j, 28 + j, 28 + j, 28 + j)
+
+BK_INLINE void x8_read(const uint8_t *g, x8_head *h) {
+    u8x32s A, B, C; /* lanes 4r + i: row r's scale bytes i, 4 + i, 8 + i */
+    memcpy(&A, g + 1056, 32), memcpy(&B, g + 1088, 32), memcpy(&C, g + 1120, 32);
+    /* Q4_K's six-bit packing: scales 0..3 and minimums 0..3 in the low bits of bytes 0..3 / 4..7;
+     * scales and minimums 4..7: low four bits in byte 8..11's nibbles, top two in bytes 0..7's top bits */
+    i16x32 lo = __builtin_convertvector(A & 63, i16x32), hi = __builtin_convertvector((C & 15) | ((A >> 6) << 4), i16x32);
+    h->s[0] = SPREAD(lo, 0), h->s[1] = SPREAD(lo, 1), h->s[2] = SPREAD(lo, 2), h->s[3] = SPREAD(lo, 3);
+    h->s[4] = SPREAD(hi, 0), h->s[5] = SPREAD(hi, 1), h->s[6] = SPREAD(hi, 2), h->s[7] = SPREAD(hi, 3);
+    h->m0 = __builtin_convertvector(B & 63, i16x32);
+    h->m1 = __builtin_convertvector((C >> 4) | ((B >> 6) << 4), i16x32);
+    bk_v8 d = half8(g + 1024), m = half8(g + 1040);
+    h->d = __builtin_shufflevector(d, d, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    h->nm = __builtin_shufflevector(m, m, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+}
+
+/* f += a group's super-block times one activation row (x: its 256 codes in order; xm: its 8 sums of
+ * 32 codes; s: its scale). Lanes 2r, 2r + 1 of f are row r's (two halves of its code positions). */
+BK_INLINE v16 x8_accumulate(const uint8_t *g, const x8_head *h, const int8_t *x, const int16_t *xm, v16 s, v16 f) {
+    vi16 a = {0};
+    for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1 */
+        i16x32 lo = {0}, hi = {0};
+        for (int t = 0; t < 4; t++) {
+            u8x64 v = load_u8x64(g + 64 * (4 * c + t));
+            lo += maddubs(v & 15, bcast8(x + 64 * c + 8 * t));
+            hi += maddubs(high_nibbles(v), bcast8(x + 64 * c + 32 + 8 * t));
+        }
+        a += madd(lo, h->s[2 * c]) + madd(hi, h->s[2 * c + 1]);
+    }
+    /* lane 2r + e of mn: row r's minimums 2e, 2e + 1, 4 + 2e, 5 + 2e times their sub-blocks' sums */
+    vi16 mn = madd(h->m0, (i16x32)bcast8((const int8_t *)xm)) + madd(h->m1, (i16x32)bcast8((const int8_t *)(xm + 4)));
+    /* written as multiply-adds so that no copy is left to -ffp-contract (see fma16) */
+    v16 t = fma16(__builtin_convertvector(a, v16), h->d, (v16){0});
+    t = fma16(__builtin_convertvector(mn, v16), h->nm, t);
+    return fma16(t, s, f);
+}
+
+/* Rows n0..n1 of a BK_X8 weight times M rows of 8-bit activations, y[m * ldy + n]. A group partly
+ * inside n0..n1 (a thread's chunk edge) is computed whole and only its rows inside stored. acc: M
+ * vectors of scratch (M > 1). */
+BK_INLINE void x8_rows(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy, v16 *acc) {
+    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS;
+    int64_t group_bytes = (int64_t)ns * X8_BYTES;
+    for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
+        const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
+        v16 f1 = {0};
+        for (int mi = 0; mi < M && M > 1; mi++) acc[mi] = (v16){0};
+        for (int sb = 0; sb < ns; sb++) {
+            const uint8_t *g = grp + (int64_t)sb * X8_BYTES;
+            for (int o = 0; o < X8_BYTES; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
+            x8_head h;
+            x8_read(g, &h);
+            if (M == 1) {
+                f1 = x8_accumulate(g, &h, x->q8 + sb * 256, x->xm8 + sb * 16 + 8, splat16(x->s8[sb]), f1);
+                continue;
+            }
+            for (int mi = 0; mi < M; mi++) {
+                int64_t at = (int64_t)mi * ns + sb;
+                acc[mi] = x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), acc[mi]);
+            }
+        }
+        for (int mi = 0; mi < M; mi++) {
+            v16 f = M == 1 ? f1 : acc[mi];
+            for (int r = 0; r < X8_ROWS; r++)
+                if (g0 + r >= n0 && g0 + r < n1) y[(int64_t)mi * ldy + g0 + r] = f[2 * r] + f[2 * r + 1];
+        }
+    }
+    if (n1 > whole) { /* the rows after the last group: in the file's layout, where the file has them */
+        bk_weight tail = *w;
+        tail.layout = 0;
+        int a = n0 > whole ? n0 : whole;
+        int8_tile_rows(&tail, BK_Q4_K, a, n1, M, x, y, ldy, acc);
+    }
+}
+
+/* Row n's super-block sb back in the file's 144 bytes (dequantizing a row: embedding lookups, tiles) */
+BK_INLINE const uint8_t *x8_block(const bk_weight *w, int n, int sb, uint8_t *out) {
+    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS;
+    if (n >= whole) /* a group is 8 rows' bytes: the rows after the last one sit where the file has them */
+        return w->data + (int64_t)n * w->row_bytes + sb * 144;
+    const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * X8_BYTES;
+    int r = n % X8_ROWS;
+    for (int u = 0; u < 16; u++) memcpy(out + 16 + 8 * u, g + 64 * u + 8 * r, 8);
+    memcpy(out, g + 1024 + 2 * r, 2);
+    memcpy(out + 2, g + 1040 + 2 * r, 2);
+    out[3] ^= 0x80; /* back to +dmin */
+    for (int i = 0; i < 4; i++) out[4 + i] = g[1056 + 4 * r + i], out[8 + i] = g[1088 + 4 * r + i], out[12 + i] = g[1120 + 4 * r + i];
+    return out;
+}
+
+#endif
