@@ -21,6 +21,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -71,23 +72,28 @@ X86_LEVELS = {"plain": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
 FLAGS = ["-O3", "-fPIC", "-std=gnu11", "-ffp-contract=fast", "-Wno-psabi", "-pthread", "-Werror=implicit-function-declaration"]
 
 
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str]:
+    """CC (a command, e.g. "zig cc"), else clang, else cc or gcc. clang first: GCC 12 compiles the AVX2
+    copy's 64-byte vectors through the stack, and that copy ran 4-10x slower than clang's build of
+    the same code (2026-11-25, SmolLM2 27 vs ~100 tok/s); AVX-512 and NEON builds are fine either way."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    cc = shutil.which("clang") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
-    return cc
+        raise RuntimeError("no C compiler found (set CC, or install clang or gcc)")
+    return [cc]
 
 
-def _compile_commands(cc: str, out_dir: Path, x86: bool) -> tuple[list[list[str]], list[Path]]:
+def _compile_commands(cc: list[str], out_dir: Path, x86: bool) -> tuple[list[list[str]], list[Path]]:
     levels = X86_LEVELS if x86 else {"plain": []}
     cmds, objs = [], []
     for name, flags in levels.items():
         for src in PER_LEVEL:
             obj = out_dir / f"{src}_{name}.o"
-            cmds.append([cc, *FLAGS, *flags, f"-DBK_SUFFIX=_{name}", "-c", str(KERNELS / f"{src}.c"), "-o", str(obj)])
+            cmds.append([*cc, *FLAGS, *flags, f"-DBK_SUFFIX=_{name}", "-c", str(KERNELS / f"{src}.c"), "-o", str(obj)])
             objs.append(obj)
     obj = out_dir / "brisk_kernels.o"
-    cmds.append([cc, *FLAGS, f"-DBK_LEVELS={len(levels)}", "-c", str(SOURCE), "-o", str(obj)])
+    cmds.append([*cc, *FLAGS, f"-DBK_LEVELS={len(levels)}", "-c", str(SOURCE), "-o", str(obj)])
     return cmds, objs + [obj]
 
 
@@ -116,15 +122,27 @@ def build(out_dir: Path | None = None) -> Path:
             results = [(p, *p.communicate(timeout=120)) for p in procs]
             for p, _, err in results:
                 if p.returncode != 0:
-                    raise RuntimeError(f"{cc} failed: {_first_error(err, p.returncode)}")
-            r = subprocess.run([cc, "-shared", "-pthread", "-o", str(tmp_lib), *map(str, objs), "-lm"],
+                    raise RuntimeError(f"{cc[0]} failed: {_first_error(err, p.returncode)}")
+            r = subprocess.run([*cc, "-shared", "-pthread", "-o", str(tmp_lib), *map(str, objs), "-lm"],
                                capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
-            raise RuntimeError(f"cannot run {cc}: {e}") from None
+            raise RuntimeError(f"cannot run {cc[0]}: {e}") from None
         if r.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {_first_error(r.stderr, r.returncode)}")
+            raise RuntimeError(f"{cc[0]} failed: {_first_error(r.stderr, r.returncode)}")
+        try:  # which compiler built it (library() warns about GCC's AVX2 copy)
+            version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            version = ""
+        lib.with_suffix(".compiler").write_text(version.splitlines()[0] if version else "")
         os.replace(tmp_lib, lib)
     return lib
+
+
+def slow_avx2_build(lib: Path) -> bool:
+    """Whether this library's AVX2 copy was built by a compiler other than clang (GCC's runs 4-10x
+    slower: see _compiler)."""
+    marker = lib.with_suffix(".compiler")
+    return marker.exists() and "clang" not in marker.read_text().lower()
 
 
 class Weight(ctypes.Structure):
@@ -177,6 +195,9 @@ def library():
     lib.bk_act8.argtypes, lib.bk_act8.restype = [i], None
     lib.bk_act8(int(ACT8))
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
+    if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):
+        warnings.warn("brisk's native kernels for this CPU (AVX2) were built with GCC, whose code for them runs "
+                      "about 4x slower than clang's: install clang (or set CC) for full speed")
     return lib
 
 

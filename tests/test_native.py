@@ -212,7 +212,7 @@ def test_builds_for_arm_with_neon(tmp_path):
 
     pytest.importorskip("ziglang")
     zig = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu"]
-    cmds, objs = native._compile_commands("cc", tmp_path, x86=False)
+    cmds, objs = native._compile_commands(["cc"], tmp_path, x86=False)
     assert len(cmds) == len(native.PER_LEVEL) + 1  # tiles.c and decoder.c once (plain), brisk_kernels.c
     for cmd in cmds:
         subprocess.run(zig + cmd[1:], check=True, capture_output=True)
