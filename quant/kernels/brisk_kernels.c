@@ -178,7 +178,7 @@ static void parallel_rows(chunk_fn run, const void *args, int n, int min_chunk) 
         return;
     }
     int chunk = (n + 4 * threads - 1) / (4 * threads); /* a few chunks each: uneven cores even out */
-    chunk = (chunk + TILE - 1) / TILE * TILE;          /* whole tiles */
+    chunk = (chunk + 7) / 8 * 8; /* whole tiles of 4, whole interleaved groups of 8 (q4k_x8.h) */
     if (chunk < min_chunk) chunk = min_chunk;
     P.run = run;
     P.args = args;
