@@ -1,7 +1,7 @@
 """A GGUF weight kept in the file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K), multiplied
 by brisk's native kernels on the CPU: no float copy, memory-mapped from the file where its rows need
-no reordering and no interleaving (Q4_K's rows are interleaved 8 at a time at load: the same bytes,
-moved, gguf_interleave.py). The block layouts are in kernels/gguf_types.h."""
+no reordering and no interleaving (Q4_K's and Q8_0's rows are interleaved 8 at a time at load: the
+same bytes, moved, gguf_interleave.py). The block layouts are in kernels/gguf_types.h."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,7 +67,7 @@ class GGUFLinear(QuantLinear):
 
     def file_blocks(self) -> torch.Tensor:
         """The blocks in the file's layout."""
-        return gguf_interleave.unpack(self.blocks) if self.layout else self.blocks
+        return gguf_interleave.unpack(self.blocks, self.qtype) if self.layout else self.blocks
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", type={self.type_name}" + (", rows interleaved" if self.layout else "")

@@ -28,7 +28,7 @@ def shapes(name: str) -> list[int]:
     return [256, 512] if name.removesuffix(" x8").endswith("_K") else [96, 512]
 
 
-CASES = [(name, K) for name in TYPES + ["Q4_K x8"] for K in shapes(name)]
+CASES = [(name, K) for name in TYPES + ["Q4_K x8", "Q8_0 x8"] for K in shapes(name)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,9 +63,9 @@ def blocks(name: str, K: int, source: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def weight(name: str, K: int, source: str = "random") -> tuple[native.NativeWeight, np.ndarray]:
-    """name "Q4_K x8": Q4_K with its rows interleaved by 8 (gguf_interleave), as brisk loads Q4_K
+    """name "Q4_K x8" / "Q8_0 x8": rows interleaved by 8 (gguf_interleave), as brisk loads those types
     (N = 37: four groups and a tail of 5 rows in the file's layout)."""
-    x8 = name == "Q4_K x8"
+    x8 = name.endswith(" x8")
     name = name.removesuffix(" x8")
     made = blocks(name, K, source)
     if made is None:
@@ -73,8 +73,8 @@ def weight(name: str, K: int, source: str = "random") -> tuple[native.NativeWeig
     raw, ref = made
     assert native.takes(int(T[name]), K)
     if x8:
-        packed = gguf_interleave.pack(torch.from_numpy(raw))
-        assert torch.equal(gguf_interleave.unpack(packed), torch.from_numpy(raw))
+        packed = gguf_interleave.pack(torch.from_numpy(raw), int(T[name]))
+        assert torch.equal(gguf_interleave.unpack(packed, int(T[name])), torch.from_numpy(raw))
         return native.NativeWeight(int(T[name]), N, K, packed, layout=native.X8), ref
     return native.NativeWeight(int(T[name]), N, K, torch.from_numpy(raw)), ref
 
@@ -183,11 +183,12 @@ def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-3)
 
 
-def test_interleaved_rows_split_anywhere_across_threads():
-    """Threads split a joined product's rows in chunks of 32 counted over all its weights: the second
-    weight's groups of 8 are then cut mid-group. Each row must still get its bits."""
-    a, _ = weight("Q4_K x8", 512)
-    b, _ = weight("Q4_K x8", 512, "quantized")
+@pytest.mark.parametrize("name", ["Q4_K x8", "Q8_0 x8"])
+def test_interleaved_rows_split_anywhere_across_threads(name):
+    """Threads split a joined product's rows in chunks counted over all its weights: the second
+    weight (after 37 rows) has its groups of 8 cut mid-group. Each row must still get its bits."""
+    a, _ = weight(name, 512)
+    b, _ = weight(name, 512, "quantized")
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     native.set_threads(2)
     try:

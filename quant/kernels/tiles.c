@@ -12,6 +12,7 @@
 #include "int_dot.h"
 #include "int8_dot.h"
 #include "q4k_x8.h"
+#include "q8_x8.h"
 
 #ifndef BK_CHUNK1
 #define BK_CHUNK1 256
@@ -62,9 +63,12 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
         return;
     }
     int bw = bk_block_weights(w->type), bb = bk_block_bytes(w->type);
-    if (w->layout == BK_X8) {
+    if (w->layout == BK_X8) { /* each block gathered back into the file's bytes */
         uint8_t blk[144];
-        for (int b = k0 / bw; b < k1 / bw; b++) dq_q4_k(x8_block(w, n, b, blk), y + b * bw - k0);
+        for (int b = k0 / bw; b < k1 / bw; b++) {
+            if (w->type == BK_Q4_K) dq_q4_k(x8_block(w, n, b, blk), y + b * bw - k0);
+            else dq_q8_0(q8x8_block(w, n, b, blk), y + b * bw - k0);
+        }
         return;
     }
 #define ROWS_OF(FN) for (int b = k0 / bw; b < k1 / bw; b++) FN(r + (int64_t)b * bb, y + b * bw - k0); break
@@ -202,7 +206,8 @@ void CAT(bk_dequant_rows, BK_SUFFIX)(const bk_weight *w, const int64_t *rows, in
 void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
                                  float *buf) {
     if (w->layout == BK_X8) {
-        x8_rows(w, n0, n1, M, x, y, ldy, (v16 *)buf);
+        if (w->type == BK_Q4_K) x8_rows(w, n0, n1, M, x, y, ldy, (v16 *)buf);
+        else q8x8_rows(w, n0, n1, M, x, y, ldy, (v16 *)buf);
         return;
     }
     if (x->q8 && bk_act8_type(w->type)) {

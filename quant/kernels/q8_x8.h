@@ -1,0 +1,117 @@
+/* Q8_0 with its rows interleaved 8 at a time (layout BK_X8), times 16-bit activations (int_dot.h's
+ * grid: one scale per 32 inputs).
+ *
+ * Why: Gemma 3 270M's tied 262144 x 640 Q8_0 table is most of a decode step, and the file layout's
+ * tiles of 4 rows read it at 12.3 GB/s from memory on one AMD EPYC core (2026-11-25), while one
+ * forward stream reaches ~24 (q4k_x8.h). Interleaved, 8 rows' blocks are one stream, and a block's
+ * scale work (d times the activations' scale, the float multiply-add) is done for 8 rows at once.
+ *
+ * Layout (quant/gguf_interleave.py): rows in groups of 8; per group, block after block, 272 bytes
+ * (8 x 34, the file's size):
+ *   [0, 256)    codes: 4 vectors of 64 bytes; vector c holds, for rows 0..7 in turn, codes 8c..8c+7
+ *   [256, 272)  d of rows 0..7 (fp16)
+ * Rows past the last whole group follow in the file's layout, at the file's offsets.
+ *
+ * The int32 sums are exact and the float epilogue is one function for one activation row or many:
+ * a row's bits do not depend on its batch. */
+#ifndef BRISK_Q8_X8_H
+#define BRISK_Q8_X8_H
+
+#include "q4k_x8.h"
+
+#define Q8X8_BYTES 272 /* one group's block */
+
+typedef int8_t i8x32v __attribute__((vector_size(32)));
+
+/* 8 int16 activations in every 128-bit lane */
+BK_INLINE i16x32 bcast16x8(const int16_t *p) {
+#if defined(__AVX512F__)
+    return (i16x32)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+#else
+    i16x32 v;
+    for (int i = 0; i < 32; i += 8) memcpy((int16_t *)&v + i, p, 16);
+    return v;
+#endif
+}
+
+BK_INLINE i16x32 widen_i8(const uint8_t *p) {
+    i8x32v c;
+    memcpy(&c, p, 32);
+    return __builtin_convertvector(c, i16x32);
+}
+
+/* A group's block ready for the multiply-adds: codes widened to int16 (vector 2c + h: codes 8c..8c+7
+ * of rows 4h..4h+3), the rows' d at lanes 4r'..4r'+3 (rows 0..3, 4..7). Made once for every
+ * activation row. */
+typedef struct {
+    i16x32 w[8];
+    v16 d0, d1;
+} q8x8_block_t;
+
+BK_INLINE void q8x8_read(const uint8_t *g, q8x8_block_t *b) {
+    for (int c = 0; c < 4; c++) b->w[2 * c] = widen_i8(g + 64 * c), b->w[2 * c + 1] = widen_i8(g + 64 * c + 32);
+    bk_v8 d = half8(g + 256);
+    b->d0 = __builtin_shufflevector(d, d, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    b->d1 = __builtin_shufflevector(d, d, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+}
+
+/* f0 (rows 0..3), f1 (rows 4..7) += a group's block times one activation row's block (x: 32 codes,
+ * s: its scale). Lanes 4r'..4r'+3 of f0 / f1 are row r' / 4 + r''s partial sums. */
+BK_INLINE void q8x8_accumulate(const q8x8_block_t *b, const int16_t *x, float s, v16 *f0, v16 *f1) {
+    vi16 a0 = {0}, a1 = {0};
+    for (int c = 0; c < 4; c++) {
+        i16x32 xv = bcast16x8(x + 8 * c);
+        a0 += madd(b->w[2 * c], xv);
+        a1 += madd(b->w[2 * c + 1], xv);
+    }
+    v16 sv = splat16(s);
+    /* written as multiply-adds so that no copy is left to -ffp-contract (see fma16) */
+    *f0 = fma16(__builtin_convertvector(a0, v16), fma16(b->d0, sv, (v16){0}), *f0);
+    *f1 = fma16(__builtin_convertvector(a1, v16), fma16(b->d1, sv, (v16){0}), *f1);
+}
+
+BK_INLINE float sum4(v16 f, int r) { return (f[4 * r] + f[4 * r + 1]) + (f[4 * r + 2] + f[4 * r + 3]); }
+
+/* Rows n0..n1 of a BK_X8 Q8_0 weight times M rows of 16-bit activations, y[m * ldy + n]; a group
+ * partly inside n0..n1 is computed whole and only its rows inside stored. acc: 2 M vectors. */
+BK_INLINE void q8x8_rows(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy, v16 *acc) {
+    int nb = w->K / QK, whole = w->N / X8_ROWS * X8_ROWS;
+    int64_t group_bytes = (int64_t)nb * Q8X8_BYTES;
+    for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
+        const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
+        v16 one[2] = {{0}, {0}}, *f = M == 1 ? one : acc;
+        for (int i = 0; i < 2 * M && M > 1; i++) acc[i] = (v16){0};
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *g = grp + (int64_t)b * Q8X8_BYTES;
+            for (int o = 0; o < Q8X8_BYTES; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
+            q8x8_block_t blk;
+            q8x8_read(g, &blk);
+            for (int mi = 0; mi < M; mi++) {
+                int64_t at = (int64_t)mi * nb + b;
+                q8x8_accumulate(&blk, x->q + at * QK, x->s[at], &f[2 * mi], &f[2 * mi + 1]);
+            }
+        }
+        for (int mi = 0; mi < M; mi++)
+            for (int r = 0; r < X8_ROWS; r++)
+                if (g0 + r >= n0 && g0 + r < n1) y[(int64_t)mi * ldy + g0 + r] = sum4(f[2 * mi + r / 4], r % 4);
+    }
+    if (n1 > whole) { /* the rows after the last group, as the file has them */
+        bk_weight tail = *w;
+        tail.layout = 0;
+        int a = n0 > whole ? n0 : whole;
+        int_tile_rows(&tail, BK_Q8_0, a, n1, M, x, y, ldy, acc);
+    }
+}
+
+/* Row n's block b back in the file's 34 bytes */
+BK_INLINE const uint8_t *q8x8_block(const bk_weight *w, int n, int b, uint8_t *out) {
+    int nb = w->K / QK, whole = w->N / X8_ROWS * X8_ROWS;
+    if (n >= whole) return w->data + (int64_t)n * w->row_bytes + b * 34;
+    const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * nb + b) * Q8X8_BYTES;
+    int r = n % X8_ROWS;
+    memcpy(out, g + 256 + 2 * r, 2);
+    for (int c = 0; c < 4; c++) memcpy(out + 2 + 8 * c, g + 64 * c + 8 * r, 8);
+    return out;
+}
+
+#endif
