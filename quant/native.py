@@ -1,5 +1,5 @@
 """brisk's native CPU kernels (kernels/*.c, *.h): built on first use with the platform's C
-compiler (about two seconds), cached, loaded with ctypes; None where that cannot be done, and brisk
+compiler (20-40 s with GCC on 2 cores), cached, loaded with ctypes; None where that cannot be done, and brisk
 then runs torch's kernels, saying so once.
 
 One product for every weight format (GGUF's Q4_0..Q8_0 and K-quants, brisk's int4 groups and int8
