@@ -1,25 +1,32 @@
-"""Speculative decoding on SmolLM2-135M (float32, CPU): speed and acceptance per drafter.
+"""Speculative decoding on SmolLM2-135M (CPU): speed and acceptance per drafter, float32 and the
+default load (the Q4_1 GGUF kept quantized).
 
 Two kinds of prompts: input-grounded ones (rewrite, summarize, edit code: the answer copies much
-of the prompt) and open-ended ones (stories: little to copy). Every configuration decodes the same
-prompts greedily, right after plain decoding of the same prompt, so each speedup compares runs
-made minutes apart on the same machine. Prints a markdown table and appends it to
-bench/RESULTS.md with the date, machine and commit. Not a test: targets are tracked, not asserted.
+of the prompt) and open-ended ones (stories: little to copy). Each prompt is decoded greedily by
+plain decoding and then by every configuration, alternating, --reps times; each configuration's
+time on a prompt is the median of its reps (another process may share the CPU), and its speedup
+compares with plain decoding's median on the same prompt in the same run; a second plain row
+("none again", decoded last in each rep) shows how far the machine's noise alone moves a
+speedup. Also measured: the cost of one target pass over T tokens (a verification pass, chain or
+tree) relative to a 1-token step, per T, which bounds what any drafter can gain on this machine.
+Prints markdown and appends it to bench/RESULTS.md with the date, machine and commit. Not a test:
+targets are tracked, not asserted.
 
-    python bench/speculative.py [--max-tokens 128] [--k 4] [--quick] [--no-save]
+    python bench/speculative.py [--max-tokens 128] [--reps 3] [--drafters ngram,lookahead,self:int8,self:int4]
+                                [--k 4] [--lookahead 5,3,2] [--loads float32,default] [--quick] [--no-save]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import os
+import random
+import statistics
 import subprocess
 import time
 from pathlib import Path
 
 import torch
-
-from brisk.core.kv import ContiguousKV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,129 +78,161 @@ def decode(llm, ids, speculator, max_tokens):
     s = Session(llm, speculator=speculator)
     list(s.stream(ids, GREEDY, max_tokens))
     r = s.last
-    return r.tokens, len(r.tokens) - 1, r.decode_s, r.spec  # the first token comes from prefill
+    made = len(r.tokens) - 1 + (r.finish_reason == "eos")  # by decode passes: an EOS is made too, not kept
+    passes = r.spec["passes"] if r.spec else made
+    return r.tokens, len(r.tokens) - 1, r.decode_s, r.spec, (made, passes)  # the first token: from prefill
 
 
-def bench(llm, configs, prompts, max_tokens):
-    """configs: name -> speculator factory (None: plain). Returns rows per (config, kind)."""
+def bench(llm, configs, prompts, max_tokens, reps):
+    """configs: name -> (draft, k, lookahead) or None (plain). Returns per (config, kind) totals."""
     from brisk.core.speculative import make_speculator
 
-    specs = {name: (make_speculator(llm, d, k) if d else None) for name, (d, k) in configs.items()}
+    specs = {name: (make_speculator(llm, *c) if c else None) for name, c in configs.items()}
     decode(llm, llm.prompt_ids("Hi"), None, 8)  # warm-up
     acc = {}
     for kind, texts in prompts.items():
         for text in texts:
             ids = llm.prompt_ids(text)
-            plain_tokens, n0, t0, _ = decode(llm, ids, None, max_tokens)
-            for name, sp in specs.items():
-                if sp is None:
-                    toks, n, t, st = plain_tokens, n0, t0, None
-                else:
-                    toks, n, t, st = decode(llm, ids, sp, max_tokens)
-                a = acc.setdefault((name, kind), {"n": 0, "t": 0.0, "n0": 0, "t0": 0.0, "drafted": 0,
-                                                  "accepted": 0, "rounds": 0, "same": True, "each": []})
+            runs = {name: [] for name in specs}
+            for _ in range(reps):  # alternate: a slow spell of the machine hits every configuration
+                for name, sp in specs.items():
+                    runs[name].append(decode(llm, ids, sp, max_tokens))
+            plain_tokens, n0 = runs["none"][0][0], runs["none"][0][1]
+            t0 = statistics.median(r[2] for r in runs["none"])
+            for name, rs in runs.items():
+                toks, n, _, st, (made, passes) = rs[0]
+                t = statistics.median(r[2] for r in rs)
+                a = acc.setdefault((name, kind), {"n": 0, "t": 0.0, "n0": 0, "t0": 0.0, "drafted": 0, "accepted": 0,
+                                                  "rounds": 0, "made": 0, "passes": 0, "same": True, "each": [],
+                                                  "options": {}})
                 a["n"] += n
                 a["t"] += t
                 a["n0"] += n0
                 a["t0"] += t0
-                a["same"] &= toks == plain_tokens
+                a["made"] += made
+                a["passes"] += passes
+                a["same"] &= all(r[0] == plain_tokens for r in rs)
                 a["each"].append((n / t) / (n0 / t0))
+                for r in rs:
+                    for key, v in ((r[3] or {}).get("options") or {}).items():
+                        a["options"][key] = a["options"].get(key, 0) + v
                 if st:
                     for key in ("drafted", "accepted", "rounds"):
                         a[key] += st[key]
-                print(f"  {kind:8} {name:16} {n / t:6.1f} tok/s  x{(n / t) / (n0 / t0):.2f}", flush=True)
+                print(f"  {kind:8} {name:18} {n / t:6.1f} tok/s  x{(n / t) / (n0 / t0):.2f}  "
+                      f"{made / passes:.2f} tok/pass", flush=True)
     return acc
 
 
-def costs(llm, draft_models):
-    """Milliseconds of one target pass over 1, 2, 5 and 9 tokens, and of one draft step."""
-    out = {}
+PASS_SIZES = list(range(1, 17)) + [20, 24, 32, 48, 64]
+
+
+def pass_costs(llm, reps=9):
+    """Median milliseconds of one target pass over T tokens after a ~100-token prompt, T in
+    PASS_SIZES, sizes in a new random order each rep. T > 1 runs as a tree step (a chain-shaped
+    tree: the same work as any tree of T nodes, and as a chain verification)."""
+    from brisk.core.kv.base import ancestor_mask
+
     cache = llm.new_cache()
-    ids = torch.tensor([llm.prompt_ids("Tell me a story.")])
-
-    def timed(model, c, n, reps=9):
-        ts = []
-        for _ in range(reps):  # at the positions after the prompt, written over each time
-            t = time.perf_counter()
-            model(ids[:, :n], ids.shape[1], c)
-            ts.append(time.perf_counter() - t)
-        return sorted(ts)[reps // 2] * 1e3
-
+    ids = torch.tensor([llm.prompt_ids(OPEN[0] + " " + PASSAGE)])
+    toks = torch.randint(100, 1000, (1, max(PASS_SIZES)), generator=torch.Generator().manual_seed(0))
+    times = {T: [] for T in PASS_SIZES}
+    order = list(PASS_SIZES)
     with torch.inference_mode():
         llm.model(ids, 0, cache)
-        for n in (1, 2, 5, 9):
-            out[f"target pass, {n} token{'s' * (n > 1)}"] = timed(llm.model, cache, n)
-        for name, model in draft_models.items():
-            c = ContiguousKV.for_model(model, 64)
-            model(ids, 0, c)
-            out[f"{name} draft step"] = timed(model, c, 1)
-    return out
+        for _ in range(reps):
+            random.shuffle(order)
+            for T in order:
+                tree = ancestor_mask(list(range(-1, T - 2))) if T > 1 else None
+                t = time.perf_counter()
+                llm.model(toks[:, :T], ids.shape[1], cache, tree=tree)
+                times[T].append(time.perf_counter() - t)
+    return {T: statistics.median(v) * 1e3 for T, v in times.items()}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4, help="the fixed K compared with auto")
+    ap.add_argument("--reps", type=int, default=3, help="decodes of each prompt per configuration (median)")
+    ap.add_argument("--drafters", default="ngram,lookahead,self:int8,self:int4")
+    ap.add_argument("--k", type=int, default=4, help="the fixed K compared with auto (chain drafters)")
+    ap.add_argument("--lookahead", default="5,3,2", help="the fixed W,N,G compared with auto")
+    ap.add_argument("--loads", default="float32,default", help="float32 (quantize none) and/or default (as stored)")
     ap.add_argument("--quick", action="store_true", help="one prompt of each kind")
+    ap.add_argument("--threads", type=int, help="CPU threads (default: brisk's, the physical cores)")
     ap.add_argument("--no-save", action="store_true", help="print only, do not append to RESULTS.md")
     args = ap.parse_args()
 
     from brisk.core import LLM
-    from brisk.core.speculative import quantized_copy
+    from brisk.core.device import set_cpu_threads
+
+    set_cpu_threads(args.threads)
 
     prompts = {"grounded": GROUNDED[:1] if args.quick else GROUNDED, "open": OPEN[:1] if args.quick else OPEN}
-    configs = {"none": (None, None)}
-    for d in ("self:int8", "self:int4", "ngram"):
-        configs[f"{d} K=auto"] = (d, "auto")
-        configs[f"{d} K={args.k}"] = (d, args.k)
-
-    llm = LLM.load(None, device="cpu", dtype="float32")
-    cost = costs(llm, {m: quantized_copy(llm.model, m, 64) for m in ("int8", "int4")})
-    print("costs (ms):", {k: round(v, 1) for k, v in cost.items()})
+    drafters = args.drafters.split(",")
     t_start = time.time()
-    acc = bench(llm, configs, prompts, args.max_tokens)
-
-    auto = LLM.load(None, device="cpu", dtype="auto")
-    auto_dtype = str(auto.dtype).removeprefix("torch.")
-    extra = {}
-    if auto.dtype != torch.float32:  # the default dtype differs from float32 on this machine
-        extra = bench(auto, {"none": (None, None), "ngram K=auto": ("ngram", "auto")}, prompts, args.max_tokens)
+    sections, costs = [], {}
+    for load in args.loads.split(","):
+        llm = LLM.load(None, device="cpu", dtype="float32", quantize="none" if load == "float32" else "auto")
+        configs = {"none": None}
+        for d in drafters:
+            if d == "lookahead":
+                configs["lookahead auto"] = ("lookahead", "auto", None)
+                configs[f"lookahead {args.lookahead}"] = ("lookahead", "auto", args.lookahead)
+            elif d.startswith("self:") and llm.quantization != "none":
+                continue  # refused: a quantized copy of a quantized model would not be faster
+            else:
+                configs[f"{d} K=auto"] = (d, "auto", None)
+                configs[f"{d} K={args.k}"] = (d, args.k, None)
+        configs["none again"] = None  # plain decoding once more, last in each rep: the noise floor
+        costs[load] = pass_costs(llm)
+        print(load, llm.quantization, "pass ms:", {T: round(v, 1) for T, v in costs[load].items()}, flush=True)
+        sections.append((load, llm.quantization, bench(llm, configs, prompts, args.max_tokens, args.reps)))
+        del llm
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "?"
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    load = os.getloadavg()[0]
-    head = (f"### Speculative decoding · {datetime.date.today()} · commit {commit} · {cpu}, {os.cpu_count()} cores, "
-            f"{torch.get_num_threads()} torch threads · torch {torch.__version__} · SmolLM2-135M-Instruct\n\n"
-            f"Greedy, up to {args.max_tokens} tokens per prompt; {sum(map(len, prompts.values()))} prompts "
-            f"({len(prompts['grounded'])} input-grounded, {len(prompts['open'])} open-ended); tok/s counts "
-            f"decode steps after the first token. Speedup: against plain decoding of the same prompts in the "
-            f"same run (overall: total tokens / total time; then each prompt's). Load average at the end: "
-            f"{load:.1f}. Took {time.time() - t_start:.0f} s.\n\n")
-    table = ("| dtype | drafter | K | prompts | tok/s | speedup | per prompt | acceptance | accepted/round "
-             "| same output |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               "?")
+    from brisk.core.device import cpu_threads
 
-    def rows(acc, dtype):
-        out = ""
+    head = (f"### Speculative decoding · {datetime.date.today()} · commit {commit} · {cpu}, {os.cpu_count()} cores, "
+            f"{cpu_threads()} threads · "
+            f"torch {torch.__version__} · SmolLM2-135M-Instruct\n\n"
+            f"Greedy, up to {args.max_tokens} tokens per prompt; {sum(map(len, prompts.values()))} prompts "
+            f"({len(prompts['grounded'])} input-grounded, {len(prompts['open'])} open-ended), each decoded "
+            f"{args.reps}x per configuration, alternating; tok/s counts decode steps after the first token, "
+            f"from the median time per prompt. Speedup: against plain decoding of the same prompts in the same "
+            f"run (overall: total tokens / total time; then each prompt's). tok/pass: generated tokens per "
+            f"target pass. Load average at the end: {os.getloadavg()[0]:.1f}. Took {time.time() - t_start:.0f} s."
+            f"\n\n")
+    table = ("| load | drafter | setting | prompts | tok/s | speedup | per prompt | tok/pass | acceptance "
+             "| accepted/round | same output |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    notes = ""
+    for load, quant, acc in sections:
         for (name, kind), a in acc.items():
-            drafter, _, k = name.partition(" K=")
+            drafter, _, setting = name.partition(" ")
             tps, base = a["n"] / a["t"], a["n0"] / a["t0"]
             rate = f"{a['accepted'] / a['drafted']:.2f}" if a["drafted"] else "–"
             per = f"{a['accepted'] / a['rounds']:.2f}" if a["rounds"] else "–"
             each = " ".join(f"{x:.2f}" for x in a["each"])
-            out += (f"| {dtype} | {drafter} | {k or '–'} | {kind} | {tps:.1f} | {tps / base:.2f}× | {each} | {rate} "
-                    f"| {per} | {'yes' if a['same'] else 'NO'} |\n")
-        return out
-
-    table += rows(acc, "float32") + rows(extra, auto_dtype)
-    if not extra:
-        table += f"\nThe default dtype on this CPU is {auto_dtype}: the float32 ngram rows above are its rows.\n"
-    table += "\nCosts (median ms): " + ", ".join(f"{k} {v:.1f}" for k, v in cost.items()) + "\n"
-    print("\n" + head + table)
-    if args.no_save:
-        return
-    with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-        f.write("\n" + head + table)
+            table += (f"| {load} ({quant}) | {drafter} | {setting or '–'} | {kind} | {tps:.1f} | {tps / base:.2f}× "
+                      f"| {each} | {a['made'] / a['passes']:.2f} | {rate} | {per} | {'yes' if a['same'] else 'NO'} |\n")
+            if a["options"]:
+                total = sum(a["options"].values())
+                notes += (f"- {load}, {name}, {kind}: rounds by choice " + ", ".join(
+                    f"{k} {v / total:.0%}" for k, v in sorted(a["options"].items(), key=lambda kv: -kv[1])) + "\n")
+    cost_table = "| T | " + " | ".join(str(T) for T in PASS_SIZES) + " |\n|---|" + "---|" * len(PASS_SIZES) + "\n"
+    for load, cost in costs.items():
+        cost_table += f"| {load} ms | " + " | ".join(f"{cost[T]:.1f}" for T in PASS_SIZES) + " |\n"
+        cost_table += f"| {load} ÷ T=1 | " + " | ".join(f"{cost[T] / cost[1]:.2f}" for T in PASS_SIZES) + " |\n"
+    text = (head + table + ("\nTree drafters' rounds (auto: plain steps where drafting did not pay):\n\n" + notes
+                            if notes else "")
+            + "\nOne target pass over T tokens (median of 9, after a 100-token prompt):\n\n" + cost_table)
+    print("\n" + text)
+    if not args.no_save:
+        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+            f.write("\n" + text)
 
 
 if __name__ == "__main__":

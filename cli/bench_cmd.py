@@ -35,6 +35,7 @@ def bench(
     threads: Optional[int] = c.ThreadsOpt,
     draft: Optional[str] = c.DraftOpt,
     draft_k: str = c.DraftKOpt,
+    lookahead: Optional[str] = c.LookaheadOpt,
     batch: Optional[str] = typer.Option(None, "--batch", help="Comma list of concurrencies, e.g. 1,4,16: instead "
                                         "of the pp/tg rows, the aggregate decode tok/s of that many sequences "
                                         "generating -n tokens each together (continuous batching, paged KV)."),
@@ -58,7 +59,7 @@ def bench(
         from ..core.device import cpu_threads, set_cpu_threads
 
         set_cpu_threads(threads)
-        c.check_draft(draft, draft_k)
+        c.check_draft(draft, draft_k, lookahead)
         out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads())
         pps, tgs = _list(n_prompt, int), _list(n_gen, int)
         batches = _list(batch, int) if batch else []
@@ -77,7 +78,7 @@ def bench(
                 if draft:  # plain and speculative decoding of real text, one pair of rows per -n
                     from ..core.speculative import bench_rows
 
-                    speculator = c.load_speculator(llm, draft, draft_k, quiet=True)
+                    speculator = c.load_speculator(llm, draft, draft_k, quiet=True, lookahead=lookahead)
                     for n in tgs:
                         out.add(bench_rows(llm, speculator, n, reps) if n else [])
                 del llm

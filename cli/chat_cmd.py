@@ -31,6 +31,7 @@ def chat(
     stop: Optional[List[str]] = c.StopOpt,
     draft: Optional[str] = c.DraftOpt,
     draft_k: str = c.DraftKOpt,
+    lookahead: Optional[str] = c.LookaheadOpt,
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
     threads: Optional[int] = c.ThreadsOpt,
@@ -50,11 +51,11 @@ def chat(
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        c.check_draft(draft, draft_k)
+        c.check_draft(draft, draft_k, lookahead)
         llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop)
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
-        conv.session.speculator = c.load_speculator(llm, draft, draft_k)
+        conv.session.speculator = c.load_speculator(llm, draft, draft_k, lookahead=lookahead)
     if interactive:
         try:  # line editing and history for input() (arrow keys, Ctrl-R)
             import readline  # noqa: F401
@@ -154,9 +155,10 @@ def _command(line: str, conv, out: Console) -> bool:
             msg += "\nsampling: " + ", ".join(f"{k} {v}" for k, v in c.sampling_summary(conv.sampling).items())
             if r is not None and r.spec:
                 sp = r.spec
-                msg += (f"\ndraft {sp['drafter']} (K {sp['k']}): {sp['accepted']}/{sp['drafted']} drafted tokens "
+                k = f"K {sp['k']}" if "options" not in sp else sp["k"]  # tree drafters: auto or their size
+                msg += (f"\ndraft {sp['drafter']} ({k}): {sp['accepted']}/{sp['drafted']} drafted tokens "
                         f"accepted ({sp['acceptance_rate']:.0%}), {sp['mean_accepted']:.2f} per round "
-                        f"over {sp['rounds']} rounds")
+                        f"over {sp['rounds']} rounds, {sp['passes']} target passes")
             out.print(msg, style="dim", markup=False)
         elif cmd in ("/help", "/?"):
             out.print(HELP, style="dim")

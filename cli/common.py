@@ -33,11 +33,16 @@ SeedOpt = typer.Option(None, "--seed", help="Random seed; the same seed gives th
 MaxTokOpt = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate.", min=1)
 StopOpt = typer.Option(None, "--stop", help="Stop when this text appears (repeatable); it is not printed.")
 DraftOpt = typer.Option(None, "--draft", help="Speculative decoding. The draft: a smaller model with the same "
-                        "tokenizer, self:int8 | self:int4 (a quantized copy of the model), or ngram (continues text "
-                        "seen earlier in the prompt or answer: fast when the answer copies its input). "
+                        "tokenizer, self:int8 | self:int4 (a quantized copy of the model), ngram (continues text "
+                        "seen earlier in the prompt or answer: fast when the answer copies its input), or "
+                        "lookahead (no draft model: a Jacobi window of guesses and an n-gram pool, verified as a "
+                        "tree in one pass; falls back to plain decoding where it does not pay). "
                         "Output is unchanged.")
 DraftKOpt = typer.Option("auto", "--draft-k", help="Tokens drafted per round: a number, or auto (adapts to how many "
-                         "get accepted and what a draft costs).")
+                         "get accepted and what a draft costs). Not for --draft lookahead.")
+LookaheadOpt = typer.Option(None, "--lookahead", help="--draft lookahead's size W,N,G: window W (0: none), n-gram "
+                            "size N, n-grams verified per round G, e.g. 5,3,2. Default: auto (measured as it runs; "
+                            "plain steps where lookahead does not pay).")
 
 
 @contextlib.contextmanager
@@ -128,18 +133,28 @@ def loading_bar(what: str):
             yield
 
 
-def check_draft(draft: Optional[str], draft_k: str):
-    """Fail fast on --draft-k (before any model loads)."""
+def check_draft(draft: Optional[str], draft_k: str, lookahead: Optional[str] = None):
+    """Fail fast on --draft-k and --lookahead (before any model loads)."""
+    if lookahead is not None and draft != "lookahead":
+        raise BriskError("--lookahead needs --draft lookahead")
     if draft is None:
         if draft_k not in (None, "auto"):
             raise BriskError("--draft-k needs --draft")
         return None
     from ..core.speculative import parse_k
 
-    return parse_k(draft_k)
+    k = parse_k(draft_k)
+    if draft == "lookahead":
+        from ..core.lookahead import parse_lookahead
+
+        if k != "auto":
+            raise BriskError("--draft-k does not apply to --draft lookahead (it drafts trees; --lookahead W,N,G "
+                             "sets their size)")
+        parse_lookahead(lookahead)
+    return k
 
 
-def load_speculator(llm, draft: Optional[str], draft_k: str, quiet: bool = False):
+def load_speculator(llm, draft: Optional[str], draft_k: str, quiet: bool = False, lookahead: Optional[str] = None):
     """The Speculator for --draft, or None; its warnings become one 'warning:' line each on stderr."""
     import warnings
 
@@ -150,10 +165,10 @@ def load_speculator(llm, draft: Optional[str], draft_k: str, quiet: bool = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if quiet or not sys.stderr.isatty():
-            speculator = make_speculator(llm, draft, draft_k)
+            speculator = make_speculator(llm, draft, draft_k, lookahead)
         else:
             with err_console.status(f"preparing the draft ({draft})…", spinner="dots"):
-                speculator = make_speculator(llm, draft, draft_k)
+                speculator = make_speculator(llm, draft, draft_k, lookahead)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     return speculator

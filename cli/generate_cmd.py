@@ -31,6 +31,7 @@ def generate(
     stop: Optional[List[str]] = c.StopOpt,
     draft: Optional[str] = c.DraftOpt,
     draft_k: str = c.DraftKOpt,
+    lookahead: Optional[str] = c.LookaheadOpt,
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (chat-template models)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token counts, speeds) at the end."),
@@ -57,16 +58,17 @@ def generate(
             from ..core.device import set_cpu_threads
 
             set_cpu_threads(threads)
-            return _generate_batch(args or [], model, batch, output, max_concurrency, file, draft, as_json, raw,
+            return _generate_batch(args or [], model, batch, output, max_concurrency, file, draft or lookahead,
+                                   as_json, raw,
                                    system, max_tokens, tuple(stop or ()), device, dtype, ctx,
                                    (temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop))
         if output is not None:
             raise BriskError("-o/--output goes with --batch (a single answer streams to stdout)")
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)  # fail fast
-        c.check_draft(draft, draft_k)
+        c.check_draft(draft, draft_k, lookahead)
         llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize, threads=threads)
-        speculator = c.load_speculator(llm, draft, draft_k, quiet=as_json)
+        speculator = c.load_speculator(llm, draft, draft_k, quiet=as_json, lookahead=lookahead)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop)
         from ..core.generate import Session
 

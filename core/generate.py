@@ -12,6 +12,7 @@ import torch
 
 from .cuda_graph import decode_step
 from .errors import BriskError, PromptTooLong
+from .kv.base import ancestor_mask
 from .model import LAST
 from .output_stream import GenerationResult, OutputStream
 from .sampling import Sampler, SamplingParams, extend_seen
@@ -28,11 +29,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def prefill(model, kv, ids: list[int], start: int, device) -> torch.Tensor:
-    """Run ids[start:] at their positions (in chunks); the logits after the last one."""
+def prefill(model, kv, ids: list[int], start: int, device, return_hidden: bool = False):
+    """Run ids[start:] at their positions (in chunks); the logits after the last one (and, with
+    return_hidden, its final-norm hidden state: (logits [V], hidden [dim]))."""
     for s in range(start, len(ids), PREFILL_CHUNK):
-        logits = model(torch.tensor([ids[s:s + PREFILL_CHUNK]], device=device), s, kv, logit_rows=LAST)
-    return logits[0, -1]
+        out = model(torch.tensor([ids[s:s + PREFILL_CHUNK]], device=device), s, kv, logit_rows=LAST,
+                    return_hidden=return_hidden)
+    return (out[0][0, -1], out[1][0, -1]) if return_hidden else out[0, -1]
 
 
 class Session:
@@ -48,13 +51,14 @@ class Session:
         self.ids = []
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Bring the cache to exactly prompt_ids; return the logits after its last token."""
+    def prefill(self, prompt_ids: list[int], return_hidden: bool = False):
+        """Bring the cache to exactly prompt_ids; return the logits after its last token (and its
+        final-norm hidden state, with return_hidden)."""
         keep = min(common_prefix(self.ids, prompt_ids), len(prompt_ids) - 1)
-        logits = prefill(self.llm.model, self.cache, prompt_ids, keep, self.llm.device)
+        out = prefill(self.llm.model, self.cache, prompt_ids, keep, self.llm.device, return_hidden)
         self.ids = list(prompt_ids)
         self._prefilled = len(prompt_ids) - keep
-        return logits
+        return out
 
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int = 256,
@@ -69,12 +73,18 @@ class Session:
         out = OutputStream(self.llm.tokenizer, self.llm.eos_ids, stop, min(max_tokens, ctx - len(prompt_ids)),
                            len(prompt_ids), sampling.stop_loops)
         res = self.last = out.result
-        logits = self.prefill(prompt_ids)
+        sp = self.speculator
+        if sp is not None and sp.drafter.tree and not hasattr(self.cache, "keep_path"):
+            raise BriskError(f"--draft {sp.drafter.name} drafts trees, which need a contiguous KV cache "
+                             "(single-stream generation)")
+        hidden_needed = sp is not None and sp.needs_hidden
+        logits = self.prefill(prompt_ids, return_hidden=hidden_needed)
+        logits, hidden = logits if hidden_needed else (logits, None)
         res.prefilled_tokens = self._prefilled
         seen = torch.tensor(prompt_ids, device=self.llm.device) if sampling.repetition_penalty != 1.0 else None
-        if self.speculator is not None:
-            res.spec = self.speculator.new_stats()
-        tokens = self._tokens(sampler(logits, seen), sampler, seen, out.budget)
+        if sp is not None:
+            res.spec = sp.new_stats()
+        tokens = self._tokens(sampler(logits, seen), sampler, seen, out.budget, (logits, hidden))
         try:
             for token in tokens:
                 piece = out.push(token)
@@ -88,40 +98,54 @@ class Session:
         finally:
             tokens.close()
 
-    def _tokens(self, token: int, sampler: Sampler, seen: torch.Tensor | None, budget: int) -> Iterator[int]:
+    def _tokens(self, token: int, sampler: Sampler, seen: torch.Tensor | None, budget: int,
+                first: tuple) -> Iterator[int]:
         """The generated tokens, one by one. A token enters the cache only when the consumer asks
         for the next one, so the cache never holds the last token handed out (self.ids is what it
         holds). Each step verifies the speculator's drafts, if any, in the same pass that runs the
-        pending token; without drafts the step is a plain decode step (a graph replay on CUDA)."""
+        pending token; without drafts the step is a plain decode step (a graph replay on CUDA,
+        unless the drafter needs the hidden states). A tree draft is one pass with its ancestor
+        mask, after which the accepted path's K/V move to the slots a chain would have used.
+        first: the prefill's (logits, hidden) of the prompt's last token, for the drafter."""
         sp, ids, model, cache, dev = self.speculator, self.ids, self.llm.model, self.cache, self.llm.device
         step = self._decode_step()
+        hidden_needed = sp is not None and sp.needs_hidden
         yield token
         emitted = 1
         if sp is not None:
             sp.start(ids, cache)  # catching up with the prompt is not a per-token cost
+            sp.observe_prefill(*first)
         while True:
             if seen is not None:  # the repetition penalty sees the context, then each draft
                 seen = extend_seen(seen, [token])
-            draft = None
+            draft, drafts = None, []
             if sp is not None:  # room: what the budget and the cache leave after the pending token
-                room = min(budget - emitted, cache.max_len - len(ids) - 1) - 1
-                draft = sp.propose(ids + [token], room, sampler, seen)
-            if draft is not None and draft.tokens:
-                logits = model(torch.tensor([[token] + draft.tokens], device=dev), len(ids), cache)[0]
+                slots = cache.max_len - len(ids) - 1
+                draft = sp.propose(ids + [token], min(budget - emitted, slots) - 1, sampler, seen, slots)
+                drafts = draft.tokens
+            start, tree, hidden = len(ids), bool(drafts) and draft.parents is not None, None
+            if drafts or hidden_needed:
+                out = model(torch.tensor([[token] + drafts], device=dev), start, cache,
+                            tree=ancestor_mask(draft.parents, dev) if tree else None, return_hidden=hidden_needed)
+                logits, hidden = (out[0][0], out[1][0]) if hidden_needed else (out[0], None)
             else:
-                logits = step(token, len(ids))[None]
+                logits = step(token, start)[None]
             ids.append(token)
             if sp is None:
-                n, token = 0, sampler(logits[0], seen)
+                path, token = [], sampler(logits[0], seen)
             else:
-                n, token = sp.verify(draft, logits, sampler, seen)
-                sp.accept(draft, n)
-            for d in draft.tokens[:n] if n else ():
+                path, token = sp.verify(draft, logits, sampler, seen)
+                if tree:
+                    cache.keep_path(start, [start + 1 + i for i in path])
+                sp.accept(draft, path)
+                sp.observe(draft, logits, hidden, path)
+            accepted = [drafts[i] for i in path]
+            for d in accepted:
                 yield d
                 emitted += 1
                 ids.append(d)
-            if seen is not None and n:
-                seen = extend_seen(seen, draft.tokens[:n])
+            if seen is not None and accepted:
+                seen = extend_seen(seen, accepted)
             yield token
             emitted += 1
 

@@ -183,22 +183,31 @@ class Transformer(nn.Module):
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(x))
+        return self.logits_of(self.model.norm(x))
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of final-norm hidden states."""
+        logits = self.lm_head(hidden)
         if self.cfg.final_softcap:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits
 
     def forward(self, tokens: torch.Tensor, start: int | torch.Tensor, kv: KV, tree: torch.Tensor | None = None,
-                logit_rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: slice | torch.Tensor | None = None, return_hidden: bool = False):
         """Logits for tokens [B, T] at positions start..start+T-1 (start an int), or at the positions
         of a tensor [T]; `kv` stores their keys and values and runs attention (see core/kv).
 
         tree [T, T] (with an int start): the tokens are a tree of candidates in the T slots after
         start, token i at position start + depth(i), seeing its ancestors only.
         logit_rows: which positions' logits to compute (LAST for prefill; None: all).
+        return_hidden: return (logits, hidden), hidden the final norm's output [B, rows, dim] of
+        the same rows, what the output head reads (draft heads predict from it).
         """
         kv.begin(start, tokens.shape[1], tree)
         x = self.blocks(self.embed(tokens), start, kv, tree)
         if logit_rows is not None:
             x = x[:, logit_rows]
-        return self.head(x)
+        if not return_hidden:
+            return self.head(x)
+        hidden = self.model.norm(x)
+        return self.logits_of(hidden), hidden

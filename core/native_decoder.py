@@ -8,8 +8,9 @@ pass, where the rows sit (positions) and where each sequence keeps its K/V (a co
 paged pool, read in place).
 
 A row's result does not depend on the other rows of the pass, so decode steps, speculative
-verification, prefill chunks and batched steps all give a token the same bits. Passes it does not
-take (tree verification, a cache indexed by tensor positions) run the torch blocks.
+verification (chains and trees), prefill chunks and batched steps all give a token the same bits.
+Passes it does not take (a cache indexed by tensor positions, a tree on a paged or batched cache)
+run the torch blocks.
 """
 from __future__ import annotations
 
@@ -91,12 +92,16 @@ class NativeDecoder:
     # ------------------------------------------------------------------ a pass
     def run(self, x: torch.Tensor, start, kv, tree) -> torch.Tensor | None:
         """x [B, T, dim] through every block (in place), or None where this pass is not one it takes."""
-        if tree is not None or x.dtype != torch.float32:
+        if x.dtype != torch.float32:
             return None
         B, T, _ = x.shape
         if self.max_rows is not None and B * T > self.max_rows:
             return None
-        if type(kv) is ContiguousKV and isinstance(start, int):
+        if tree is not None:
+            if type(kv) is not ContiguousKV or not isinstance(start, int) or B != 1 or self._contiguous(kv) is None:
+                return None
+            cache, pos, table = self._tree(kv, start, tree)
+        elif type(kv) is ContiguousKV and isinstance(start, int):
             cache = self._contiguous(kv)
             if cache is None:
                 return None
@@ -138,6 +143,29 @@ class NativeDecoder:
                              n_kv * max_len * D, D, max_len * D)
             made = kv.__dict__["_native_cache"] = (c, ks, vs, tables)
         return made[0]
+
+    def _tree(self, kv: ContiguousKV, start: int, tree: torch.Tensor):
+        """A tree step on a contiguous cache as decoder.c's block tables, one slot per block: row i
+        (at position start + depth) reads positions 0..start-1 from their own slots and each later
+        position p from the slot of its ancestor at depth p - start. Its attention then runs over
+        exactly the keys a chain of its path would see, in the same order: the same bits as decoding
+        that path token by token (which is what keeps greedy tree speculation exact)."""
+        _, ks, vs, _ = kv.__dict__["_native_cache"]
+        T = tree.shape[0]
+        tree = tree.cpu()
+        depth = tree.sum(1) - 1
+        # each row's ancestors (itself included) in index order, which is depth order: a parent
+        # comes before its children; the columns past a row's depth are never read
+        order = torch.where(tree, torch.arange(T), T).sort(dim=1).values[:, :int(depth.max()) + 1]
+        width = start + order.shape[1]
+        tables = torch.empty(T, width, dtype=torch.int32)
+        tables[:, :start] = torch.arange(start, dtype=torch.int32)
+        tables[:, start:] = start + order.clamp(max=T - 1)
+        _, n_kv, max_len, D = kv.k[0].shape
+        c = native.Cache(ctypes.addressof(ks), ctypes.addressof(vs), tables.data_ptr(), 1, D, 0, max_len * D)
+        c._keep = tables  # noqa: SLF001 (alive as long as the struct)
+        pos = (start + depth).to(torch.int32)
+        return c, pos, torch.arange(T, dtype=torch.int32) * width
 
     def _paged(self, step: PagedStep):
         """A paged step's rows: their block tables (decode rows' padded ones, then each prefill's)."""

@@ -16,48 +16,34 @@ a point mass on its guess.
 Drafters: another checkpoint with the same tokenizer (ModelDrafter), a quantized copy of the
 target built at load (`self:int8`, `self:int4`), or prompt lookup (NgramDrafter: continue the
 latest earlier occurrence of the text's last few tokens; no model at all).
+
+Tree rounds: a drafter may propose a tree instead of a chain (Draft.parents): several
+continuations sharing prefixes, plus nodes the target only runs for the drafter to look at
+(lookahead's window, core/lookahead.py). The target runs the whole tree in one pass with an
+ancestor mask; verify_tree walks it from the pending token, keeping a child while the target
+agrees (greedy) or by sequential rejection of point masses (sampling: exact); the cache keeps the
+accepted path's K/V in consecutive slots (ContiguousKV.keep_path). A TreePolicy picks the tree's
+shape, or a plain step, by measured tokens per second.
 """
 from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from .cuda_graph import decode_step
 from .errors import BriskError, InvalidValue
 from .generate import common_prefix, prefill
+from .drafting import Draft, Drafter  # the interface drafters implement (re-exported)
 from .kv import ContiguousKV
+from .kv.base import ancestor_mask  # noqa: F401 (tree drafts' mask, re-exported)
 from .sampling import SamplingParams, apply_repetition_penalty, extend_seen, probabilities
 
 K_MAX = 12  # most drafts per round for --draft-k auto: beyond it acceptance^K makes drafts worthless
 
 
 # ---------------------------------------------------------------- drafters
-
-class Drafter:
-    """Guesses continuations. `bucket` names the kind of guess available now (the K policy keeps
-    acceptance statistics per bucket; None: no guess at all), `propose` makes up to k guesses."""
-
-    name = "drafter"
-
-    def start(self, ids: list[int], kv) -> None:
-        """A generation begins: the target's cache `kv` holds `ids` (the prompt). Catch up with
-        it, outside the timed rounds (it is not a per-token cost)."""
-
-    def bucket(self, ctx: list[int]) -> int | None:
-        return 0
-
-    def propose(self, ctx: list[int], k: int, params: SamplingParams, gen: torch.Generator,
-                seen: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
-        """Up to k tokens to follow ctx, and the distributions they were drawn from ([n, V], or
-        None for point masses). seen: the ids the repetition penalty looks at."""
-        raise NotImplementedError
-
-    def capacity(self) -> int:
-        return 1 << 62
-
 
 class ModelDrafter(Drafter):
     """A smaller model with its own KV cache, kept in step with the target's accepted tokens.
@@ -215,6 +201,10 @@ class KPolicy:
             out.append(prior)
         return out
 
+    def pass_cost(self, n: int) -> float | None:
+        """Seconds of a target pass over n tokens as measured so far (None before any pass)."""
+        return self._verify_cost(n) if 1 in self.verify_s else None
+
     def _verify_cost(self, n: int) -> float:
         """Seconds of a target pass over n tokens: timed, or interpolated between the nearest
         timed sizes, or (beyond the largest) as much as it. Optimistic on purpose: an untimed
@@ -249,10 +239,13 @@ class KPolicy:
             self.counts[bucket] = [[a * self.FADE, t * self.FADE] for a, t in self.counts[bucket]]
         return best_k
 
-    def record(self, bucket: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        n = drafted + 1
+    def time_pass(self, n: int, seconds: float) -> None:
+        """A target pass over n tokens took `seconds` (chains and trees alike)."""
         old = self.verify_s.get(n)
-        self.verify_s[n] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
+        self.verify_s[n] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def record(self, bucket: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.time_pass(drafted + 1, verify_s)
         if not drafted:
             return
         per = draft_s / drafted
@@ -264,6 +257,114 @@ class KPolicy:
             if i <= accepted and i < drafted:  # tried: the first `accepted` and the one rejected
                 pos[1] += 1
                 pos[0] += i < accepted
+
+
+class TreePolicy:
+    """Which option a tree drafter drafts with this round, or None for a plain step: the one with
+    the most tokens per second lately.
+
+    A round costs the time from its proposal to the next one: the target's pass (on a CPU it grows
+    with the tree's size), verifying, the drafter's own work and handing the tokens out; it yields
+    the tokens it emitted (accepted + 1). Per choice, both are summed with decay. The choice is
+    revised every RUN rounds (a drafter may need a few rounds to warm up: lookahead's window); the
+    plain step runs first (every option is judged against it), then each option once in the
+    drafter's order. A choice that is not the fastest when its run ends is tried again only after
+    a wait that doubles each time it loses (quadruples when it lost badly), so a drafter that does
+    not pay on this text or device costs little: the back-off. An option that could not win even if
+    every round kept its deepest candidate path (its most tokens per round over the time of a pass
+    over its usual tree size, `cost` = seconds per pass over n tokens as measured by the loop, below
+    the best rate) has its run cut short and is not retried while that holds."""
+
+    RUN = 4  # rounds a choice runs before it is judged
+    DECAY = 0.9  # per round of a choice: recent text counts more
+    FIRST_WAIT = 32  # rounds before a losing choice is tried again
+    BADLY = 0.75  # losing badly: below this fraction of the best rate
+
+    def __init__(self, options: list, adaptive: bool = True, cost=None):
+        if not options:
+            raise ValueError("a tree drafter needs at least one option")
+        self.options, self.adaptive, self.cost = list(options), adaptive, cost
+        self.tokens: dict = {}  # choice -> decayed tokens emitted
+        self.seconds: dict = {}  # choice -> decayed seconds spent
+        self.nodes: dict = {}  # option -> its trees' tokens per pass (pending token included), averaged
+        self.most: dict = {}  # option -> the most tokens one of its rounds could emit
+        self.wait: dict = {}  # choice -> rounds it waits after its next loss
+        self.due: dict = {}  # choice -> the round from which it may run again
+        self.current = None if adaptive else self.options[0]
+        self.ran = 0  # rounds the current choice has run
+        self.round = 0
+        self._open: list | None = None  # [choice, tokens, start] of the round in flight
+
+    def rate(self, choice) -> float | None:
+        """Tokens per second measured for a choice (None: not yet)."""
+        return self.tokens[choice] / self.seconds[choice] if self.seconds.get(choice) else None
+
+    def choose(self):
+        """The option for this round (None: a plain step)."""
+        self.round += 1
+        if not self.adaptive:
+            return self.current
+        best = self._best()
+        if self.ran < self.RUN and not (self.current != best and self._hopeless(self.current, best)):
+            self.ran += 1
+            return self.current  # (a run is cut short once its first rounds show it cannot win)
+        last = self.current
+        if last == best:
+            self.wait.pop(last, None)
+        elif self.rate(last) is not None:  # it ran and lost: wait before the next try
+            wait = self.wait.get(last, self.FIRST_WAIT)
+            self.due[last] = self.round + wait
+            self.wait[last] = wait * (4 if self.rate(last) < self.BADLY * self.rate(best) else 2)
+        choices = [None] + self.options
+        untried = [c for c in choices if c not in self.seconds and c != last]
+        pick = untried[0] if untried else best
+        for c in [] if untried else choices:  # a loser whose wait is over, unless it cannot win
+            if c in (best, last) or self.due.get(c, 0) > self.round:
+                continue
+            if not self._hopeless(c, best):
+                pick = c
+                break
+            wait = self.wait.get(c, self.FIRST_WAIT)
+            self.due[c], self.wait[c] = self.round + wait, wait * 2
+        self.current, self.ran = pick, 1
+        return pick
+
+    def _hopeless(self, choice, best) -> bool:
+        """Whether `choice` would lose to `best` even if each of its rounds kept its deepest path."""
+        if choice is None or self.cost is None or choice not in self.nodes:
+            return False
+        seconds = self.cost(round(self.nodes[choice]))
+        return bool(seconds) and self.most[choice] / seconds < self.rate(best)
+
+    def _best(self):
+        rates = {c: self.rate(c) for c in [None] + self.options if self.rate(c) is not None}
+        return max(rates, key=rates.get) if rates else None
+
+    def opened(self, choice, start: float, nodes: int = 1, most: int = 1) -> None:
+        """A round with `choice` (what ran: None when the drafter had nothing) began at `start`,
+        its pass over `nodes` tokens, `most` the tokens it emits if its deepest path is kept."""
+        self._open = [choice, 0, start]
+        if choice is not None:
+            self.nodes[choice] = 0.8 * self.nodes.get(choice, nodes) + 0.2 * nodes
+            self.most[choice] = max(self.most.get(choice, 0), most)
+
+    def emitted(self, tokens: int) -> None:
+        if self._open is not None:
+            self._open[1] = tokens
+
+    def closed(self, end: float) -> None:
+        """The next proposal came at `end`: the round in flight is recorded."""
+        if self._open is None:
+            return
+        choice, tokens, start = self._open
+        self._open = None
+        if tokens:
+            self.tokens[choice] = self.tokens.get(choice, 0.0) * self.DECAY + tokens
+            self.seconds[choice] = self.seconds.get(choice, 0.0) * self.DECAY + (end - start)
+
+    def discard(self) -> None:
+        """Forget the round in flight (a new generation: the time since includes its prefill)."""
+        self._open = None
 
 
 # ---------------------------------------------------------------- verification
@@ -305,64 +406,191 @@ def verify(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
     return k, int(torch.multinomial(p[k], 1, generator=gen))
 
 
+def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], candidate: list[bool] | None,
+                params: SamplingParams, gen: torch.Generator, seen: torch.Tensor | None) -> tuple[list[int], int]:
+    """A tree of deterministic candidates against the target. logits [1 + len(tokens), V]: the
+    target after the pending token (row 0) and after node i (row 1 + i); parents[i]: node i's
+    parent (-1: the pending token); only nodes with candidate[i] (None: all) may be accepted.
+    Returns (the accepted nodes, in path order; the target's next token after them).
+
+    From the root, at each node: greedy, the target's argmax; if a candidate child holds it, the
+    walk moves there, else the argmax is the next token. Sampling, with p the target's
+    distribution there: the candidate children are tried in order, child c accepted with
+    probability p(c) / (the mass not yet rejected), else p(c) is zeroed; if none is accepted the
+    next token is drawn from what remains. Each step then draws exactly from p (a point-mass
+    draft is accepted with probability p(x), else the residual is p without x), so the output is
+    distributed as the target's. The repetition penalty at a node sees the path's tokens."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        if candidate is None or candidate[i]:
+            children.setdefault(parent, []).append(i)
+    path: list[int] = []
+    node = -1
+    while True:
+        row = logits[node + 1]
+        if seen is not None:
+            row = apply_repetition_penalty(row, extend_seen(seen, [tokens[i] for i in path]), params.repetition_penalty)
+        kids = children.get(node, ())
+        if params.greedy:
+            best = int(row.argmax())
+            nxt = next((c for c in kids if tokens[c] == best), None)
+            if nxt is None:
+                return path, best
+        else:
+            p = probabilities(row, params).cpu()
+            residual, nxt = p, None
+            for c in kids:
+                mass = float(residual.sum())
+                x = tokens[c]
+                if mass <= 0:
+                    break
+                if float(torch.rand(1, generator=gen)) < float(residual[x]) / mass:
+                    nxt = c
+                    break
+                residual = residual.clone() if residual is p else residual
+                residual[x] = 0
+            if nxt is None:
+                if residual.sum() <= 0:  # rounding left no mass: what was rejected had it all
+                    residual = p
+                return path, int(torch.multinomial(residual, 1, generator=gen))
+        path.append(nxt)
+        node = nxt
+
+
 # ---------------------------------------------------------------- the decode loop
-
-@dataclass
-class Draft:
-    """A round's guesses: the tokens, the distributions they were drawn from (None: point masses
-    or greedy), the K policy's bucket, and when drafting ended (to time the verifying pass)."""
-    tokens: list[int]
-    q: torch.Tensor | None = None
-    bucket: int | None = None
-    seconds: float = 0.0
-    done_at: float = 0.0
-
 
 class Speculator:
     """The generation loop (generate.Session) asks it, each step: propose() drafts after the
-    context; the loop runs the pending token and the drafts in one target pass; verify() says how
-    many drafts stand and the target's next token; accept() records the round."""
+    context; the loop runs the pending token and the drafts in one target pass; verify() says
+    which drafts stand and the target's next token; accept() records the round; observe() shows
+    the drafter the pass.
+
+    k: for chain drafters the drafts per round, a number or "auto" (KPolicy); for tree drafters
+    "auto" (the TreePolicy picks an option or a plain step by measured speed) or "fixed" (always
+    the drafter's first option)."""
 
     def __init__(self, drafter: Drafter, k: int | str = "auto"):
-        if k != "auto" and (not isinstance(k, int) or k < 1):
+        if drafter.tree:
+            if k not in ("auto", "fixed"):
+                raise InvalidValue("draft_k", k, "", template=f"{{option}} {k}: {drafter.name} drafts trees, "
+                                   "whose size it chooses itself (auto), not K tokens")
+        elif k != "auto" and (not isinstance(k, int) or k < 1):
             raise InvalidValue("draft_k", k, "must be a positive integer or auto")
         self.drafter, self.k = drafter, k
-        self.policy = KPolicy(k)  # kept across generations: what it learned about costs carries over
+        self.policy = KPolicy(k if not drafter.tree else "auto")  # kept across generations: costs carry over
+        self.trees = TreePolicy(drafter.tree_options(), k == "auto", self.policy.pass_cost) if drafter.tree else None
         self.stats: dict = self.new_stats()
 
+    @property
+    def setting(self) -> int | str:
+        """K for chains; for trees "auto" or the fixed option (lookahead: "W,N,G")."""
+        if self.trees is None or self.trees.adaptive:
+            return self.k
+        return str(self.trees.options[0])
+
+    def describe(self) -> str:
+        """The drafter and its setting, e.g. "ngram K=auto", "lookahead 5,3,2"."""
+        return f"{self.drafter.name} {'' if self.drafter.tree else 'K='}{self.setting}"
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.drafter.needs_hidden
+
     def new_stats(self) -> dict:
-        """Counters for one generation (the loop attaches them to its result)."""
-        self.stats = {"drafter": self.drafter.name, "k": self.k, "rounds": 0, "drafted": 0, "accepted": 0,
-                      "acceptance_rate": 0.0, "mean_accepted": 0.0}
+        """Counters for one generation (the loop attaches them to its result). rounds: passes that
+        verified drafts; drafted: the candidate tokens they held; accepted: those kept; passes:
+        every target pass of the decode loop, plain steps included."""
+        self.stats = {"drafter": self.drafter.name, "k": self.setting, "rounds": 0, "drafted": 0, "accepted": 0,
+                      "acceptance_rate": 0.0, "mean_accepted": 0.0, "passes": 0}
+        if self.drafter.tree:
+            self.stats["options"] = {}  # option -> rounds run with it ("plain": plain steps)
         return self.stats
 
     def start(self, ids: list[int], kv) -> None:
         """The target's cache `kv` holds the prompt `ids`; drafting begins."""
+        if self.trees is not None:
+            self.trees.discard()
         self.drafter.start(ids, kv)
 
-    def propose(self, ctx: list[int], room: int, sampler, seen: torch.Tensor | None) -> Draft:
-        """Drafts to follow ctx (the context and the pending token): at most `room`."""
+    def propose(self, ctx: list[int], room: int, sampler, seen: torch.Tensor | None,
+                slots: int | None = None) -> Draft:
+        """Drafts to follow ctx (the context and the pending token): at most `room` tokens accepted
+        (the budget) and `slots` drafted (the cache; default room)."""
+        slots = room if slots is None else min(slots, self.drafter.capacity() - len(ctx) - 1)
+        if self.drafter.tree:
+            return self._propose_tree(ctx, room, slots, sampler, seen)
         bucket = self.drafter.bucket(ctx)
-        k = self.policy.choose(bucket, min(room, self.drafter.capacity() - len(ctx) - 1)) if bucket is not None else 0
+        k = self.policy.choose(bucket, min(room, slots, self.drafter.capacity() - len(ctx) - 1)) \
+            if bucket is not None else 0
         t0 = time.perf_counter()
         tokens, q = self.drafter.propose(ctx, k, sampler.params, sampler.generator, seen) if k > 0 else ([], None)
         t1 = time.perf_counter()
         return Draft(tokens, q, bucket, t1 - t0, t1)
 
-    def verify(self, draft: Draft, logits: torch.Tensor, sampler, seen: torch.Tensor | None) -> tuple[int, int]:
-        """logits [len(draft)+1, V] from the target pass; (drafts kept, the target's next token)."""
-        return verify(logits, draft.tokens, draft.q, sampler.params, sampler.generator, seen)
+    def _propose_tree(self, ctx, room, slots, sampler, seen) -> Draft:
+        t0 = time.perf_counter()
+        self.trees.closed(t0)  # the round before ends here: its time includes everything it took
+        option = self.trees.choose() if room > 0 and slots > 0 else None
+        draft = None
+        if option is not None:
+            draft = self.drafter.propose_tree(ctx, option, room, slots, sampler.params, sampler.generator, seen)
+        if draft is None or not draft.tokens:
+            draft, option = Draft([]), None
+        elif draft.parents is None or len(draft.parents) != len(draft.tokens):
+            raise ValueError(f"{self.drafter.name}: a tree draft needs one parent per token")
+        self.trees.opened(option, t0, len(draft.tokens) + 1, 1 + _deepest(draft))
+        t1 = time.perf_counter()
+        draft.option, draft.seconds, draft.done_at = option, t1 - t0, t1
+        key = "plain" if option is None else str(option)
+        self.stats["options"][key] = self.stats["options"].get(key, 0) + 1
+        return draft
 
-    def accept(self, draft: Draft, n: int) -> None:
-        """Record a round: the K policy learns acceptance and costs, the counters add up."""
-        self.policy.record(draft.bucket, len(draft.tokens), n, draft.seconds, time.perf_counter() - draft.done_at)
-        if draft.tokens:
-            st = self.stats
+    def verify(self, draft: Draft, logits: torch.Tensor, sampler, seen: torch.Tensor | None) -> tuple[list[int], int]:
+        """logits [len(draft)+1, V] from the target pass; (the accepted drafts' indices in order,
+        the target's next token)."""
+        if draft.parents is not None:
+            return verify_tree(logits, draft.tokens, draft.parents, draft.candidate, sampler.params,
+                               sampler.generator, seen)
+        n, token = verify(logits, draft.tokens, draft.q, sampler.params, sampler.generator, seen)
+        return list(range(n)), token
+
+    def accept(self, draft: Draft, path: list[int]) -> None:
+        """Record a round: the policies learn acceptance and costs, the counters add up."""
+        n = len(path)
+        pass_s = time.perf_counter() - draft.done_at
+        if self.trees is not None:
+            self.policy.time_pass(len(draft.tokens) + 1, pass_s)
+            self.trees.emitted(n + 1)
+        else:
+            self.policy.record(draft.bucket, len(draft.tokens), n, draft.seconds, pass_s)
+        st = self.stats
+        st["passes"] += 1
+        drafted = draft.n_candidates
+        if drafted:
             st["rounds"] += 1
-            st["drafted"] += len(draft.tokens)
+            st["drafted"] += drafted
             st["accepted"] += n
             st["acceptance_rate"] = round(st["accepted"] / st["drafted"], 4)
             st["mean_accepted"] = round(st["accepted"] / st["rounds"], 3)
+
+    def observe(self, draft: Draft, logits: torch.Tensor, hidden: torch.Tensor | None, path: list[int]) -> None:
+        """Show the drafter the pass (Drafter.observe)."""
+        self.drafter.observe(draft, logits, hidden, path)
+
+    def observe_prefill(self, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """Show the drafter the prefill's last row (logits [V], hidden [dim] or None): the one that
+        chose the first pending token."""
+        self.drafter.observe(Draft([]), logits[None], None if hidden is None else hidden[None], [])
+
+
+def _deepest(draft: Draft) -> int:
+    """The depth of a draft's deepest candidate node (0: none)."""
+    if draft.parents is None:
+        return len(draft.tokens)
+    depth: list[int] = []
+    for i, parent in enumerate(draft.parents):
+        depth.append(1 + (depth[parent] if parent >= 0 else 0))
+    return max((d for d, c in zip(depth, draft.candidate or [True] * len(depth)) if c), default=0)
 
 
 # ---------------------------------------------------------------- `brisk bench --draft`
@@ -395,7 +623,7 @@ def bench_rows(llm, speculator: Speculator, n_gen: int, reps: int) -> list:
         if sp is not None:
             drafted = sum(r.spec["drafted"] for r in results)
             acc = sum(r.spec["accepted"] for r in results) / drafted if drafted else 0.0
-            test = f"tg{n_gen} {sp.drafter.name} K={sp.k}, {acc:.0%} acc."
+            test = f"tg{n_gen} {sp.describe()}, {acc:.0%} acc."
         rows.append(BenchRow(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
                              quant=llm.quantization,
                              test=test, tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
@@ -422,9 +650,21 @@ def parse_k(value: str | int | None) -> int | str:
     return k
 
 
-def make_speculator(llm, draft: str, k: str | int | None = "auto") -> Speculator:
-    """`draft`: "ngram", "self:int8", "self:int4", or a model brisk can load (path, hub id, GGUF)."""
+def make_speculator(llm, draft: str, k: str | int | None = "auto", lookahead: str | None = None) -> Speculator:
+    """`draft`: "ngram", "lookahead", "self:int8", "self:int4", or a model brisk can load (path,
+    hub id, GGUF). lookahead: "W,N,G" for --draft lookahead (default: auto, which sizes the tree
+    by measured speed and falls back to plain decoding where it does not pay)."""
     k = parse_k(k)
+    if lookahead is not None and draft != "lookahead":
+        raise BriskError("--lookahead needs --draft lookahead")
+    if draft == "lookahead":
+        from .lookahead import LookaheadDrafter, parse_lookahead
+
+        if k != "auto":
+            raise InvalidValue("draft_k", k, "", template="{option} does not apply to --draft lookahead "
+                               "(it drafts trees; --lookahead W,N,G sets their size)")
+        shape = parse_lookahead(lookahead)
+        return Speculator(LookaheadDrafter([shape] if shape else None), "fixed" if shape else "auto")
     if draft == "ngram":
         return Speculator(NgramDrafter(), k)
     if draft in SELF_METHODS:

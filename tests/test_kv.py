@@ -8,6 +8,8 @@ import torch
 
 from brisk.core import LLM
 from brisk.core.kv import ContiguousKV, FixedKeys, NoKV, PagedKV, PagedStep, Row
+from brisk.core.kv.base import ancestor_mask
+from brisk.core.native_decoder import NativeDecoder
 
 H, KV, D, SCALE = 4, 2, 8, 0.35
 PARENTS = [-1, 0, 0, 1, 1, 2, 5]  # a tree of 7 candidates: node 0 the root
@@ -135,13 +137,26 @@ def test_paged_step_against_dense(window):
                                                      allowed_by_position(pos0[8:], pos0, window)), rtol=1e-5, atol=1e-6)
 
 
+def test_ancestor_mask_matches_the_reference():
+    """The decode loop's mask for a draft (parents of the nodes after the pending token)."""
+    draft_parents = [p - 1 for p in PARENTS[1:]]  # node i + 1 of PARENTS is draft node i
+    assert torch.equal(ancestor_mask(draft_parents), ancestors(PARENTS))
+
+
+@pytest.mark.parametrize("blocks", ["native", "torch"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir"])
 @torch.inference_mode()
-def test_tree_forward_equals_each_path_run_alone(fixture, request):
+def test_tree_forward_equals_each_path_run_alone(fixture, blocks, request, monkeypatch):
     """A tree of candidate tokens after a prompt, in one forward with its mask: each node's logits
     are those of running the path root..node after the prompt. Gemma's 8-token sliding window is
-    crossed (prompt of 12)."""
+    crossed (prompt of 12). On the native decoder (one slot per block table entry: each row reads
+    its own ancestors) the bits are those of decoding the path token by token; the torch blocks
+    (SDPA with the mask) agree to rounding."""
+    if blocks == "torch":
+        monkeypatch.setattr(NativeDecoder, "run", lambda *a: None)
     llm = LLM.load(str(request.getfixturevalue(fixture)), device="cpu", dtype="float32")
+    if blocks == "native" and not NativeDecoder.takes(llm.model):
+        pytest.skip("the native decoder does not take this model here")
     prompt = list(range(20, 32))
     tokens = [40, 41, 42, 43, 44, 45, 46]
     tree = ancestors(PARENTS)
@@ -152,3 +167,9 @@ def test_tree_forward_equals_each_path_run_alone(fixture, request):
         path = [tokens[j] for j in range(len(tokens)) if tree[i, j]]
         want = llm.logits(prompt + path)[-1]
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+        if blocks == "native":
+            chain = llm.new_cache(64)
+            llm.model(torch.tensor([prompt]), 0, chain)
+            for d, t in enumerate(path):
+                step = llm.model(torch.tensor([[t]]), len(prompt) + d, chain)[0, -1]
+            assert torch.equal(got[i], step)

@@ -23,6 +23,7 @@ SMALL = [  # (command prefix, flags added unless the line has them): the same co
     ("brisk generate", "-n", "-n 4"),
     ("brisk quantize", "--samples", "--samples 2 --seq-len 32"),
     ("brisk bench", "-n", "-n 4 -r 1"),
+    ("brisk distill", "--samples", "--samples 4 --max-tokens 16 --steps 4 --batch 32 --no-measure"),
 ]
 
 

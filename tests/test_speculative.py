@@ -317,6 +317,35 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert d.bucket([8, 8, 1]) is None  # a new text: the index starts over; nothing matches
 
 
+def test_observe_sees_every_pass_and_hidden_states(tiny, prompts):
+    """A chain drafter that asks for hidden states: observe() runs after the prefill and after
+    every pass (chain rounds and plain steps), with the rows the output head read; the output is
+    plain decoding's."""
+
+    class Watching(NgramDrafter):
+        needs_hidden = True
+
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def observe(self, draft, logits, hidden, path):
+            self.calls.append((len(draft.tokens), logits, hidden, path))
+
+    ids = prompts[1]
+    plain, _ = run(tiny, ids, n=30)
+    d = Watching()
+    s, _ = run(tiny, ids, n=30, speculator=Speculator(d, 3))
+    assert s.last.tokens == plain.last.tokens
+    st = s.last.spec
+    assert len(d.calls) == st["passes"] + 1 and st["rounds"] < st["passes"]  # plain steps too
+    assert d.calls[0][0] == 0 and d.calls[0][3] == []  # the prefill's row
+    assert sum(len(path) for *_, path in d.calls) == st["accepted"]
+    for n, logits, hidden, path in d.calls:
+        assert logits.shape[0] == hidden.shape[0] == n + 1 and path == list(range(len(path)))
+        torch.testing.assert_close(tiny.model.logits_of(hidden), logits)
+
+
 def test_auto_k_backs_off_and_recovers():
     p = KPolicy("auto")
     assert p.choose(0, 8) == 0  # a plain step is timed first

@@ -1,6 +1,7 @@
 """The interface every KV implementation offers, and the masks they share."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -22,6 +23,21 @@ class KV:
 def tree_positions(start: int, tree: torch.Tensor) -> torch.Tensor:
     """Each tree token's position: start plus its depth (its ancestors, itself excluded)."""
     return start + tree.sum(-1) - 1
+
+
+def ancestor_mask(parents: list[int], device=None) -> torch.Tensor:
+    """The [T, T] mask of a tree step over [pending token] + draft nodes (T = 1 + len(parents)):
+    mask[i, j] iff node j is node i or one of its ancestors; node 0 is the pending token and
+    draft node i (parent parents[i], -1 the pending token) is node i + 1."""
+    T = len(parents) + 1
+    m = np.zeros((T, T), dtype=bool)
+    m[0, 0] = True
+    for i, parent in enumerate(parents, start=1):
+        if not -1 <= parent < i - 1:
+            raise ValueError(f"node {i - 1}'s parent {parent} does not come before it")
+        m[i] = m[parent + 1]
+        m[i, i] = True
+    return torch.from_numpy(m).to(device)
 
 
 def attention_masks(q_pos: torch.Tensor, keys: int, window: int | None,

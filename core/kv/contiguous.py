@@ -102,6 +102,20 @@ class ContiguousKV(KV):
                                                           window, lengths_add=1)
         return y[:, None]  # [B, 1, H, D]
 
+    def keep_path(self, start: int, slots: list[int]) -> None:
+        """After a tree step from `start`: move the K/V of the accepted nodes (their slots, in
+        path order) to slots start+1, start+2, ..., where decoding those tokens one by one would
+        have put them (the pending token's are at `start` already). A node at depth d was run at
+        position start + d, so its K/V are already those of that slot: a copy, no recompute.
+        Slots past the path keep stale values, as after rejected chain drafts: the next step
+        writes over them before reading."""
+        n = len(slots)
+        if slots == list(range(start + 1, start + 1 + n)):
+            return  # the path is the tree's first branch, already in place
+        idx = torch.tensor(slots, device=self.k[0].device)
+        for t in self.k + self.v:  # index_select copies before the slice is written
+            t[:, :, start + 1:start + 1 + n] = t.index_select(2, idx)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
