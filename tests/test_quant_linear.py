@@ -175,8 +175,8 @@ def test_int4_at_load_keeps_a_ggufs_4bit_blocks(smollm2_path):
     a, b = auto.model.model.layers[3].mlp.down_proj, int4.model.model.layers[3].mlp.down_proj
     head = auto.model.lm_head
     if isinstance(a, GGUFLinear):  # the file's own blocks (native kernels): the same codes, repacked
-        a = gguf_blocks.to_layer(a.blocks.numpy(), a.out_features, a.in_features, a.qtype)
-        head = gguf_blocks.to_layer(head.blocks.numpy(), head.out_features, head.in_features, head.qtype)
+        a = gguf_blocks.to_layer(a.file_blocks().numpy(), a.out_features, a.in_features, a.qtype)
+        head = gguf_blocks.to_layer(head.file_blocks().numpy(), head.out_features, head.in_features, head.qtype)
     assert isinstance(a, linear.Int4Linear) and torch.equal(a.codes(), b.codes()) and torch.equal(a.scales, b.scales)
     assert int4.quantization == "int4" and isinstance(int4.model.lm_head, linear.Int4Linear)
     assert int8.quantization == "int8" and torch.equal(int8.model.lm_head.weight, head.weight)
