@@ -24,6 +24,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -84,13 +85,35 @@ def _compiler() -> list[str]:
     return [cc]
 
 
-def _compile_commands(cc: list[str], out_dir: Path, x86: bool) -> tuple[list[list[str]], list[Path]]:
+def _is_clang(cc: list[str]) -> bool:
+    """By the command's name (no process started: build() decides this on every start)."""
+    return any("clang" in Path(a).name or a == "ziglang" or Path(a).name == "zig" for a in cc)
+
+
+def _avx2_compiler(cc: list[str]) -> list[str]:
+    """The compiler for the AVX2 copy: cc, unless cc is not clang and zig's clang is installed (the
+    ziglang package: `pip install ziglang`, or brisk's `fast-avx2` extra), which compiles the copy
+    GCC makes 4-10x slow (measured 2026-11-25, one core, GB/s of weights, GCC / zig: Q4_1 1.5 / 9.9,
+    Q4_K 1.2 / 17.4, Q8_0 2.6 / 23.7, float32 5.9 / 65.7). x86-64 Linux only; objects only (linked
+    by cc, so the library uses the system's C runtime)."""
+    if _is_clang(cc) or platform.system() != "Linux":
+        return cc
+    import importlib.util
+
+    if importlib.util.find_spec("ziglang") is None:
+        return cc
+    return [sys.executable, "-m", "ziglang", "cc", "-target", "x86_64-linux-gnu", "-mcpu=x86_64"]
+
+
+def _compile_commands(cc: list[str], out_dir: Path, x86: bool, avx2_cc: list[str] | None = None
+                      ) -> tuple[list[list[str]], list[Path]]:
     levels = X86_LEVELS if x86 else {"plain": []}
     cmds, objs = [], []
     for name, flags in levels.items():
         for src in PER_LEVEL:
             obj = out_dir / f"{src}_{name}.o"
-            cmds.append([*cc, *FLAGS, *flags, f"-DBK_SUFFIX=_{name}", "-c", str(KERNELS / f"{src}.c"), "-o", str(obj)])
+            level_cc = avx2_cc if name == "avx2" and avx2_cc else cc
+            cmds.append([*level_cc, *FLAGS, *flags, f"-DBK_SUFFIX=_{name}", "-c", str(KERNELS / f"{src}.c"), "-o", str(obj)])
             objs.append(obj)
     obj = out_dir / "brisk_kernels.o"
     cmds.append([*cc, *FLAGS, f"-DBK_LEVELS={len(levels)}", "-c", str(SOURCE), "-o", str(obj)])
@@ -107,8 +130,9 @@ def build(out_dir: Path | None = None) -> Path:
     """Compile the library (if its sources changed since the last build); returns its path."""
     cc = _compiler()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
+    avx2_cc = _avx2_compiler(cc) if x86 else cc
     src = b"".join(f.read_bytes() for f in sorted(KERNELS.glob("*.[ch]")))
-    tag = hashlib.sha256(src + repr([cc, FLAGS, X86_LEVELS if x86 else None]).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + repr([cc, avx2_cc, FLAGS, X86_LEVELS if x86 else None]).encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     lib = out_dir / f"libbrisk_kernels-{tag}.so"
     if lib.exists():
@@ -116,11 +140,14 @@ def build(out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # built aside, then moved in whole
         tmp_lib = Path(tmp) / lib.name
-        cmds, objs = _compile_commands(cc, Path(tmp), x86)
+        cmds, objs = _compile_commands(cc, Path(tmp), x86, avx2_cc)
         try:
-            procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
-            results = [(p, *p.communicate(timeout=900)) for p in procs]  # ~40 s of CPU in all; far more on a busy machine
-            for p, _, err in results:
+            done = _run_all(cmds)
+            if avx2_cc != cc and any(p.returncode != 0 for p, _ in done if p.args[:len(avx2_cc)] == avx2_cc):
+                avx2_cc = cc  # zig could not (e.g. no cache directory it can write): the platform's compiler then
+                cmds = _compile_commands(cc, Path(tmp), x86)[0]
+                done = _run_all(cmds)
+            for p, err in done:
                 if p.returncode != 0:
                     raise RuntimeError(f"{cc[0]} failed: {_first_error(err, p.returncode)}")
             r = subprocess.run([*cc, "-shared", "-pthread", "-o", str(tmp_lib), *map(str, objs), "-lm"],
@@ -129,8 +156,8 @@ def build(out_dir: Path | None = None) -> Path:
             raise RuntimeError(f"cannot run {cc[0]}: {e}") from None
         if r.returncode != 0:
             raise RuntimeError(f"{cc[0]} failed: {_first_error(r.stderr, r.returncode)}")
-        try:  # which compiler built it (library() warns about GCC's AVX2 copy)
-            version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        try:  # which compiler built the AVX2 copy (library() warns about GCC's)
+            version = subprocess.run([*avx2_cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError):
             version = ""
         lib.with_suffix(".compiler").write_text(version.splitlines()[0] if version else "")
@@ -138,9 +165,15 @@ def build(out_dir: Path | None = None) -> Path:
     return lib
 
 
+def _run_all(cmds: list[list[str]]) -> list[tuple[subprocess.Popen, str]]:
+    """The compile commands in parallel: (process, stderr) each."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    return [(p, p.communicate(timeout=900)[1]) for p in procs]  # ~40 s of CPU in all; far more on a busy machine
+
+
 def slow_avx2_build(lib: Path) -> bool:
     """Whether this library's AVX2 copy was built by a compiler other than clang (GCC's runs 4-10x
-    slower: see _compiler)."""
+    slower: see _avx2_compiler)."""
     marker = lib.with_suffix(".compiler")
     return marker.exists() and "clang" not in marker.read_text().lower()
 
@@ -197,7 +230,8 @@ def library():
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
     if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):
         warnings.warn("brisk's native kernels for this CPU (AVX2) were built with GCC, whose code for them runs "
-                      "about 4x slower than clang's: install clang (or set CC) for full speed")
+                      "4-10x slower than clang's: `pip install ziglang` (a clang brisk then uses) or install clang "
+                      "for full speed")
     return lib
 
 

@@ -36,3 +36,41 @@ def test_wheel_ships_every_kernel_source(tmp_path):
     names = set(zipfile.ZipFile(next(tmp_path.glob("brisk-*.whl"))).namelist())
     sources = {f"brisk/quant/kernels/{f.name}" for f in native.KERNELS.iterdir() if f.suffix in (".c", ".h")}
     assert sources and sources <= names, sorted(sources - names)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="zig builds the AVX2 copy on x86-64 Linux only")
+def test_avx2_copy_goes_to_clang_where_the_compiler_is_gcc(monkeypatch):
+    """GCC's AVX2 code for the kernels' 64-byte vectors runs 4-10x slow: with zig's clang installed
+    (the ziglang package) that copy is compiled by it, unless the compiler is clang already."""
+    import importlib.util
+
+    have_zig = importlib.util.find_spec("ziglang") is not None
+    lib = native.library()
+    if have_zig and lib is not None and not native._is_clang(native._compiler()):
+        assert not native.slow_avx2_build(Path(lib._name))  # its sidecar names zig's clang
+    zig = native._avx2_compiler(["gcc"])
+    assert (zig[1:4] == ["-m", "ziglang", "cc"]) == have_zig and (zig == ["gcc"]) == (not have_zig)
+    assert native._avx2_compiler(["/usr/bin/clang-18"]) == ["/usr/bin/clang-18"]
+    assert native._avx2_compiler(["zig", "cc"]) == ["zig", "cc"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert native._avx2_compiler(["cc"]) == ["cc"]
+    cmds, _ = native._compile_commands(["cc"], Path("/tmp"), x86=True, avx2_cc=["zcc"])
+    assert {c[0] for c in cmds if "-DBK_SUFFIX=_avx2" in c} == {"zcc"}
+    assert {c[0] for c in cmds if "-DBK_SUFFIX=_avx2" not in c} == {"cc"}
+
+
+def test_a_failing_avx2_compiler_falls_back_to_the_platform_one(tmp_path, monkeypatch):
+    """If zig cannot compile (no writable cache, a broken wheel), the build still succeeds with the
+    platform's compiler for every copy, and says which compiler built the AVX2 copy."""
+    try:
+        cc = native._compiler()
+    except RuntimeError:
+        pytest.skip("no C compiler here")
+    if native.platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the AVX2 copy exists on x86-64 only")
+    broken = [sys.executable, "-c", "import sys; sys.exit('zig: cannot write its cache')", "--"]
+    monkeypatch.setattr(native, "_avx2_compiler", lambda cc: broken)
+    lib = native.build(tmp_path)
+    assert lib.exists()
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    assert lib.with_suffix(".compiler").read_text() == version
