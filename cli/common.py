@@ -34,12 +34,14 @@ MaxTokOpt = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generat
 StopOpt = typer.Option(None, "--stop", help="Stop when this text appears (repeatable); it is not printed.")
 DraftOpt = typer.Option(None, "--draft", help="Speculative decoding. The draft: a smaller model with the same "
                         "tokenizer, self:int8 | self:int4 (a quantized copy of the model), ngram (continues text "
-                        "seen earlier in the prompt or answer: fast when the answer copies its input), or "
+                        "seen earlier in the prompt or answer: fast when the answer copies its input), "
                         "lookahead (no draft model: a Jacobi window of guesses and an n-gram pool, verified as a "
-                        "tree in one pass; falls back to plain decoding where it does not pay). "
-                        "Output is unchanged.")
+                        "tree in one pass; falls back to plain decoding where it does not pay), or heads:PATH "
+                        "(draft heads made for this model by `brisk distill -o PATH`: a tree of their guesses, "
+                        "verified in one pass). Output is unchanged.")
 DraftKOpt = typer.Option("auto", "--draft-k", help="Tokens drafted per round: a number, or auto (adapts to how many "
-                         "get accepted and what a draft costs). Not for --draft lookahead.")
+                         "get accepted and what a draft costs). heads:PATH: a fixed tree of that many nodes "
+                         "(auto: sized by measured speed). Not for --draft lookahead.")
 LookaheadOpt = typer.Option(None, "--lookahead", help="--draft lookahead's size W,N,G: window W (0: none), n-gram "
                             "size N, n-grams verified per round G, e.g. 5,3,2. Default: auto (measured as it runs; "
                             "plain steps where lookahead does not pay).")
@@ -134,14 +136,14 @@ def loading_bar(what: str):
 
 
 def check_draft(draft: Optional[str], draft_k: str, lookahead: Optional[str] = None):
-    """Fail fast on --draft-k and --lookahead (before any model loads)."""
+    """Fail fast on --draft-k, --lookahead and a heads:PATH that is no heads folder (before any model loads)."""
     if lookahead is not None and draft != "lookahead":
         raise BriskError("--lookahead needs --draft lookahead")
     if draft is None:
         if draft_k not in (None, "auto"):
             raise BriskError("--draft-k needs --draft")
         return None
-    from ..core.speculative import parse_k
+    from ..core.speculative import HEADS, parse_heads, parse_k
 
     k = parse_k(draft_k)
     if draft == "lookahead":
@@ -151,6 +153,10 @@ def check_draft(draft: Optional[str], draft_k: str, lookahead: Optional[str] = N
             raise BriskError("--draft-k does not apply to --draft lookahead (it drafts trees; --lookahead W,N,G "
                              "sets their size)")
         parse_lookahead(lookahead)
+    elif draft.startswith(HEADS):  # a wrong folder fails before the model loads, not after
+        from ..core.draft_heads import read_config
+
+        read_config(parse_heads(draft, k)[0])
     return k
 
 

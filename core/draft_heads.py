@@ -41,6 +41,7 @@ from torch import nn
 from ..quant.linear import Int8Linear
 from .errors import BriskError, FileError
 from .drafting import Draft, Drafter
+from .lookahead import MAX_TREE
 
 FORMAT = "brisk-draft-heads"
 VERSION = 1
@@ -174,14 +175,13 @@ def write_config(folder: Path, config: dict) -> None:
     (folder / CONFIG).write_text("{\n" + ",\n".join(lines) + "\n}\n", encoding="utf-8")
 
 
-def load(path: str | Path) -> tuple[dict, DraftHeads, torch.Tensor]:
-    """(config, heads, vocab) from a HEADS folder; a FileError for anything that is not one."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def read_config(path: str | Path) -> tuple[Path, dict]:
+    """(the folder, its config.json) after checking that it is a HEADS folder this brisk reads: a
+    FileError otherwise. Cheap (no weights read): the command line calls it before loading a model."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise FileError("no such folder (draft heads are a folder written by `brisk distill`)", path)
+        what = "not a folder" if path.exists() else "no such folder"
+        raise FileError(f"{what} (draft heads are a folder written by `brisk distill`)", path)
     try:
         config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -193,6 +193,37 @@ def load(path: str | Path) -> tuple[dict, DraftHeads, torch.Tensor]:
     if config.get("version") != VERSION or config.get("kind") != KIND:
         raise FileError(f"draft heads version {config.get('version')} ({config.get('kind')}): this brisk reads "
                         f"version {VERSION} ({KIND})", path)
+    # The fields the loader and the drafter index: a hand-edited file fails here in one line, not
+    # with a KeyError deep in the drafter.
+    try:
+        tree, nodes = config["tree"], config["tree"]["nodes"]
+        ok = (isinstance(config["n_heads"], int) and config["n_heads"] >= 1 and isinstance(config["dims"]["hidden"], int)
+              and isinstance(tree["budget"], int) and tree["budget"] >= 1 and isinstance(nodes, list) and nodes
+              and all(isinstance(n, list) and n and all(isinstance(r, int) and r >= 0 for r in n) for n in nodes)
+              and _parents_first(nodes))
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise FileError(f"{CONFIG}: n_heads, dims.hidden or tree (nodes, budget) missing or malformed", path)
+    return path, config
+
+
+def _parents_first(nodes: list[list[int]]) -> bool:
+    """Whether each node's parent (its path less the last rank) comes before it, as a tree needs."""
+    earlier: set[tuple[int, ...]] = set()
+    for n in nodes:
+        if len(n) > 1 and tuple(n[:-1]) not in earlier:
+            return False
+        earlier.add(tuple(n))
+    return True
+
+
+def load(path: str | Path) -> tuple[dict, DraftHeads, torch.Tensor]:
+    """(config, heads, vocab) from a HEADS folder; a FileError for anything that is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path, config = read_config(path)
     try:
         t = load_file(str(path / WEIGHTS))
     except (OSError, SafetensorError) as e:
@@ -203,7 +234,7 @@ def load(path: str | Path) -> tuple[dict, DraftHeads, torch.Tensor]:
         if name not in t or tuple(t[name].shape) != shape:
             raise FileError(f"{WEIGHTS}: {name} missing or not of shape {list(shape)}", path)
     vocab = t.get("vocab")
-    if vocab is None or vocab.ndim != 1 or vocab.numel() == 0:
+    if vocab is None or vocab.ndim != 1 or vocab.numel() == 0 or vocab.dtype not in (torch.int64, torch.int32):
         raise FileError(f"{WEIGHTS}: no draft vocabulary", path)
     heads = DraftHeads(K, dim)
     heads.load_state_dict({k: t[k] for k in want})
@@ -234,8 +265,10 @@ class HeadsDrafter(Drafter):
         check_base(config, llm, self.path)
         model = llm.model
         w = model.model.norm.weight
-        if int(vocab.max()) >= llm.config.vocab_size:
-            raise FileError(f"draft vocabulary has ids beyond the model's {llm.config.vocab_size}", self.path)
+        if int(vocab.max()) >= llm.config.vocab_size or int(vocab.min()) < 0:
+            raise FileError(f"draft vocabulary has ids outside the model's 0..{llm.config.vocab_size - 1}", self.path)
+        if heads.weight.shape[-1] != llm.config.dim:  # the fingerprint agreed: only a hand-made file gets here
+            raise FileError(f"heads of width {heads.weight.shape[-1]}, not the model's {llm.config.dim}", self.path)
         self.config = config
         self.model = model  # its embedding: the heads read the pending token too
         self.dtype = w.dtype
@@ -248,7 +281,9 @@ class HeadsDrafter(Drafter):
         self.readout = Int8Linear.from_float(SimpleNamespace(weight=rows, bias=None)).to(w.device)
         self.softcap = llm.config.final_softcap
         self.nodes = [tuple(n) for n in config["tree"]["nodes"]]
-        best = min(config["tree"]["budget"], len(self.nodes))
+        # At most MAX_TREE tokens a pass (the nodes and the pending token), as lookahead: beyond
+        # that float32 passes leave the batch-invariant kernels and greedy could drift from plain.
+        best = min(config["tree"]["budget"], len(self.nodes), MAX_TREE - 1)
         self.sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32, 64) if b < best] + [best]))
         self._shapes: dict[tuple[int, int], tuple[list[int], list[int], torch.Tensor, int]] = {}
         # [dim]: the row that chose the pending token. Used by one proposal only: a loop that

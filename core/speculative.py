@@ -15,7 +15,8 @@ a point mass on its guess.
 
 Drafters: another checkpoint with the same tokenizer (ModelDrafter), a quantized copy of the
 target built at load (`self:int8`, `self:int4`), or prompt lookup (NgramDrafter: continue the
-latest earlier occurrence of the text's last few tokens; no model at all).
+latest earlier occurrence of the text's last few tokens; no model at all). Tree drafters live in
+their own modules: lookahead (core/lookahead.py) and draft heads (`heads:PATH`, core/draft_heads.py).
 
 Tree rounds: a drafter may propose a tree instead of a chain (Draft.parents): several
 continuations sharing prefixes, plus nodes the target only runs for the drafter to look at
@@ -38,6 +39,7 @@ from .generate import common_prefix, prefill
 from .drafting import Draft, Drafter  # the interface drafters implement (re-exported)
 from .kv import ContiguousKV
 from .kv.base import ancestor_mask  # noqa: F401 (tree drafts' mask, re-exported)
+from .lookahead import MAX_TREE
 from .sampling import SamplingParams, apply_repetition_penalty, extend_seen, probabilities
 
 K_MAX = 12  # most drafts per round for --draft-k auto: beyond it acceptance^K makes drafts worthless
@@ -650,10 +652,28 @@ def parse_k(value: str | int | None) -> int | str:
     return k
 
 
+HEADS = "heads:"  # --draft heads:PATH, draft heads written by `brisk distill`
+
+
+def parse_heads(draft: str, k: int | str) -> tuple[str, int | None]:
+    """`heads:PATH` and a parsed --draft-k -> (PATH, the tree size to draft: None for auto). A
+    number K is a fixed tree of the stored tree's first K nodes (K tokens drafted per round, as K
+    means for chains); auto lets the TreePolicy pick among a few sizes, or plain steps."""
+    path = draft[len(HEADS):]
+    if not path.strip():
+        raise InvalidValue("draft", draft, "", template="{option} heads:PATH needs the folder `brisk distill` "
+                           "wrote, e.g. heads:smol-heads")
+    if k != "auto" and k > MAX_TREE - 1:
+        raise InvalidValue("draft_k", k, "", template=f"{{option}} {k}: a heads tree of K nodes runs with the pending "
+                           f"token in one pass of at most {MAX_TREE} tokens, so K <= {MAX_TREE - 1}")
+    return path, None if k == "auto" else k
+
+
 def make_speculator(llm, draft: str, k: str | int | None = "auto", lookahead: str | None = None) -> Speculator:
-    """`draft`: "ngram", "lookahead", "self:int8", "self:int4", or a model brisk can load (path,
-    hub id, GGUF). lookahead: "W,N,G" for --draft lookahead (default: auto, which sizes the tree
-    by measured speed and falls back to plain decoding where it does not pay)."""
+    """`draft`: "ngram", "lookahead", "heads:PATH", "self:int8", "self:int4", or a model brisk can
+    load (path, hub id, GGUF). lookahead: "W,N,G" for --draft lookahead (default: auto, which sizes
+    the tree by measured speed and falls back to plain decoding where it does not pay). heads:PATH:
+    the draft heads `brisk distill` wrote for this model (k: see parse_heads)."""
     k = parse_k(k)
     if lookahead is not None and draft != "lookahead":
         raise BriskError("--lookahead needs --draft lookahead")
@@ -665,6 +685,15 @@ def make_speculator(llm, draft: str, k: str | int | None = "auto", lookahead: st
                                "(it drafts trees; --lookahead W,N,G sets their size)")
         shape = parse_lookahead(lookahead)
         return Speculator(LookaheadDrafter([shape] if shape else None), "fixed" if shape else "auto")
+    if draft.startswith(HEADS):
+        from .draft_heads import HeadsDrafter
+
+        path, size = parse_heads(draft, k)
+        drafter = HeadsDrafter(llm, path, None if size is None else [size])
+        if size is not None and size > len(drafter.nodes):
+            raise InvalidValue("draft_k", k, "", template=f"{{option}} {k}: the tree in {path} has "
+                               f"{len(drafter.nodes)} nodes (`brisk distill --tree-nodes` sets it)")
+        return Speculator(drafter, "auto" if size is None else "fixed")
     if draft == "ngram":
         return Speculator(NgramDrafter(), k)
     if draft in SELF_METHODS:
