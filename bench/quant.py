@@ -1,7 +1,8 @@
 """`make bench` (second part): quantization quality, size and speed, brisk's formats side by side.
 
 For each model (SmolLM2-135M from its GGUF, Gemma 3 270M when installed), with the model widened to
-float32 as the base: `brisk quantize` with gptq and awq 4-bit (group 128, or 64 where widths need it), nf4 and int8 (wall time),
+float32 as the base: `brisk quantize` with gptq and awq 4-bit (group 128, or 64 where widths need it), nf4 and int8 (calibrated,
+and round-to-nearest with --samples 0) (wall time),
 `brisk eval --base` on bench/heldout.txt (perplexity, KL vs base, top-1 agreement), `brisk bench`
 (decode tok/s, model bytes). Round-to-nearest int4 at the same group size (the yardstick for GPTQ and AWQ) and
 the GGUF as stored are evaluated too, and llama.cpp's own quantizer (Q4_0, Q4_K_M, Q8_0, from the same
@@ -29,7 +30,10 @@ def methods(group: int) -> dict[str, list[str]]:
     (Gemma 3); SmolLM2's 576-wide layers take 64."""
     return {f"gptq-4bit-g{group}": ["--method", "gptq", "--bits", "4", "--group-size", str(group)],
             f"awq-4bit-g{group}": ["--method", "awq", "--bits", "4", "--group-size", str(group)],
-            "nf4": ["--method", "nf4"], "int8": ["--method", "int8"]}
+            "nf4": ["--method", "nf4"], "int8": ["--method", "int8"],
+            # bitsandbytes' round-to-nearest (no calibration): the yardstick for nf4 and int8
+            "nf4-rtn (--samples 0)": ["--method", "nf4", "--samples", "0"],
+            "int8-rtn (--samples 0)": ["--method", "int8", "--samples", "0"]}
 
 
 def brisk(*args) -> dict:
@@ -168,7 +172,7 @@ def main():
         rows.append((f"rtn-int4-g{group} sym (GPTQ's yardstick)", None, rtn_int4(path, group, True), None, None))
         rows.append((f"rtn-int4-g{group} asym (AWQ's yardstick)", None, rtn_int4(path, group, False), None, None))
         for method, flags in methods(group).items():
-            out = work / f"{path.stem}-{method}"
+            out = work / f"{path.stem}-{method.split()[0]}"
             t = time.perf_counter()
             brisk("quantize", path, "-o", out, *flags, "--force", "--json")
             seconds = time.perf_counter() - t

@@ -30,10 +30,11 @@ def quantize(
                                          "diagonal (default 0.01)."),
     double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant",
                                                 help="nf4/fp4: quantize the block scales too (default off)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="gptq/awq calibration text: a text file, or .jsonl "
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text (gptq, awq, nf4, fp4, int8): a text file, or .jsonl "
                                          "with a \"text\" field per line. Default: brisk's built-in set."),
-    samples: Optional[int] = typer.Option(None, "--samples", help="gptq/awq: calibration sequences (default 32)."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="gptq/awq: tokens per sequence (default 256)."),
+    samples: Optional[int] = typer.Option(None, "--samples", help="Calibration sequences (default 32). nf4/fp4/int8: 0 "
+                                       "rounds to nearest as bitsandbytes does (seconds, not minutes; lower quality)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Calibration tokens per sequence (default 256)."),
     threads: Optional[int] = c.ThreadsOpt,
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),

@@ -17,7 +17,8 @@ layout transformers writes with `save_pretrained` after loading with a `BitsAndB
 
 8-bit, per layer `P`:
     P.weight          int8 [N, K]     round(w * 127 / SCB[row])
-    P.SCB             float32 [N]     per-row absmax of the float weight
+    P.SCB             float32 [N]     per-row absmax of the float weight (any positive scale:
+                                      values beyond it are stored clipped to +-127)
     P.weight_format   uint8 scalar    0 ("row"-major; the only layout bitsandbytes still writes)
     so w = weight * SCB / 127. brisk runs it as quant/linear.py's Int8Linear with
     scales = SCB / 127 rounded to bf16 (the scale dtype torch's CPU int8 kernel takes): the int8
@@ -36,7 +37,7 @@ from torch import nn
 from .errors import FormatError
 from .linear import Int8Linear, SCALE_DTYPE
 from .nf4 import (NESTED_BLOCKSIZE, NF4Linear, codebook, double_quantize, dynamic_code,  # noqa: F401
-                  quantize_blockwise_4bit, undo_double_quant)
+                  gptq_blockwise_4bit, quantize_blockwise_4bit, undo_double_quant)
 
 QUANT_TYPES = ("nf4", "fp4")
 METHODS = ("nf4", "fp4", "int8")
@@ -84,38 +85,65 @@ def _json_tensor(d: dict) -> torch.Tensor:
 
 
 def quantize_4bit(weight: torch.Tensor, quant_type: str = "nf4", blocksize: int = 64,
-                  double_quant: bool = True) -> dict[str, torch.Tensor]:
+                  double_quant: bool = True, hessian: torch.Tensor | None = None,
+                  damp: float = 0.01) -> dict[str, torch.Tensor]:
     """Quantize one [N, K] weight as bitsandbytes does; returns the tensors transformers saves for a
     Linear4bit, keyed by suffix under the layer prefix: "weight", "weight.absmax", "weight.quant_map",
     ("weight.nested_absmax", "weight.nested_quant_map",) "weight.quant_state.bitsandbytes__<type>".
     The JSON's `dtype` is the weight's dtype (what bnb dequantizes to). The 4-bit codes and the absmax
     equal bitsandbytes' bit for bit; with double quantization the absmax codes are the nearest
-    entries of the 8-bit map, where bnb's search is approximate (a code may differ by one step)."""
+    entries of the 8-bit map, where bnb's search is approximate (a code may differ by one step).
+    hessian [K, K] (GPTQ's, of the layer's calibration inputs): codes and absmax chosen by GPTQ
+    instead (nf4.gptq_blockwise_4bit), the same tensors; a K that blocks straddle is rounded."""
     if quant_type not in QUANT_TYPES:
         raise ValueError(f"unknown 4-bit type {quant_type!r}; use nf4 or fp4")
     if weight.dtype not in _FLOAT_DTYPES.values():
         raise ValueError(f"cannot quantize a {weight.dtype} weight")
-    packed, absmax = quantize_blockwise_4bit(weight, quant_type, blocksize)
+    dq = None
+    if hessian is not None and weight.dim() == 2 and weight.shape[1] % blocksize == 0:
+        packed, absmax, dq = gptq_blockwise_4bit(weight, hessian, quant_type, blocksize, double_quant, damp)
+    else:
+        packed, absmax = quantize_blockwise_4bit(weight, quant_type, blocksize)
+        if double_quant:
+            dq = double_quantize(absmax)
     state = {"quant_type": quant_type, "blocksize": blocksize,
              "dtype": str(weight.dtype).removeprefix("torch."), "shape": list(weight.shape)}
     out = {"weight": packed.view(-1, 1), "weight.absmax": absmax, "weight.quant_map": codebook(quant_type)}
-    if double_quant:
-        q, nested, offset = double_quantize(absmax)
+    if dq is not None:
+        q, nested, offset = dq
         out.update({"weight.absmax": q, "weight.nested_absmax": nested, "weight.nested_quant_map": dynamic_code().clone()})
         state.update({"nested_blocksize": NESTED_BLOCKSIZE, "nested_dtype": "float32", "nested_offset": offset})
     out[f"weight.quant_state.bitsandbytes__{quant_type}"] = _json_tensor(state)
     return out
 
 
-def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+# GPTQ int8's row-scale search: 255 levels leave little to clip, so finer and shallower than 4-bit's.
+INT8_SHRINK = tuple(1 - i / 100 for i in range(31))
+
+
+def quantize_int8(weight: torch.Tensor, hessian: torch.Tensor | None = None,
+                  damp: float = 0.01) -> dict[str, torch.Tensor]:
     """Quantize one [N, K] weight as bitsandbytes' Int8Params: {"weight": int8, "SCB": float32 [N],
     "weight_format": uint8 0}: SCB is each row's absmax, weight = round(w * 127 / SCB).
     Like bitsandbytes, the weight is first rounded to float16 (where it fits), so the result is
-    bitsandbytes' bit for bit."""
+    bitsandbytes' bit for bit.
+    hessian [K, K] (GPTQ's, of the layer's calibration inputs): the codes and each row's scale
+    chosen by GPTQ instead, the scale searched (it may clip the row's largest values) and a bf16
+    value, so that SCB / 127 is what both bitsandbytes (SCB / 127) and brisk (bf16 row scales)
+    decode."""
     w = weight.detach()
     if w.abs().max() <= torch.finfo(torch.float16).max:
         w = w.to(torch.float16)
     w = w.float()
+    if hessian is not None:
+        from .gptq import GPTQ, CodebookGrid
+
+        grid = CodebookGrid(torch.arange(-127, 128, dtype=torch.float32),
+                            lambda s, group: (s.to(SCALE_DTYPE).float(),), INT8_SHRINK)
+        c = GPTQ.with_hessian(w, hessian).run(grid, -1, damp=damp)
+        # a bf16 scale times 127 is exact in float32, and float32 SCB / 127 gives the scale back
+        return {"weight": (c.q - 127).to(torch.int8), "SCB": c.params[0][0] * 127,
+                "weight_format": torch.tensor(0, dtype=torch.uint8)}
     scb = w.abs().amax(dim=1)
     q = torch.round(w * (127.0 / scb.clamp(min=1e-30))[:, None]).clamp(-127, 127).to(torch.int8)
     return {"weight": q, "SCB": scb, "weight_format": torch.tensor(0, dtype=torch.uint8)}

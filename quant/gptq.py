@@ -18,6 +18,10 @@ by then: by default the range with the least Hessian-weighted rounding error (se
 
 rtn(weight, bits, group_size, sym) is the round-to-nearest baseline with the same result type.
 
+The column loop is GPTQ.run(grid, group_size, ...), for any grid (see "grids" below): quantize is
+run on GPTQ's integer grid; bitsandbytes' NF4/FP4 codebook and int8 rows run it on a CodebookGrid
+(nf4.gptq_blockwise_4bit, bnb_format.quantize_int8).
+
 Codes: w = (q - z) * s per group, q and z integers in 0..2^bits-1 (z = 2^(bits-1) when sym).
 The on-disk layout (packing, the v1 zero convention) is in gptq_format.py.
 """
@@ -68,17 +72,24 @@ def _grid(w: torch.Tensor, bits: int, sym: bool, search: bool = False,
     lo, hi = torch.where(flat, -1.0, lo), torch.where(flat, 1.0, hi)
     if not search:
         return _scale_zero(lo, hi, maxq, sym)
+    return _least_error(w, importance, (_scale_zero(lo * f, hi * f, maxq, sym) for f in SHRINK),
+                        UniformGrid(bits, sym).round)
+
+
+def _least_error(w: torch.Tensor, importance: torch.Tensor | None, candidates, round_) -> tuple[torch.Tensor, ...]:
+    """Per row of w [N, n], the candidate grid parameters (tuples of [N] tensors) whose rounding
+    error, each column's squared error times its importance [n] (uniform if None), is least; the
+    first candidate wins ties. round_(w, params) -> (codes, values) as a grid's round."""
     imp = torch.ones(w.shape[1], device=w.device) if importance is None else importance.float()
     best, best_err = None, None
-    for f in SHRINK:
-        scale, zero = _scale_zero(lo * f, hi * f, maxq, sym)
-        d = (_codes(w, scale[:, None], zero[:, None], maxq) - zero[:, None]) * scale[:, None] - w
-        err = (d * d) @ imp
+    for params in candidates:
+        _, values = round_(w, tuple(p[:, None] for p in params))
+        err = ((values - w) ** 2) @ imp
         if best is None:
-            best, best_err = (scale, zero), err
+            best, best_err = params, err
         else:
             better = err < best_err
-            best = (torch.where(better, scale, best[0]), torch.where(better, zero, best[1]))
+            best = tuple(torch.where(better, p, b) for p, b in zip(params, best))
             best_err = torch.minimum(err, best_err)
     return best
 
@@ -105,9 +116,83 @@ def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) 
 def _check(bits: int, group_size: int, K: int) -> int:
     if bits not in (2, 3, 4, 8):
         raise ValueError(f"GPTQ bits must be 2, 3, 4 or 8, got {bits}")
+    return _group_width(group_size, K)
+
+
+def _group_width(group_size: int, K: int) -> int:
     if group_size != -1 and group_size <= 0:
         raise ValueError(f"group size must be -1 or positive, got {group_size}")
     return K if group_size == -1 else group_size  # K need not be a multiple: the last group is short
+
+
+# ---------------------------------------------------------------- grids
+# A grid is what GPTQ rounds each column to: fit(w [N, n], importance [n], group) -> params (a
+# tuple of [N] tensors, one set per group, chosen when GPTQ reaches the group), and
+# round(w, params) -> (codes, values): the codes stored and the values the checkpoint decodes them
+# to, exactly (the error GPTQ spreads is the one the loaded model will have).
+
+class UniformGrid:
+    """GPTQ's own: w = (q - zero) * scale, q in 0..2^bits-1, params (scale, zero) (see _grid)."""
+
+    def __init__(self, bits: int, sym: bool, search: bool = True):
+        self.bits, self.sym, self.search, self.maxq = bits, sym, search, 2 ** bits - 1
+
+    def fit(self, w, importance, group):
+        return _grid(w, self.bits, self.sym, self.search, importance)
+
+    def round(self, w, params):
+        s, z = params
+        q = _codes(w, s, z, self.maxq)
+        return q, (q - z) * s
+
+
+class CodebookGrid:
+    """w = code[q] * scale, one scale per row per group, any value (bitsandbytes' NF4/FP4 block
+    absmax, its int8 row scale): values beyond scale * the end codes clip to them.
+
+    stored(scale [N], group) -> (value, *extra): the scale as the checkpoint will hold it (e.g.
+    rounded to bf16, or through double quantization), so that the codes are chosen for, and GPTQ
+    compensates, the scale the model will run; extra tensors (e.g. the scale's own code) ride along
+    in the params. fit: the largest |w| onto the end code, shrunk by each of `shrink`, per row the
+    one with least rounding error weighted by the importance (the Hessian's diagonal), as _grid."""
+
+    def __init__(self, code: torch.Tensor, stored=lambda s, group: (s,), shrink: tuple[float, ...] | None = None):
+        self.code = code.float()
+        order = torch.argsort(self.code)
+        self._order, sorted_code = order, self.code[order]
+        self._mids = (sorted_code[:-1] + sorted_code[1:]) / 2
+        self._reach = float(self.code.abs().max())
+        self.stored, self.shrink = stored, SHRINK if shrink is None else shrink
+        # evenly spaced codes (int8's 255 levels) in order: round instead of bucketize, 5x faster
+        steps = sorted_code.diff()
+        self._even = bool(torch.equal(order, torch.arange(len(order)))) and bool((steps == steps[0]).all())
+
+    def fit(self, w, importance, group):
+        amax = w.abs().amax(dim=1) / self._reach
+        amax = torch.where(amax == 0, 1.0, amax)
+        return _least_error(w, importance, (self.stored(amax * f, group) for f in self.shrink), self.round)
+
+    def round(self, w, params):
+        s = params[0]
+        # w / s, as nf4's reference does not: these codes are chosen, not reproduced; a scale of 0
+        # (double quantization can store one) decodes every code to 0, so any code will do
+        scaled = w / torch.where(s == 0, 1.0, s)
+        if self._even:
+            c0, step = self.code[0], self.code[1] - self.code[0]
+            q = torch.round((scaled - c0) / step).clamp_(0, len(self.code) - 1).long()
+        else:
+            q = self._order[torch.bucketize(scaled, self._mids)]
+        return q, self.code[q] * s
+
+
+@dataclass
+class Compensated:
+    """GPTQ run on any grid: the codes, each group's params and what they decode to."""
+    q: torch.Tensor  # [N, K] int64 codes, the input columns in their original order
+    params: tuple[torch.Tensor, ...]  # each [G, N]: group g's params (groups in column order)
+    g_idx: torch.Tensor  # [K] int64: the group of each input column
+    dequantized: torch.Tensor  # [N, K] float32
+    error: float  # ||(W - Q) X||^2 / ||W X||^2 on the calibration inputs
 
 
 class GPTQ:
@@ -117,6 +202,15 @@ class GPTQ:
         K = weight.shape[1]
         self.H = torch.zeros(K, K, dtype=torch.float32, device=weight.device)
         self.n = 0
+
+    @classmethod
+    def with_hessian(cls, weight: torch.Tensor, H: torch.Tensor, n: int = 1) -> "GPTQ":
+        """A GPTQ for `weight` on a Hessian accumulated elsewhere (another linear that reads the same
+        inputs, a caller's own hooks): H is shared, not copied (quantize and run copy it before use);
+        n is the number of input rows it averages."""
+        g = cls(weight)
+        g.H, g.n = H, n
+        return g
 
     def add_batch(self, x: torch.Tensor) -> None:
         """Accumulate the Hessian H = 2/n sum x x^T over calibration inputs x [..., K]."""
@@ -140,11 +234,18 @@ class GPTQ:
         (issue 15: KL to float on SmolLM2-135M 0.163 -> 0.093, 4-bit g32 asym); group_order (without act_order) quantizes the groups in
         order of their largest Hessian diagonal and each group's columns by decreasing diagonal,
         but keeps the groups contiguous (g_idx stays k // group_size, which fast kernels need)."""
+        _check(bits, group_size, self.weight.shape[1])
+        c = self.run(UniformGrid(bits, sym, search), group_size, act_order, group_order, damp, block_size)
+        scales, zeros = c.params
+        return _result(c.q, scales, zeros, c.g_idx, bits, group_size, sym, self.weight, self.H)
+
+    def run(self, grid, group_size: int, act_order: bool = False, group_order: bool = True, damp: float = 0.01,
+            block_size: int = 128) -> Compensated:
+        """GPTQ's column loop on `grid` (UniformGrid, CodebookGrid): the arguments as quantize's."""
         N, K = self.weight.shape
-        gs = _check(bits, group_size, K)
+        gs = _group_width(group_size, K)
         if self.n == 0:
-            raise ValueError("GPTQ.quantize: no calibration inputs (call add_batch first)")
-        maxq = 2 ** bits - 1
+            raise ValueError("GPTQ: no calibration inputs (call add_batch first)")
         W = self.weight.float().clone()
         H = self.H.clone()
         dead = H.diagonal() == 0  # inputs that were always zero: their weights cannot matter
@@ -155,35 +256,34 @@ class GPTQ:
         Hinv = _inverse_factor(H, damp)
 
         G = -(-K // gs)
-        Q = torch.zeros_like(W)
-        scales = torch.zeros(G, N, device=W.device)
-        zeros = torch.zeros(G, N, device=W.device)
+        Q, V = torch.zeros(N, K, dtype=torch.long, device=W.device), torch.zeros_like(W)
+        params = [None] * G
         for b0 in range(0, K, block_size):
             b1 = min(b0 + block_size, K)
             W1, Err1, Hinv1 = W[:, b0:b1].clone(), torch.zeros(N, b1 - b0, device=W.device), Hinv[b0:b1, b0:b1]
             for i in range(b1 - b0):
                 col = b0 + i
                 if col % gs == 0:  # a new group: its grid from the weights as updated so far
-                    g = col // gs
+                    # act_order: groups are slots of the permuted columns; else slot j holds the
+                    # contiguous group perm[j * gs] // gs (group_order moves groups, not columns)
+                    g = col // gs if act_order else int(perm[col]) // gs
                     ahead = torch.cat((W1[:, i:], W[:, b1:]), dim=1)[:, :gs]
-                    s, z = _grid(ahead, bits, sym, search, H.diagonal()[col:col + gs])
-                    scales[g], zeros[g] = s, z
-                s, z = scales[col // gs], zeros[col // gs]
+                    params[g] = grid.fit(ahead, H.diagonal()[col:col + gs], g)
                 w, d = W1[:, i], Hinv1[i, i]
-                q = _codes(w, s, z, maxq)
-                Q[:, col] = q
-                err = (w - (q - z) * s) / d
+                q, v = grid.round(w, params[g])
+                Q[:, col], V[:, col] = q, v
+                err = (w - v) / d
                 W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
                 Err1[:, i] = err
             W[:, b1:] -= Err1 @ Hinv[b0:b1, b1:]  # the lazy update of all later columns at once
 
         inv = torch.argsort(perm)
-        g_idx = (torch.arange(K, device=W.device) // gs)[inv]  # the group of each original column
-        if group_order and not act_order:  # slot j quantized the columns of group perm[j * gs] // gs
-            groups = perm[::gs] // gs
-            scales[groups], zeros[groups] = scales.clone(), zeros.clone()
-            g_idx = torch.arange(K, device=W.device) // gs
-        return _result(Q[:, inv], scales, zeros, g_idx, bits, group_size, sym, self.weight, self.H)
+        g_idx = torch.arange(K, device=W.device) // gs
+        if act_order:
+            g_idx = g_idx[inv]  # the slot each original column was quantized in
+        stacked = tuple(torch.stack(p) for p in zip(*params))
+        deq = V[:, inv]
+        return Compensated(Q[:, inv], stacked, g_idx, deq, output_error(deq, self.weight, self.H))
 
 
 def _order(diag: torch.Tensor, gs: int, act_order: bool, group_order: bool) -> torch.Tensor:
@@ -218,14 +318,18 @@ def _inverse_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
     raise ValueError("GPTQ: the calibration Hessian is not positive definite even with 10x damping")
 
 
+def output_error(deq: torch.Tensor, weight: torch.Tensor, H: torch.Tensor | None) -> float:
+    """||(W - Q) X||^2 / ||W X||^2 through the calibration Hessian H (nan without one)."""
+    if H is None:
+        return float("nan")
+    d, w = deq - weight.float(), weight.float()
+    return float(((d @ H) * d).sum() / ((w @ H) * w).sum())
+
+
 def _result(q, scales, zeros, g_idx, bits, group_size, sym, weight, H) -> GPTQResult:
     deq = (q - zeros.T[:, g_idx]) * scales.T[:, g_idx]
-    error = float("nan")
-    if H is not None:
-        d, w = deq - weight.float(), weight.float()
-        error = float(((d @ H) * d).sum() / ((w @ H) * w).sum())
     return GPTQResult(q.to(torch.int32), scales, zeros.to(torch.int32), g_idx.to(torch.int32), bits,
-                      group_size, sym, deq, error)
+                      group_size, sym, deq, output_error(deq, weight, H))
 
 
 def rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,

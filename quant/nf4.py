@@ -85,7 +85,49 @@ def quantize_blockwise_4bit(w: torch.Tensor, quant_type: str = "nf4",
     if scaled.numel() % 2:
         scaled = F.pad(scaled, (0, 1))  # the spare nibble holds the code of 0
     q = _nearest(scaled, codebook(quant_type)).to(torch.uint8)
-    return (q[0::2] << 4) | q[1::2], absmax
+    return pack_4bit(q), absmax
+
+
+def pack_4bit(q: torch.Tensor) -> torch.Tensor:
+    """Flat codes (uint8 0..15, an even count) -> bytes, the first of each pair in the high nibble."""
+    return (q[0::2] << 4) | q[1::2]
+
+
+def gptq_blockwise_4bit(weight: torch.Tensor, H: torch.Tensor, quant_type: str = "nf4", blocksize: int = 64,
+                        double_quant: bool = False, damp: float = 0.01):
+    """GPTQ (quant/gptq.py) on the 4-bit codebook grid: the [N, K] weight's codes and block absmax
+    chosen to minimize the output error on the inputs whose Hessian is H, instead of rounded
+    independently. K must be a multiple of blocksize, so that a block of the row-major flattening
+    is `blocksize` consecutive columns of one row (one GPTQ group).
+
+    Returns (packed uint8 [N*K/2], absmax float32 [N*K/blocksize] as the model will use it,
+    double_quant ? (absmax codes uint8, nested absmax, offset) : None): the tensors
+    quantize_blockwise_4bit and double_quantize give, with other values. The stored absmax may
+    be below the block's largest |w| (those values then take the end codes): each block's is
+    searched, weighted by the Hessian's diagonal. With double quantization the nested 8-bit state
+    (offset, one nested absmax per 256 blocks) is fixed first, from the round-to-nearest absmax,
+    and every candidate absmax goes through it: GPTQ compensates the scale the model will run."""
+    from .gptq import GPTQ, CodebookGrid
+
+    N, K = weight.shape
+    if K % blocksize:
+        raise ValueError(f"GPTQ 4-bit needs in_features ({K}) to be a multiple of the blocksize ({blocksize})")
+    w = weight.detach().float()
+    nested = None
+    stored = lambda s, group: (s,)  # noqa: E731  (float32 absmax: stored as it is)
+    if double_quant:
+        _, nested_absmax, offset = nested = double_quantize(quantize_blockwise_4bit(w, quant_type, blocksize)[1])
+        first_blocks = torch.arange(N, device=w.device) * (K // blocksize)  # block index of (row, group 0)
+
+        def stored(s, group):
+            return round_nested(s, first_blocks + group, nested_absmax, offset)
+
+    c = GPTQ.with_hessian(w, H).run(CodebookGrid(codebook(quant_type), stored), blocksize, damp=damp)
+    packed = pack_4bit(c.q.reshape(-1).to(torch.uint8))
+    absmax = c.params[0].T.reshape(-1)  # [G, N] -> row-major blocks: row * G + group
+    if nested is not None:
+        nested = (c.params[1].T.reshape(-1).to(torch.uint8), nested_absmax, offset)
+    return packed, absmax, nested
 
 
 def unpack_4bit(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -112,6 +154,16 @@ def double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     offset = absmax.mean()
     q, nested = quantize_blockwise_8bit(absmax - offset)
     return q, nested, offset.item()
+
+
+def round_nested(absmax: torch.Tensor, index: torch.Tensor, nested_absmax: torch.Tensor,
+                 offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absmax values at block indices `index` through double quantization with a given nested
+    state: (the value undo_double_quant decodes, bit for bit; its uint8 code)."""
+    code = dynamic_code().to(absmax.device)
+    scale = nested_absmax[index // NESTED_BLOCKSIZE]
+    q = _nearest(((absmax - offset) * (1.0 / scale.clamp(min=1e-38))).clamp(-1, 1), code)
+    return code[q] * scale + torch.tensor(offset, dtype=torch.float32), q
 
 
 def undo_double_quant(q: torch.Tensor, nested_absmax: torch.Tensor, nested_code: torch.Tensor,

@@ -161,3 +161,33 @@ def level(request, monkeypatch):
     native.level.cache_clear()
     yield request.param
     native.level.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory):
+    """The tiny llama trained for a few seconds on brisk's calibration text: unlike random weights
+    its activations have the uneven, correlated channels that give GPTQ something to work with."""
+    import transformers as tf
+
+    from brisk.core import calibration
+    from brisk.core.tokenizer import Tokenizer
+
+    folder = write_hf_checkpoint(tmp_path_factory.mktemp("trained_tiny"), "llama", seed=3)
+    model = tf.LlamaForCausalLM.from_pretrained(folder)
+    batch = calibration.calibration_batch(Tokenizer.from_hf_folder(folder), calibration.builtin_texts(), 96, 64)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for step in range(80):
+        rows = batch[torch.randint(0, len(batch), (8,))]
+        loss = model(input_ids=rows, labels=rows).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(folder)
+    return folder
+
+
+def kl_to(base, other, ids) -> float:
+    """Mean KL(base || other) of two LLMs' next-token distributions over the token ids."""
+    a, b = base.logits(ids).log_softmax(-1), other.logits(ids).log_softmax(-1)
+    return (a.exp() * (a - b)).sum(-1).mean().item()

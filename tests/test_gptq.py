@@ -9,6 +9,7 @@ from brisk.quant import gptq_format, packing
 from brisk.quant.gptq import GPTQ, rtn
 from brisk.quant.gptq_format import GPTQLinear, load_linear, pack_layer, unpack_layer
 from brisk.quant.zero_point_linear import ZeroPointLinear
+from conftest import kl_to
 from quant_interop import (check_logits, fixture_logits, float_weight, layer_inputs, out_error, tool_reference,
                            write_quantized)
 
@@ -211,36 +212,6 @@ def test_brisk_checkpoints_load_in_gptqmodel(monkeypatch, tiny_llama_dir, tmp_pa
 # ---------------------------------------------------------------- the whole model's output (issue 15)
 
 
-@pytest.fixture(scope="module")
-def trained_tiny(tmp_path_factory):
-    """The tiny llama trained for a few seconds on brisk's calibration text: unlike random weights
-    its activations have the uneven, correlated channels that give GPTQ something to work with."""
-    import transformers as tf
-    from conftest import write_hf_checkpoint
-
-    from brisk.core import calibration
-    from brisk.core.tokenizer import Tokenizer
-
-    folder = write_hf_checkpoint(tmp_path_factory.mktemp("trained_tiny"), "llama", seed=3)
-    model = tf.LlamaForCausalLM.from_pretrained(folder)
-    batch = calibration.calibration_batch(Tokenizer.from_hf_folder(folder), calibration.builtin_texts(), 96, 64)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    for step in range(80):
-        rows = batch[torch.randint(0, len(batch), (8,))]
-        loss = model(input_ids=rows, labels=rows).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(folder)
-    return folder
-
-
-def _kl(base, other, ids) -> float:
-    a, b = base.logits(ids).log_softmax(-1), other.logits(ids).log_softmax(-1)
-    return (a.exp() * (a - b)).sum(-1).mean().item()
-
-
 @pytest.mark.parametrize("sym", [True, False])
 def test_gptq_beats_round_to_nearest_on_the_model_output(trained_tiny, tmp_path, sym):
     """Issue 15: on the whole model's logits (KL to the float model, on text it was not calibrated
@@ -258,12 +229,12 @@ def test_gptq_beats_round_to_nearest_on_the_model_output(trained_tiny, tmp_path,
     quantize_model(str(trained_tiny), out, QuantOptions("gptq", bits=4, group_size=32, sym=sym, samples=32, seq_len=64))
     base, q = load(trained_tiny), LLM.load(str(out), device="cpu", dtype="float32")
     ids = base.tokenizer.encode(TEXT)[:256]
-    kl_gptq = _kl(base, q, ids)
+    kl_gptq = kl_to(base, q, ids)
     for search in (False, True):
         r = load(trained_tiny)
         with torch.no_grad():
             for name, m in r.model.named_modules():
                 if name.startswith("model.layers.") and name.endswith("_proj"):
                     m.weight.copy_(rtn(m.weight.half().float(), 4, 32, sym, search=search).dequantized)
-        kl_rtn = _kl(base, r, ids)
+        kl_rtn = kl_to(base, r, ids)
         assert kl_gptq < 0.6 * kl_rtn, (search, kl_gptq, kl_rtn)

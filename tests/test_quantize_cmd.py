@@ -103,7 +103,10 @@ def test_calib_file_formats(tmp_path):
     (["--method", "gptq", "--group-size", "48"], ["group-size"]),
     (["--method", "gptq", "--group-size", "128"], ["does not divide"]),  # the tiny model's in_features are 64
     (["--method", "awq", "--sym"], ["awq", "sym"]),
-    (["--method", "nf4", "--calib", "x.txt"], ["--calib", "gptq and awq"]),
+    (["--method", "nf4", "--samples", "0", "--calib", "x.txt"], ["--calib", "--samples 0"]),
+    (["--method", "int8", "--samples", "0", "--seq-len", "64"], ["--seq-len", "--samples 0"]),
+    (["--method", "gptq", "--samples", "0"], ["--samples", "at least 1"]),
+    (["--method", "nf4", "--samples", "-1"], ["--samples", "0: round to nearest"]),
     (["--method", "gptq", "--calib", "/nonexistent/calib.txt"], ["no such file"]),
     (["--method", "gptq", "--seq-len", "1000"], ["exceeds"]),
 ])
@@ -216,14 +219,15 @@ def test_other_arguments_start_over(tiny_llama_dir, tmp_path):
     ("gptq", [], 2e-4), ("gptq", ["--bits", "8", "--act-order", "--asym"], 1e-6),
     ("gptq", ["--bits", "3", "--group-size", "32"], 1e-3), ("awq", [], 2e-4),
     ("nf4", [], 4e-4), ("fp4", ["--double-quant"], 8e-4), ("int8", [], 2e-6),
+    ("nf4", ["--samples", "0"], 4e-4), ("int8", ["--samples", "0"], 2e-6),  # round-to-nearest
 ])
 def test_output_loads_back_close_to_float(tiny_llama_dir, tmp_path, method, extra, max_kl):
     from brisk.core.llm import LLM
     from brisk.quant.formats import find_format
 
     out = tmp_path / "out"
-    r = quantize(tiny_llama_dir, out, "--method", method, *(CALIB if method in ("gptq", "awq") else []), *extra,
-                 "--json")
+    calib = [] if "--samples" in extra else CALIB
+    r = quantize(tiny_llama_dir, out, "--method", method, *calib, *extra, "--json")
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
     assert len(summary["layers"]) == 2 and all(len(s["errors"]) == 7 for s in summary["layers"])
@@ -252,7 +256,7 @@ def test_output_loads_back_close_to_float(tiny_llama_dir, tmp_path, method, extr
         rel = ((deq - w).norm() / w.norm()).item()
         if method != "awq":  # AWQ's weights carry the folded scales: compare through the model instead
             # GPTQ clips ranges (grid search) and spreads errors: more weight error, less output error
-            assert rel < {4: 0.2, 3: 0.45, 8: 0.01}[summary["options"]["bits"]], (name, rel)
+            assert rel < {4: 0.2, 3: 0.45, 8: 0.02}[summary["options"]["bits"]], (name, rel)
         assert torch.equal(q.model.get_submodule(name).dequantize(torch.float32), deq)
 
 
@@ -438,14 +442,15 @@ def test_default_model_nf4_interrupted_and_resumed(tmp_path):
     # A Ctrl-C after two blocks, delivered by the process to itself at that point: polling for
     # the manifest and signalling from here raced with nf4's ~50 ms blocks (the run could finish).
     env = {**os.environ, "BRISK_QUANTIZE_STOP_AFTER": "2:sigint"}
-    p = subprocess.Popen(BRISK + ["quantize", "-o", str(out), "--method", "nf4", "--double-quant"],
+    args = ["--method", "nf4", "--double-quant", "--samples", "0"]  # round-to-nearest, as nf4 made at load
+    p = subprocess.Popen(BRISK + ["quantize", "-o", str(out), *args],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          preexec_fn=default_sigint)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 130 and "run the same command again" in err, err
     assert not out.exists() and manifest.exists()
 
-    r = runner.invoke(app, ["quantize", "-o", str(out), "--method", "nf4", "--double-quant"])
+    r = runner.invoke(app, ["quantize", "-o", str(out), *args])
     assert r.exit_code == 0, r.output
     assert "resuming:" in r.stderr and not manifest.parent.exists()
     assert "bitsandbytes NF4" in r.stdout and "29" in r.stdout  # the summary table, 30 layers

@@ -38,7 +38,7 @@ def commands() -> list[str]:
 
 def briefer(line: str) -> str:
     for prefix, flag, extra in SMALL:
-        if prefix in line and f" {flag} " not in f" {line} " and "--method nf4" not in line:
+        if prefix in line and f" {flag} " not in f" {line} ":
             line += " " + extra
     return line
 

@@ -12,7 +12,10 @@ import torch
 from ..errors import BriskError, InvalidValue
 
 METHODS = ("gptq", "awq", "nf4", "fp4", "int8")
-CALIBRATED = ("gptq", "awq")
+GROUPED = ("gptq", "awq")  # a group size, and the GPTQ/AWQ packing
+# bitsandbytes' formats run GPTQ on their own grid when calibrated (the default) and can also be
+# rounded to nearest, bitsandbytes' own way, with --samples 0 (no calibration data, ~100x faster).
+ROUNDABLE = ("nf4", "fp4", "int8")
 GPTQ_BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)  # what --group-size takes (gptq also -1: one group per row)
 AUTO_GROUPS = (128, 64, 32)  # the default: the largest that divides every layer's in_features
@@ -30,8 +33,13 @@ class QuantOptions:
     damp: float | None = None
     double_quant: bool | None = None
     calib: str | None = None
-    samples: int | None = None
+    samples: int | None = None  # 0: no calibration (round-to-nearest; nf4, fp4, int8 only)
     seq_len: int | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the method runs on calibration data (of checked() options)."""
+        return bool(self.samples)
 
     def checked(self) -> "QuantOptions":
         """Defaults filled in; a BriskError for anything the method's format cannot hold.
@@ -39,14 +47,19 @@ class QuantOptions:
         m = self.method
         if m not in METHODS:
             raise InvalidValue("method", m, "", template=f"unknown {{option}} {m!r}; use one of {', '.join(METHODS)}")
-        _only(m, CALIBRATED, calib=self.calib, samples=self.samples, seq_len=self.seq_len)
         _only(m, ("gptq",), act_order=self.act_order, damp=self.damp)
         _only(m, ("nf4", "fp4"), double_quant=self.double_quant)
         o = self
-        if m in CALIBRATED:
-            o = replace(o, samples=o.samples or DEFAULT_SAMPLES, seq_len=o.seq_len or DEFAULT_SEQ_LEN)
+        if o.samples == 0 and m in ROUNDABLE:
+            for name, value in (("calib", o.calib), ("seq_len", o.seq_len)):
+                if value is not None:
+                    raise InvalidValue(name, value, "", template="{option} does not apply with --samples 0 (no calibration)")
+        else:
+            o = replace(o, samples=DEFAULT_SAMPLES if o.samples is None else o.samples,
+                        seq_len=o.seq_len or DEFAULT_SEQ_LEN)
             if o.samples < 1:
-                raise InvalidValue("samples", o.samples, "must be at least 1")
+                raise InvalidValue("samples", o.samples, "", template=f"{{option}} must be at least 1, not {o.samples}" + (
+                    " (0: round to nearest, without calibration)" if m in ROUNDABLE else ""))
             if o.seq_len < 16:
                 raise InvalidValue("seq_len", o.seq_len, "must be at least 16")
         if m == "gptq":
@@ -118,10 +131,10 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
 def check_shapes(opts: QuantOptions, cfg) -> QuantOptions:
     """Pick the default group size for this model, and check that its shapes fit the format
     (and the calibration sequences its context)."""
-    if opts.method not in CALIBRATED:
-        return opts
-    if opts.seq_len > cfg.max_seq_len:
+    if opts.calibrated and opts.seq_len > cfg.max_seq_len:
         raise InvalidValue("seq_len", opts.seq_len, "", template=f"{{option}} {opts.seq_len} exceeds the model's context ({cfg.max_seq_len})")
+    if opts.method not in GROUPED:
+        return opts
     linears = shapes(cfg)
     ins = sorted({k for _, k in linears.values()})
     if opts.group_size is None:
@@ -157,7 +170,7 @@ def estimate_bytes(cfg, opts: QuantOptions) -> int:
     """About the size of the output folder (for the disk check)."""
     per_layer = 0
     for n, k in shapes(cfg).values():
-        if opts.method in CALIBRATED:
+        if opts.method in GROUPED:
             groups = 1 if opts.group_size == -1 else k // opts.group_size
             per_layer += n * k * opts.bits // 8 + groups * n * (2 + opts.bits / 8) + 4 * k
         elif opts.method == "int8":

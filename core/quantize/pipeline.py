@@ -6,7 +6,8 @@ calibration batch runs through the embeddings, then through one decoder block at
 runs once in float with hooks on its linears (GPTQ accumulates Hessians, AWQ keeps the inputs), its
 linears are quantized, the block is rebuilt from the quantized tensors and run again to give the
 next block its inputs. So the next block sees what the quantized model computes, and memory stays
-at the model plus one block's activations (finished blocks are dropped). NF4/FP4/int8 need no data.
+at the model plus one block's activations (finished blocks are dropped). bitsandbytes' NF4/FP4/int8
+run GPTQ on their own grids the same way, or round to nearest without data (--samples 0).
 
 Each finished block goes to OUT.partial first, so an interrupted run resumes (see resume.py);
 embeddings, norms and lm_head stay float (see export.py).
@@ -26,7 +27,7 @@ from torch import nn
 from .. import calibration, hf_export
 from ..errors import FileError
 from . import blocks, export, recipes, resume
-from .options import CALIBRATED, QuantOptions, check_input, check_shapes, estimate_bytes, float_dtype
+from .options import QuantOptions, check_input, check_shapes, estimate_bytes, float_dtype
 
 
 @dataclass
@@ -83,7 +84,7 @@ def quantize_model(model: str | None, out: str | Path, opts: QuantOptions, force
     partial = out.with_name(out.name + ".partial")
     if out.exists() and not force:
         raise FileError("already exists (use --force to replace it)", out)
-    texts = calibration.load_texts(opts.calib) if opts.method in CALIBRATED else None
+    texts = calibration.load_texts(opts.calib) if opts.calibrated else None
 
     early = check_input(model, out)
     if early is not None:  # an HF folder's config.json: shape errors before the weights load
@@ -149,6 +150,8 @@ def _quantize_blocks(net, ids, opts, fmt, qcfg, dtype, partial, done, report, su
                 tensors, errors = recipes.gptq_block(block, x, rope, kv, opts)
             elif opts.method == "awq":
                 tensors, errors = recipes.awq_block(block, x, rope, kv, opts)
+            elif x is not None:
+                tensors, errors = recipes.bnb_calibrated_block(block, x, rope, kv, opts, fmt, qcfg, dtype)
             else:
                 tensors, errors = recipes.bnb_block(block, opts, fmt, qcfg, dtype)
             tensors = {prefix + k: v for k, v in tensors.items()}

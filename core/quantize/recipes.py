@@ -17,6 +17,37 @@ GPTQ_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("se
 
 
 def gptq_block(block, x, rope, kv, opts):
+    def one(g, name):
+        # Without act-order the groups still go in order of input size (g_idx stays sorted, so the
+        # fast kernels run it): measured on SmolLM2-135M (issue 15), both it and the grid search
+        # roughly halve the KL to float of min/max GPTQ.
+        res = g.quantize(bits=opts.bits, group_size=opts.group_size, sym=opts.sym, act_order=opts.act_order,
+                         damp=opts.damp, search=True, group_order=not opts.act_order)
+        return res.tensors(), res.dequantized, res.error
+
+    return _true_sequential(block, x, rope, kv, one)
+
+
+def bnb_calibrated_block(block, x, rope, kv, opts, fmt, qcfg, dtype):
+    """bitsandbytes NF4/FP4/int8 by GPTQ on the format's own grid (a 16-entry codebook per block
+    of 64, 255 levels per row): the same tensors as round-to-nearest, with codes and scales that
+    compensate each other's errors on the calibration inputs. The weight is rounded to the
+    checkpoint's float dtype first, as bnb_block does (what bitsandbytes would quantize)."""
+    from ...quant.gptq import output_error
+
+    def one(g, name):
+        w = g.weight.to(dtype)
+        t = fmt.quantize_int8(w, hessian=g.H) if opts.method == "int8" else \
+            fmt.quantize_4bit(w, quant_type=opts.method, blocksize=64, double_quant=opts.double_quant, hessian=g.H)
+        deq = _loaded(fmt, t, name, qcfg)  # what the model runs, and what the next steps must see
+        return t, deq, output_error(deq, g.weight, g.H)
+
+    return _true_sequential(block, x, rope, kv, one)
+
+
+def _true_sequential(block, x, rope, kv, quantize_one):
+    """Each step's linears quantized by quantize_one(GPTQ, name) -> (tensors, dequantized weight,
+    error) on the Hessian of their inputs, captured with the earlier steps already quantized."""
     from ...quant.gptq import GPTQ
 
     lins = linears(block)
@@ -25,23 +56,18 @@ def gptq_block(block, x, rope, kv, opts):
         first = GPTQ(lins[names[0]].weight)
         capture(block, x, rope, kv, {lins[names[0]]: first.add_batch}, stop_at=lins[names[0]])
         for n in names:
-            g = first if n == names[0] else _same_inputs(GPTQ(lins[n].weight), first)
-            # Without act-order the groups still go in order of input size (g_idx stays sorted, so the
-            # fast kernels run it): measured on SmolLM2-135M (issue 15), both it and the grid search
-            # roughly halve the KL to float of min/max GPTQ.
-            res = g.quantize(bits=opts.bits, group_size=opts.group_size, sym=opts.sym, act_order=opts.act_order,
-                             damp=opts.damp, search=True, group_order=not opts.act_order)
-            tensors.update({f"{n}.{k}": v for k, v in res.tensors().items()})
-            errors[n] = float(res.error)
-            lins[n].weight.copy_(res.dequantized)
+            # the linears of a step read the same input: the Hessian depends on the input only
+            g = first if n == names[0] else GPTQ.with_hessian(lins[n].weight, first.H, first.n)
+            t, deq, err = quantize_one(g, n)
+            tensors.update({f"{n}.{k}": v for k, v in t.items()})
+            errors[n] = float(err)
+            lins[n].weight.copy_(deq)
     return tensors, errors
 
 
-def _same_inputs(g, src):
-    """Give GPTQ `g` the Hessian `src` accumulated: the linears read the same input, and the
-    Hessian depends on the input only (it is copied before use, so sharing is safe)."""
-    g.H, g.n = src.H, src.n
-    return g
+def _loaded(fmt, t: dict, name: str, qcfg: dict) -> torch.Tensor:
+    """The float32 weight a linear's checkpoint tensors `t` load as."""
+    return fmt.load_linear({f"{name}.{k}": v for k, v in t.items()}, name, qcfg, None).dequantize(torch.float32)
 
 
 # Which captured input each linear reads (q/k/v share one, gate/up another).
@@ -110,14 +136,14 @@ def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def bnb_block(block, opts, fmt, qcfg, dtype):
-    """No calibration: each weight (rounded to the checkpoint's float dtype, what bitsandbytes would
-    quantize) is quantized on its own; the error is the weight's."""
+    """Round-to-nearest (--samples 0: no calibration): each weight (rounded to the checkpoint's float
+    dtype, what bitsandbytes would quantize) is quantized on its own; the error is the weight's."""
     tensors, errors = {}, {}
     for n, lin in linears(block).items():
         w = lin.weight.to(dtype)
         t = fmt.quantize_int8(w) if opts.method == "int8" else \
             fmt.quantize_4bit(w, quant_type=opts.method, blocksize=64, double_quant=opts.double_quant)
-        deq = fmt.load_linear({f"{n}.{k}": v for k, v in t.items()}, n, qcfg, None).dequantize(torch.float32)
+        deq = _loaded(fmt, t, n, qcfg)
         wf = w.float()
         errors[n] = float((deq - wf).pow(2).sum() / wf.pow(2).sum().clamp(min=1e-30))
         tensors.update({f"{n}.{k}": v for k, v in t.items()})

@@ -25,7 +25,7 @@ from ..files import write_text_atomic
 from .options import QuantOptions
 
 STOP_ENV = "BRISK_QUANTIZE_STOP_AFTER"
-_VERSION = 2  # bump when the output for the same arguments changes: partial runs then restart
+_VERSION = 3  # bump when the output for the same arguments changes: partial runs then restart
 
 
 def run_key(ckpt, opts: QuantOptions, dtype: torch.dtype, texts) -> str:
