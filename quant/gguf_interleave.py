@@ -1,24 +1,28 @@
-"""Q4_K and Q8_0 rows interleaved 8 at a time: the layouts brisk's fastest kernels for them read
-(kernels/q4k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a group of 8
-rows holds 8 rows' bytes, so the packed matrix has the file's size and rows past the last whole
-group stay where they were."""
+"""Q4_K, Q8_0, Q4_0 and Q4_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels for
+them read (kernels/q4k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
+group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size and rows past the last
+whole group stay where they were."""
 from __future__ import annotations
 
 import torch
 
 ROWS = 8
 BLOCK = 144  # Q4_K: bytes per super-block of 256 weights
-Q4_K, Q8_0 = 12, 8
+Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
+# The 32-weight types, per block: (bytes, fp16 fields at its start, code bytes after them). Interleaved,
+# a group's block holds its code bytes in vectors of 8 bytes of rows 0..7 (64 bytes each), then each
+# fp16 field of rows 0..7 in turn.
+SMALL = {Q8_0: (34, 1, 32), Q4_0: (18, 1, 16), Q4_1: (20, 2, 16)}
 
 
 def packable(qtype: int, rows: int, cols: int) -> bool:
-    return rows >= ROWS and (qtype == Q4_K and cols % 256 == 0 or qtype == Q8_0 and cols % 32 == 0)
+    return rows >= ROWS and (qtype == Q4_K and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
 
 
 def pack(blocks: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
     """blocks: uint8 [N, bytes per row] in the file's layout -> the same shape, interleaved."""
-    if qtype == Q8_0:
-        return _pack_q8_0(blocks)
+    if qtype in SMALL:
+        return _small(blocks, qtype, pack=True)
     N, row_bytes = blocks.shape
     G, ns = N // ROWS, row_bytes // BLOCK
     out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
@@ -36,8 +40,8 @@ def pack(blocks: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
     """The inverse of pack: the file's layout again (paths without the native kernels)."""
-    if qtype == Q8_0:
-        return _unpack_q8_0(packed)
+    if qtype in SMALL:
+        return _small(packed, qtype, pack=False)
     N, row_bytes = packed.shape
     G, ns = N // ROWS, row_bytes // BLOCK
     out = torch.empty_like(packed, memory_format=torch.contiguous_format)
@@ -53,27 +57,22 @@ def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
     return out
 
 
-def _pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q8_0 (blocks of 34 bytes: d, 32 codes): per group and block, vector c = codes 8c..8c+7 of rows 0..7,
-    then the 8 d's."""
-    N, row_bytes = blocks.shape
-    G, nb = N // ROWS, row_bytes // 34
-    out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
-    b = blocks[:G * ROWS].reshape(G, ROWS, nb, 34).transpose(1, 2)  # [group, block, row, byte]
-    o = out[:G * ROWS].view(G, nb, ROWS * 34)
-    o[..., :256].view(G, nb, 4, ROWS, 8).copy_(b[..., 2:].reshape(G, nb, ROWS, 4, 8).transpose(2, 3))
-    o[..., 256:].view(G, nb, ROWS, 2).copy_(b[..., :2])
-    out[G * ROWS:] = blocks[G * ROWS:]
-    return out
-
-
-def _unpack_q8_0(packed: torch.Tensor) -> torch.Tensor:
-    N, row_bytes = packed.shape
-    G, nb = N // ROWS, row_bytes // 34
-    out = torch.empty_like(packed, memory_format=torch.contiguous_format)
-    o = packed[:G * ROWS].view(G, nb, ROWS * 34)
-    b = out[:G * ROWS].view(G, ROWS, nb, 34).transpose(1, 2)
-    b[..., 2:].copy_(o[..., :256].reshape(G, nb, 4, ROWS, 8).transpose(2, 3).reshape(G, nb, ROWS, 32))
-    b[..., :2].copy_(o[..., 256:].reshape(G, nb, ROWS, 2))
-    out[G * ROWS:] = packed[G * ROWS:]
+def _small(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
+    """pack/unpack of the 32-weight types (SMALL): per group and block, vector c = code bytes 8c..8c+7 of
+    rows 0..7, then the fp16 fields (d; Q4_1 also m) of rows 0..7."""
+    bb, fields, nc = SMALL[qtype]
+    N, row_bytes = src.shape
+    G, nb, head = N // ROWS, row_bytes // bb, 2 * fields
+    out = torch.empty_like(src, memory_format=torch.contiguous_format)
+    file_side = (out if not pack else src)[:G * ROWS].reshape(G, ROWS, nb, bb).transpose(1, 2)  # [group, block, row, byte]
+    x8 = (out if pack else src)[:G * ROWS].view(G, nb, ROWS * bb)
+    codes = x8[..., :ROWS * nc].view(G, nb, nc // 8, ROWS, 8)  # [group, block, vector, row, byte]
+    if pack:
+        codes.copy_(file_side[..., head:].reshape(G, nb, ROWS, nc // 8, 8).transpose(2, 3))
+    else:
+        file_side[..., head:].copy_(codes.transpose(2, 3).reshape(G, nb, ROWS, nc))
+    for f in range(fields):
+        at = x8[..., ROWS * (nc + 2 * f):ROWS * (nc + 2 * f + 2)].view(G, nb, ROWS, 2)
+        (at.copy_(file_side[..., 2 * f:2 * f + 2]) if pack else file_side[..., 2 * f:2 * f + 2].copy_(at))
+    out[G * ROWS:] = src[G * ROWS:]
     return out

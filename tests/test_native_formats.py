@@ -28,7 +28,7 @@ def shapes(name: str) -> list[int]:
     return [256, 512] if name.removesuffix(" x8").endswith("_K") else [96, 512]
 
 
-CASES = [(name, K) for name in TYPES + ["Q4_K x8", "Q8_0 x8"] for K in shapes(name)]
+CASES = [(name, K) for name in TYPES + ["Q4_K x8", "Q8_0 x8", "Q4_0 x8", "Q4_1 x8"] for K in shapes(name)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,8 +63,8 @@ def blocks(name: str, K: int, source: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def weight(name: str, K: int, source: str = "random") -> tuple[native.NativeWeight, np.ndarray]:
-    """name "Q4_K x8" / "Q8_0 x8": rows interleaved by 8 (gguf_interleave), as brisk loads those types
-    (N = 37: four groups and a tail of 5 rows in the file's layout)."""
+    """name "Q4_K x8" / "Q8_0 x8" / "Q4_0 x8" / "Q4_1 x8": rows interleaved by 8 (gguf_interleave), as
+    brisk loads those types (N = 37: four groups and a tail of 5 rows in the file's layout)."""
     x8 = name.endswith(" x8")
     name = name.removesuffix(" x8")
     made = blocks(name, K, source)
@@ -183,7 +183,7 @@ def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["Q4_K x8", "Q8_0 x8"])
+@pytest.mark.parametrize("name", ["Q4_K x8", "Q8_0 x8", "Q4_1 x8"])
 def test_interleaved_rows_split_anywhere_across_threads(name):
     """Threads split a joined product's rows in chunks counted over all its weights: the second
     weight (after 37 rows) has its groups of 8 cut mid-group. Each row must still get its bits."""

@@ -1,15 +1,20 @@
-/* Q8_0 with its rows interleaved 8 at a time (layout BK_X8), times 16-bit activations (int_dot.h's
- * grid: one scale per 32 inputs).
+/* Q8_0, Q4_0 and Q4_1 with their rows interleaved 8 at a time (layout BK_X8), times 16-bit
+ * activations (int_dot.h's grid: one scale per 32 inputs).
  *
  * Why: Gemma 3 270M's tied 262144 x 640 Q8_0 table is most of a decode step, and the file layout's
  * tiles of 4 rows read it at 12.3 GB/s from memory on one AMD EPYC core (2026-11-25), while one
  * forward stream reaches ~24 (q4k_x8.h). Interleaved, 8 rows' blocks are one stream, and a block's
  * scale work (d times the activations' scale, the float multiply-add) is done for 8 rows at once.
+ * Q4_1 (the default model's type) ran at 9.2 GB/s from L3 in the file's layout, compute-bound: one
+ * row's block at a time, a 16-lane fold per block; interleaved its codes are widened once per block
+ * for all activation rows, as Q8_0's.
  *
- * Layout (quant/gguf_interleave.py): rows in groups of 8; per group, block after block, 272 bytes
- * (8 x 34, the file's size):
- *   [0, 256)    codes: 4 vectors of 64 bytes; vector c holds, for rows 0..7 in turn, codes 8c..8c+7
- *   [256, 272)  d of rows 0..7 (fp16)
+ * Layout (quant/gguf_interleave.py): rows in groups of 8; per group, block after block, 8 times the
+ * file's block (Q8_0 272 bytes, Q4_0 144, Q4_1 160):
+ *   codes:  vectors of 64 bytes; vector c holds, for rows 0..7 in turn, code bytes 8c..8c+7 (Q8_0:
+ *           4 vectors, codes 8c..8c+7; Q4_0/Q4_1: 2 vectors, byte i's low nibble weight 8c + i and
+ *           high nibble weight 16 + 8c + i, as in the file)
+ *   then d of rows 0..7 (fp16), and for Q4_1 m of rows 0..7 (fp16)
  * Rows past the last whole group follow in the file's layout, at the file's offsets.
  *
  * The int32 sums are exact and the float epilogue is one function for one activation row or many:
@@ -19,7 +24,7 @@
 
 #include "q4k_x8.h"
 
-#define Q8X8_BYTES 272 /* one group's block */
+BK_INLINE int x8i16_bytes(int type) { return type == BK_Q8_0 ? 272 : type == BK_Q4_1 ? 160 : 144; } /* a group's block */
 
 typedef int8_t i8x32v __attribute__((vector_size(32)));
 
@@ -55,6 +60,27 @@ BK_INLINE void q8x8_read(const uint8_t *g, q8x8_block_t *b) {
     b->d1 = __builtin_shufflevector(d, d, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
 }
 
+/* The same for Q4_0 / Q4_1 (codes 0..15; Q4_0's minus 8), and Q4_1's m at lanes 4r' (else 0) of m0, m1 */
+BK_INLINE void q4x8_read(const uint8_t *g, int type, q8x8_block_t *b, v16 *m0, v16 *m1) {
+    for (int c = 0; c < 2; c++)
+        for (int h = 0; h < 2; h++) { /* rows 4h..4h+3 */
+            u8x32s v;
+            memcpy(&v, g + 64 * c + 32 * h, 32);
+            i16x32 lo = __builtin_convertvector(v & 15, i16x32), hi = __builtin_convertvector(v >> 4, i16x32);
+            if (type == BK_Q4_0) lo -= 8, hi -= 8;
+            b->w[2 * c + h] = lo;       /* weights 8c..8c+7 */
+            b->w[2 * (c + 2) + h] = hi; /* weights 16 + 8c.. */
+        }
+    bk_v8 d = half8(g + 128);
+    b->d0 = __builtin_shufflevector(d, d, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    b->d1 = __builtin_shufflevector(d, d, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    if (type == BK_Q4_1) {
+        bk_v8 m = half8(g + 144), z = {0};
+        *m0 = __builtin_shufflevector(m, z, 0, 8, 8, 8, 1, 8, 8, 8, 2, 8, 8, 8, 3, 8, 8, 8);
+        *m1 = __builtin_shufflevector(m, z, 4, 8, 8, 8, 5, 8, 8, 8, 6, 8, 8, 8, 7, 8, 8, 8);
+    }
+}
+
 /* f0 (rows 0..3), f1 (rows 4..7) += a group's block times one activation row's block (x: 32 codes,
  * s: its scale). Lanes 4r'..4r'+3 of f0 / f1 are row r' / 4 + r''s partial sums. */
 BK_INLINE void q8x8_accumulate(const q8x8_block_t *b, const int16_t *x, float s, v16 *f0, v16 *f1) {
@@ -72,23 +98,31 @@ BK_INLINE void q8x8_accumulate(const q8x8_block_t *b, const int16_t *x, float s,
 
 BK_INLINE float sum4(v16 f, int r) { return (f[4 * r] + f[4 * r + 1]) + (f[4 * r + 2] + f[4 * r + 3]); }
 
-/* Rows n0..n1 of a BK_X8 Q8_0 weight times M rows of 16-bit activations, y[m * ldy + n]; a group
- * partly inside n0..n1 is computed whole and only its rows inside stored. acc: 2 M vectors. */
-BK_INLINE void q8x8_rows(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy, v16 *acc) {
-    int nb = w->K / QK, whole = w->N / X8_ROWS * X8_ROWS;
-    int64_t group_bytes = (int64_t)nb * Q8X8_BYTES;
+/* Rows n0..n1 of a BK_X8 Q8_0 / Q4_0 / Q4_1 weight (type: a constant at each call, so each type gets
+ * its own loop) times M rows of 16-bit activations, y[m * ldy + n]; a group partly inside n0..n1 is
+ * computed whole and only its rows inside stored. acc: 2 M vectors. */
+BK_INLINE void x8i16_rows(const bk_weight *w, int type, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
+                          v16 *acc) {
+    int nb = w->K / QK, whole = w->N / X8_ROWS * X8_ROWS, bytes = x8i16_bytes(type);
+    int64_t group_bytes = (int64_t)nb * bytes;
     for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
         const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
         v16 one[2] = {{0}, {0}}, *f = M == 1 ? one : acc;
         for (int i = 0; i < 2 * M && M > 1; i++) acc[i] = (v16){0};
         for (int b = 0; b < nb; b++) {
-            const uint8_t *g = grp + (int64_t)b * Q8X8_BYTES;
-            for (int o = 0; o < Q8X8_BYTES; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
+            const uint8_t *g = grp + (int64_t)b * bytes;
+            for (int o = 0; o < bytes; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
             q8x8_block_t blk;
-            q8x8_read(g, &blk);
+            v16 m0 = {0}, m1 = {0};
+            if (type == BK_Q8_0) q8x8_read(g, &blk);
+            else q4x8_read(g, type, &blk, &m0, &m1);
             for (int mi = 0; mi < M; mi++) {
                 int64_t at = (int64_t)mi * nb + b;
                 q8x8_accumulate(&blk, x->q + at * QK, x->s[at], &f[2 * mi], &f[2 * mi + 1]);
+                if (type == BK_Q4_1) { /* + m s sum(codes), at lane 4r' of row r' */
+                    v16 sum = splat16(x->sum[at]);
+                    f[2 * mi] = fma16(m0, sum, f[2 * mi]), f[2 * mi + 1] = fma16(m1, sum, f[2 * mi + 1]);
+                }
             }
         }
         for (int mi = 0; mi < M; mi++)
@@ -99,18 +133,19 @@ BK_INLINE void q8x8_rows(const bk_weight *w, int n0, int n1, int M, const bk_xq 
         bk_weight tail = *w;
         tail.layout = 0;
         int a = n0 > whole ? n0 : whole;
-        int_tile_rows(&tail, BK_Q8_0, a, n1, M, x, y, ldy, acc);
+        int_tile_rows(&tail, type, a, n1, M, x, y, ldy, acc);
     }
 }
 
-/* Row n's block b back in the file's 34 bytes */
-BK_INLINE const uint8_t *q8x8_block(const bk_weight *w, int n, int b, uint8_t *out) {
-    int nb = w->K / QK, whole = w->N / X8_ROWS * X8_ROWS;
-    if (n >= whole) return w->data + (int64_t)n * w->row_bytes + b * 34;
-    const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * nb + b) * Q8X8_BYTES;
+/* Row n's block b back in the file's bytes (Q8_0 34, Q4_0 18, Q4_1 20) */
+BK_INLINE const uint8_t *x8i16_block(const bk_weight *w, int n, int b, uint8_t *out) {
+    int type = w->type, nb = w->K / QK, whole = w->N / X8_ROWS * X8_ROWS, bytes = x8i16_bytes(type);
+    int fields = type == BK_Q4_1 ? 2 : 1, codes = type == BK_Q8_0 ? 32 : 16;
+    if (n >= whole) return w->data + (int64_t)n * w->row_bytes + (int64_t)b * (bytes / X8_ROWS);
+    const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * nb + b) * bytes;
     int r = n % X8_ROWS;
-    memcpy(out, g + 256 + 2 * r, 2);
-    for (int c = 0; c < 4; c++) memcpy(out + 2 + 8 * c, g + 64 * c + 8 * r, 8);
+    for (int f = 0; f < fields; f++) memcpy(out + 2 * f, g + 8 * codes + 16 * f + 2 * r, 2);
+    for (int c = 0; c < codes / 8; c++) memcpy(out + 2 * fields + 8 * c, g + 64 * c + 8 * r, 8);
     return out;
 }
 

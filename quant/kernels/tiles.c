@@ -67,7 +67,9 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
         uint8_t blk[144];
         for (int b = k0 / bw; b < k1 / bw; b++) {
             if (w->type == BK_Q4_K) dq_q4_k(x8_block(w, n, b, blk), y + b * bw - k0);
-            else dq_q8_0(q8x8_block(w, n, b, blk), y + b * bw - k0);
+            else if (w->type == BK_Q8_0) dq_q8_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
+            else if (w->type == BK_Q4_1) dq_q4_1(x8i16_block(w, n, b, blk), y + b * bw - k0);
+            else dq_q4_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
         }
         return;
     }
@@ -206,8 +208,12 @@ void CAT(bk_dequant_rows, BK_SUFFIX)(const bk_weight *w, const int64_t *rows, in
 void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
                                  float *buf) {
     if (w->layout == BK_X8) {
-        if (w->type == BK_Q4_K) x8_rows(w, n0, n1, M, x, y, ldy, (v16 *)buf);
-        else q8x8_rows(w, n0, n1, M, x, y, ldy, (v16 *)buf);
+        switch (w->type) { /* each type its own loop (x8i16_rows: type a constant) */
+        case BK_Q4_K: x8_rows(w, n0, n1, M, x, y, ldy, (v16 *)buf); break;
+        case BK_Q8_0: x8i16_rows(w, BK_Q8_0, n0, n1, M, x, y, ldy, (v16 *)buf); break;
+        case BK_Q4_1: x8i16_rows(w, BK_Q4_1, n0, n1, M, x, y, ldy, (v16 *)buf); break;
+        default: x8i16_rows(w, BK_Q4_0, n0, n1, M, x, y, ldy, (v16 *)buf);
+        }
         return;
     }
     if (x->q8 && bk_act8_type(w->type)) {
