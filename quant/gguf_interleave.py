@@ -10,8 +10,7 @@ ROWS = 8
 BLOCK = 144  # Q4_K: bytes per super-block of 256 weights
 Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
 # The 32-weight types, per block: (bytes, fp16 fields at its start, code bytes after them). Interleaved,
-# a group's block holds its code bytes in vectors of 8 bytes of rows 0..7 (64 bytes each), then each
-# fp16 field of rows 0..7 in turn.
+# a group's block holds its codes in vectors of 64 bytes (_small), then each fp16 field of rows 0..7.
 SMALL = {Q8_0: (34, 1, 32), Q4_0: (18, 1, 16), Q4_1: (20, 2, 16)}
 
 
@@ -58,21 +57,51 @@ def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
 
 
 def _small(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
-    """pack/unpack of the 32-weight types (SMALL): per group and block, vector c = code bytes 8c..8c+7 of
-    rows 0..7, then the fp16 fields (d; Q4_1 also m) of rows 0..7."""
+    """pack/unpack of the 32-weight types (SMALL): per group and block, the codes in 16-bit lanes (Q8_0:
+    2 to a lane, Q4_0/Q4_1: 4, _q4_lanes), then the fp16 fields (d; Q4_1 also m) of rows 0..7."""
     bb, fields, nc = SMALL[qtype]
     N, row_bytes = src.shape
     G, nb, head = N // ROWS, row_bytes // bb, 2 * fields
     out = torch.empty_like(src, memory_format=torch.contiguous_format)
     file_side = (out if not pack else src)[:G * ROWS].reshape(G, ROWS, nb, bb).transpose(1, 2)  # [group, block, row, byte]
     x8 = (out if pack else src)[:G * ROWS].view(G, nb, ROWS * bb)
-    codes = x8[..., :ROWS * nc].view(G, nb, nc // 8, ROWS, 8)  # [group, block, vector, row, byte]
-    if pack:
-        codes.copy_(file_side[..., head:].reshape(G, nb, ROWS, nc // 8, 8).transpose(2, 3))
-    else:
-        file_side[..., head:].copy_(codes.transpose(2, 3).reshape(G, nb, ROWS, nc))
+    if nc == 16:  # 4-bit codes: in 16-bit lanes (_q4_lanes)
+        lanes = x8[..., :ROWS * nc]
+        if pack:
+            lanes.copy_(_q4_lanes(file_side[..., head:]))
+        else:
+            file_side[..., head:].copy_(_q4_bytes(lanes))
+    else:  # Q8_0: vector c, lane 8r + i = weight 8c + i of rows r (low byte) and 4 + r (high byte)
+        codes = x8[..., :ROWS * nc].view(G, nb, 4, 4, 8, 2)  # [group, block, c, r, i, h]
+        rows = file_side[..., head:].reshape(G, nb, 2, 4, 4, 8)  # [group, block, h, r, c, i]
+        if pack:
+            codes.copy_(rows.permute(0, 1, 4, 3, 5, 2))
+        else:
+            rows.copy_(codes.permute(0, 1, 5, 3, 2, 4))
     for f in range(fields):
         at = x8[..., ROWS * (nc + 2 * f):ROWS * (nc + 2 * f + 2)].view(G, nb, ROWS, 2)
         (at.copy_(file_side[..., 2 * f:2 * f + 2]) if pack else file_side[..., 2 * f:2 * f + 2].copy_(at))
     out[G * ROWS:] = src[G * ROWS:]
     return out
+
+
+def _q4_lanes(file_codes: torch.Tensor) -> torch.Tensor:
+    """A group's Q4_0/Q4_1 code bytes [G, blocks, 8 rows, 16] (byte i: weight i low, i + 16 high) -> [G,
+    blocks, 128]: two vectors of 32 little-endian uint16 lanes, 4 codes per lane, so that (vector j // 4
+    >> 4 (j % 4)) & 15 is the kernel's code vector j = 2c + h without a byte widening: lane 8r + i holds
+    weight 8c + i of row 4h + r (kernels/q8_x8.h)."""
+    G, nb = file_codes.shape[:2]
+    codes = torch.cat([file_codes & 15, file_codes >> 4], -1).view(G, nb, 2, 4, 4, 8)  # [h, r, c, i]
+    codes = codes.permute(0, 1, 4, 2, 3, 5).reshape(G, nb, 2, 2, 2, 4, 8).to(torch.int32)  # [V, c % 2, h, r, i]
+    lanes = sum(codes[:, :, :, cb, h] << 4 * (2 * cb + h) for cb in (0, 1) for h in (0, 1))
+    return torch.stack([lanes & 255, lanes >> 8], -1).to(torch.uint8).reshape(G, nb, 128)
+
+
+def _q4_bytes(lanes: torch.Tensor) -> torch.Tensor:
+    """The inverse of _q4_lanes."""
+    G, nb = lanes.shape[:2]
+    b = lanes.reshape(G, nb, 2, 4, 8, 2).to(torch.int32)
+    v = b[..., 0] | b[..., 1] << 8  # [V, r, i]
+    codes = torch.stack([torch.stack([v >> 4 * (2 * cb + h) & 15 for h in (0, 1)], 3) for cb in (0, 1)], 3)
+    codes = codes.reshape(G, nb, 4, 2, 4, 8).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 8, 32).to(torch.uint8)
+    return codes[..., :16] | codes[..., 16:] << 4

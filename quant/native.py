@@ -67,8 +67,8 @@ def _cache_dir() -> Path:
 # by brisk_kernels.c
 PER_LEVEL = ("tiles", "decoder")
 X86_LEVELS = {"plain": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
-              "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-                         "-mprefer-vector-width=512"]}
+              "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
+                         "-mf16c", "-mprefer-vector-width=512"]}
 # gnu11, not c11: strict ISO C turns off contracting a * b + c into one fused multiply-add
 FLAGS = ["-O3", "-fPIC", "-std=gnu11", "-ffp-contract=fast", "-Wno-psabi", "-pthread", "-Werror=implicit-function-declaration"]
 
@@ -264,7 +264,7 @@ def available() -> bool:
 
 @functools.cache
 def level() -> int:
-    """The instruction set the kernels use: 0 plain C, 1 AVX2+FMA, 2 AVX-512 (level.cache_clear()
+    """The instruction set the kernels use: 0 plain C, 1 AVX2+FMA, 2 AVX-512 with VNNI (level.cache_clear()
     after changing BRISK_NATIVE_LEVEL)."""
     best = library().bk_cpu_level()
     cap = os.environ.get("BRISK_NATIVE_LEVEL")

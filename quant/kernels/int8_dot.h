@@ -163,7 +163,7 @@ BK_INLINE void kq8_unpack(const uint8_t *blk, int type, i16x16 sc, bk_u8x16 six,
  * type's order; xs: Q6_K's 16 sums of 16 codes) */
 BK_INLINE vi16 kq8_dot(const kq8_block *b, int type, i16x16 sc, const int8_t *x, const int16_t *xs) {
     vi16 a = madd(maddubs(b->c[0], load_i8x64(x)), b->s[0]);
-    for (int v = 1; v < 4; v++) a += madd(maddubs(b->c[v], load_i8x64(x + 64 * v)), b->s[v]);
+    for (int v = 1; v < 4; v++) a = madd_add(a, maddubs(b->c[v], load_i8x64(x + 64 * v)), b->s[v]);
     if (type == BK_Q6_K) { /* codes are q + 32: take 32 sc_g (sum of group g's activations) off */
         i16x16 s;
         memcpy(&s, xs, 32);

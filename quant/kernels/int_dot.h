@@ -85,6 +85,16 @@ BK_INLINE vi16 madd(i16x32 a, i16x32 b) {
 #endif
 }
 
+/* acc + madd(a, b): one instruction with AVX-512 VNNI (vpdpwssd; int32 sums wrap as the add does, so
+ * the bits are the same either way) */
+BK_INLINE vi16 madd_add(vi16 acc, i16x32 a, i16x32 b) {
+#if defined(__AVX512VNNI__)
+    return (vi16)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#else
+    return acc + madd(a, b);
+#endif
+}
+
 BK_INLINE i16x32 load_i16x32(const int16_t *p) {
     i16x32 v;
     memcpy(&v, p, 64);
@@ -317,20 +327,20 @@ BK_INLINE void kquant_tile(const bk_weight *w, int type, int n, int R, int M, co
                             i16x32 lo, hi;
                             if (type == BK_Q4_K) q4k_pair(blk[r], (const uint8_t *)&six[r], c, &lo, &hi);
                             else q5k_pair(blk[r], (const uint8_t *)&six[r], c, &lo, &hi);
-                            a[r] += madd(lo, x0) + madd(hi, x1);
+                            a[r] = madd_add(madd_add(a[r], lo, x0), hi, x1);
                         }
                     } else if (c < 2) {
                         for (int r = 0; r < TILE; r++) {
                             i16x32 Wh[4];
                             q6k_half(blk[r], c, Wh);
-                            for (int j = 0; j < 4; j++) a[r] += madd(Wh[j], load_i16x32(xq + 128 * c + 32 * j));
+                            for (int j = 0; j < 4; j++) a[r] = madd_add(a[r], Wh[j], load_i16x32(xq + 128 * c + 32 * j));
                         }
                     }
                 }
             } else {
                 for (int j = 0; j < 8; j++) {
                     i16x32 xv = load_i16x32(xq + 32 * j);
-                    for (int r = 0; r < TILE; r++) a[r] += madd(W[r][j], xv);
+                    for (int r = 0; r < TILE; r++) a[r] = madd_add(a[r], W[r][j], xv);
                 }
             }
             int64_t at = (int64_t)mi * ns + sb;

@@ -97,7 +97,7 @@ BK_INLINE v16 x8_accumulate(const uint8_t *g, const x8_head *h, const int8_t *x,
             lo += maddubs(v & 15, bcast8(x + 64 * c + 8 * t));
             hi += maddubs(high_nibbles(v), bcast8(x + 64 * c + 32 + 8 * t));
         }
-        a += madd(lo, h->s[2 * c]) + madd(hi, h->s[2 * c + 1]);
+        a = madd_add(madd_add(a, lo, h->s[2 * c]), hi, h->s[2 * c + 1]);
     }
     /* lane 2r + e of mn: row r's minimums 2e, 2e + 1, 4 + 2e, 5 + 2e times their sub-blocks' sums */
     vi16 mn = madd(h->m0, (i16x32)bcast8((const int8_t *)xm)) + madd(h->m1, (i16x32)bcast8((const int8_t *)(xm + 4)));

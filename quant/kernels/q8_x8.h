@@ -11,9 +11,11 @@
  *
  * Layout (quant/gguf_interleave.py): rows in groups of 8; per group, block after block, 8 times the
  * file's block (Q8_0 272 bytes, Q4_0 144, Q4_1 160):
- *   codes:  vectors of 64 bytes; vector c holds, for rows 0..7 in turn, code bytes 8c..8c+7 (Q8_0:
- *           4 vectors, codes 8c..8c+7; Q4_0/Q4_1: 2 vectors, byte i's low nibble weight 8c + i and
- *           high nibble weight 16 + 8c + i, as in the file)
+ *   codes:  Q8_0: 4 vectors of 32 int16 lanes, 2 codes to a lane: lane 8r + i of vector c holds
+ *           weight 8c + i of row r (low byte) and of row 4 + r (high byte): two shifts make each an
+ *           int16 (no byte widening on the one shuffle port).
+ *           Q4_0/Q4_1: 2 vectors of 32 uint16 lanes, 4 codes to a lane: nibble k of lane 8r + i of
+ *           vector V is weight 8c + i of row 4h + r, where 2c + h = 4V + k (q4x8_read)
  *   then d of rows 0..7 (fp16), and for Q4_1 m of rows 0..7 (fp16)
  * Rows past the last whole group follow in the file's layout, at the file's offsets.
  *
@@ -26,8 +28,6 @@
 
 BK_INLINE int x8i16_bytes(int type) { return type == BK_Q8_0 ? 272 : type == BK_Q4_1 ? 160 : 144; } /* a group's block */
 
-typedef int8_t i8x32v __attribute__((vector_size(32)));
-
 /* 8 int16 activations in every 128-bit lane */
 BK_INLINE i16x32 bcast16x8(const int16_t *p) {
 #if defined(__AVX512F__)
@@ -39,12 +39,6 @@ BK_INLINE i16x32 bcast16x8(const int16_t *p) {
 #endif
 }
 
-BK_INLINE i16x32 widen_i8(const uint8_t *p) {
-    i8x32v c;
-    memcpy(&c, p, 32);
-    return __builtin_convertvector(c, i16x32);
-}
-
 /* A group's block ready for the multiply-adds: codes widened to int16 (vector 2c + h: codes 8c..8c+7
  * of rows 4h..4h+3), the rows' d at lanes 4r'..4r'+3 (rows 0..3, 4..7). Made once for every
  * activation row. */
@@ -54,23 +48,27 @@ typedef struct {
 } q8x8_block_t;
 
 BK_INLINE void q8x8_read(const uint8_t *g, q8x8_block_t *b) {
-    for (int c = 0; c < 4; c++) b->w[2 * c] = widen_i8(g + 64 * c), b->w[2 * c + 1] = widen_i8(g + 64 * c + 32);
+    for (int c = 0; c < 4; c++) {
+        i16x32 v = load_i16x32((const int16_t *)(g + 64 * c));
+        b->w[2 * c] = (i16x32)((u16x32)v << 8) >> 8; /* the low bytes, sign-extended */
+        b->w[2 * c + 1] = v >> 8;
+    }
     bk_v8 d = half8(g + 256);
     b->d0 = __builtin_shufflevector(d, d, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     b->d1 = __builtin_shufflevector(d, d, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
 }
 
-/* The same for Q4_0 / Q4_1 (codes 0..15; Q4_0's minus 8), and Q4_1's m at lanes 4r' (else 0) of m0, m1 */
+/* The same for Q4_0 / Q4_1 (codes 0..15; Q4_0's minus 8), and Q4_1's m at lanes 4r' (else 0) of m0, m1.
+ * Their codes sit 4 to a 16-bit lane (gguf_interleave._q4_lanes): vector j = 2c + h is nibble j % 4 of
+ * the lanes of 64-byte vector j / 4, a shift and a mask (no byte widening, which ran on the one
+ * shuffle port: 7% of Q4_1's GEMV) */
 BK_INLINE void q4x8_read(const uint8_t *g, int type, q8x8_block_t *b, v16 *m0, v16 *m1) {
-    for (int c = 0; c < 2; c++)
-        for (int h = 0; h < 2; h++) { /* rows 4h..4h+3 */
-            u8x32s v;
-            memcpy(&v, g + 64 * c + 32 * h, 32);
-            i16x32 lo = __builtin_convertvector(v & 15, i16x32), hi = __builtin_convertvector(v >> 4, i16x32);
-            if (type == BK_Q4_0) lo -= 8, hi -= 8;
-            b->w[2 * c + h] = lo;       /* weights 8c..8c+7 */
-            b->w[2 * (c + 2) + h] = hi; /* weights 16 + 8c.. */
-        }
+    u16x32 v[2];
+    memcpy(v, g, 128);
+    for (int j = 0; j < 8; j++) {
+        i16x32 q = (i16x32)((v[j >> 2] >> (4 * (j & 3))) & 15);
+        b->w[j] = type == BK_Q4_0 ? q - 8 : q;
+    }
     bk_v8 d = half8(g + 128);
     b->d0 = __builtin_shufflevector(d, d, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     b->d1 = __builtin_shufflevector(d, d, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
@@ -87,8 +85,8 @@ BK_INLINE void q8x8_accumulate(const q8x8_block_t *b, const int16_t *x, float s,
     vi16 a0 = {0}, a1 = {0};
     for (int c = 0; c < 4; c++) {
         i16x32 xv = bcast16x8(x + 8 * c);
-        a0 += madd(b->w[2 * c], xv);
-        a1 += madd(b->w[2 * c + 1], xv);
+        a0 = madd_add(a0, b->w[2 * c], xv);
+        a1 = madd_add(a1, b->w[2 * c + 1], xv);
     }
     v16 sv = splat16(s);
     /* written as multiply-adds so that no copy is left to -ffp-contract (see fma16) */
@@ -145,7 +143,19 @@ BK_INLINE const uint8_t *x8i16_block(const bk_weight *w, int n, int b, uint8_t *
     const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * nb + b) * bytes;
     int r = n % X8_ROWS;
     for (int f = 0; f < fields; f++) memcpy(out + 2 * f, g + 8 * codes + 16 * f + 2 * r, 2);
-    for (int c = 0; c < codes / 8; c++) memcpy(out + 2 * fields + 8 * c, g + 64 * c + 8 * r, 8);
+    if (type == BK_Q8_0) {
+        for (int c = 0; c < 4; c++)
+            for (int i = 0; i < 8; i++) out[2 + 8 * c + i] = g[64 * c + 2 * (8 * (r % 4) + i) + r / 4];
+        return out;
+    }
+    uint8_t *q = out + 2 * fields; /* weight w: byte w % 16, high nibble from 16 on */
+    memset(q, 0, 16);
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 8; i++) {
+            int j = 2 * c + r / 4, at = 64 * (j >> 2) + 2 * (8 * (r % 4) + i), w8 = 8 * c + i;
+            unsigned lane = g[at] | (unsigned)g[at + 1] << 8, code = lane >> (4 * (j & 3)) & 15;
+            q[w8 % 16] |= (uint8_t)(code << (w8 >= 16 ? 4 : 0));
+        }
     return out;
 }
 
