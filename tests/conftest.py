@@ -123,6 +123,24 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=2)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run many small steps: a second torch thread only adds waiting (a lot of it when the
+    machine is busy). Modules take it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    """The tiny random llama, float32 on the CPU (modules with another `tiny` define their own)."""
+    from brisk.core import LLM
+
+    return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     from brisk.core import LLM

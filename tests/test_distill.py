@@ -27,18 +27,7 @@ FAST = dict(heads=3, samples=10, max_tokens=20, steps=12, batch=64, lr=3e-2, che
             sim_prompts=2, sim_tokens=12)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run many small steps here: a second torch thread only adds waiting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,6 @@ from brisk.core.output_stream import StopMatcher
 from brisk.core.sampling import probabilities
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
-
-
 @pytest.mark.slow
 def test_smollm2_knows_the_capital_of_france(smollm2):
     res = smollm2.generate("What is the capital of France?", GREEDY, max_tokens=24)

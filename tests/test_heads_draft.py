@@ -21,7 +21,9 @@ from brisk.core.sampling import probabilities
 from brisk.core.speculative import make_speculator
 
 from test_distill import heads_dir  # noqa: F401 (fixture: heads trained on the tiny model in seconds)
-from test_lookahead import one_thread, prompts, tiny  # noqa: F401 (fixtures)
+from test_lookahead import prompts  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 from test_speculative import SAMPLING, assert_cache_holds, chi_square_fails, exact_distribution, run
 
 runner = CliRunner()

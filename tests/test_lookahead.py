@@ -24,17 +24,7 @@ from test_speculative import SAMPLING, assert_cache_holds, chi_square_fails, exa
 SHAPES = ["auto", "2,3,2", "0,3,1", "4,3,3", "1,2,1", "3,4,2", "5,3,1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,6 @@ from brisk.core.batching import Engine, Request
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def gemma(tiny_gemma3_dir):
     return LLM.load(str(tiny_gemma3_dir), device="cpu", dtype="float32")
 

@@ -73,11 +73,6 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def server(tiny):
     s = Server(tiny)
     yield s

@@ -20,19 +20,7 @@ DRAFTS = ["ngram", "self:int8", "self:int4", "paired"]
 KS = [1, 2, 4, "auto"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run hundreds of small steps here: a second torch thread only adds waiting
-    (a lot of it when the machine is busy)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
