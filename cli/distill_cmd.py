@@ -1,7 +1,6 @@
 """`brisk distill`: train Medusa-style draft heads for a model on its own answers (self-distillation)."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -65,31 +64,15 @@ def distill(
                               checkpoint_every=checkpoint_every, seed=seed, measure=measure,
                               data=str(data) if data else None)
         progress = _Progress(enabled=not as_json)
-        try:
-            summary = run_distill(model, out, opts, force=force, report=progress, device=device)
-        except KeyboardInterrupt:
-            progress.stop()
-            print(f"interrupted: run the same command again to resume from {out}.partial", file=sys.stderr)
-            raise typer.Exit(130)
-        finally:
-            progress.stop()
-        if as_json:
-            sys.stdout.write(json.dumps(summary.to_dict()) + "\n")
-        else:
-            _print_summary(summary)
+        c.run_resumable_job(lambda: run_distill(model, out, opts, force=force, report=progress, device=device),
+                            progress, out, as_json, _print_summary)
 
 
 class _Progress:
     """The pipeline's report(event, ...) callback as rich progress bars on stderr."""
 
     def __init__(self, enabled: bool):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
-
-        self.enabled = enabled
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                            TextColumn("{task.fields[note]}"), console=c.err_console, disable=not enabled)
+        self.enabled, self.bar = enabled, c.job_bar(enabled)
         self.started = False
         self.status = self.gen = self.train = None
         self.held = ""  # the last held-out evaluation, shown next to the loss

@@ -1,7 +1,6 @@
 """`brisk quantize`: write a quantized Hugging Face checkpoint (GPTQ, AWQ, bitsandbytes NF4/FP4/int8)."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -55,31 +54,15 @@ def quantize(
                             damp=damp, double_quant=double_quant, calib=str(calib) if calib else None,
                             samples=samples, seq_len=seq_len)
         progress = _Progress(enabled=not as_json)
-        try:
-            summary = quantize_model(model, out, opts, force=force, report=progress)
-        except KeyboardInterrupt:
-            progress.stop()
-            print(f"interrupted: run the same command again to resume from {out}.partial", file=sys.stderr)
-            raise typer.Exit(130)
-        finally:
-            progress.stop()
-        if as_json:
-            sys.stdout.write(json.dumps(summary.to_dict()) + "\n")
-        else:
-            _print_summary(summary)
+        c.run_resumable_job(lambda: quantize_model(model, out, opts, force=force, report=progress),
+                            progress, out, as_json, _print_summary)
 
 
 class _Progress:
     """The pipeline's report(event, ...) callback as a rich progress bar on stderr."""
 
     def __init__(self, enabled: bool):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
-
-        self.enabled = enabled
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                            TextColumn("{task.fields[note]}"), console=c.err_console, disable=not enabled)
+        self.enabled, self.bar = enabled, c.job_bar(enabled)
         self.task = self.status = self.calib = None
 
     def stop(self):

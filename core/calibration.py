@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .errors import FileError, InvalidValue
+from .files import read_user_text
 
 BUILTIN_NAME = "calibration_text.txt"  # shipped as package data; documents separated by blank lines
 
@@ -31,12 +32,7 @@ def load_texts(path: str | Path | None) -> list[str]:
     if path is None:
         return builtin_texts()
     path = Path(path)
-    if not path.is_file():
-        raise FileError("no such file", path)
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise FileError(f"cannot read it ({getattr(e, 'strerror', None) or e})", path) from None
+    raw = read_user_text(path)
     if path.suffix == ".jsonl":
         texts = [_jsonl_text(path, n, line) for n, line in enumerate(raw.splitlines(), 1) if line.strip()]
     else:

@@ -48,7 +48,7 @@ import torch
 from . import draft_heads as dh
 from .distill_options import DistillOptions, DistillSummary
 from .errors import BriskError, FileError
-from .files import write_text_atomic
+from .files import read_user_text, write_text_atomic
 
 PROMPTS_NAME = "distill_prompts.txt"  # package data: prompts separated by blank lines
 STOP_ENV = "BRISK_DISTILL_STOP_AFTER"
@@ -71,12 +71,7 @@ def load_prompts(path: str | Path | None) -> list:
         text = resources.files(__package__).joinpath(PROMPTS_NAME).read_text(encoding="utf-8")
         return _paragraphs(text)
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileError("no such file", path)
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise FileError(f"cannot read it ({getattr(e, 'strerror', None) or e})", path) from None
+    raw = read_user_text(path)
     if path.suffix != ".jsonl":
         prompts = _paragraphs(raw)
     else:

@@ -1,4 +1,5 @@
-"""Writing a file whole or not at all: a temporary sibling, then a rename."""
+"""Files the user names or brisk writes: read as text with one-line errors; written whole or not at
+all (a temporary sibling, then a rename)."""
 from __future__ import annotations
 
 import os
@@ -17,3 +18,16 @@ def write_text_atomic(path: Path, text: str) -> None:
         if tmp.exists():
             tmp.unlink()
         raise
+
+
+def read_user_text(path: Path) -> str:
+    """A text file the user named (calibration text, prompts), as UTF-8; a missing or unreadable one
+    is a one-line FileError."""
+    from .errors import FileError
+
+    if not path.is_file():
+        raise FileError("no such file", path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FileError(f"cannot read it ({getattr(e, 'strerror', None) or e})", path) from None
