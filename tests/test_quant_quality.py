@@ -70,6 +70,42 @@ def test_int8_checkpoint_decodes_to_what_gptq_compensated():
     assert output_error(_loaded(mine), w, g.H) < 0.9 * output_error(_loaded(rtn), w, g.H)
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_fast_nearest_code_is_bucketize(quant_type):
+    """The grid's table lookup picks the entry bucketize (the reference rule: nearest, ties to the
+    lower entry) picks, on the boundaries themselves, one float step either side of them, signed
+    zeros, values far beyond the end codes and random values, on the table path and the small one."""
+    grid = CodebookGrid(nf4.codebook(quant_type))
+    mids, nearest = grid._mids, grid._nearest
+    assert nearest is not None
+    big = torch.finfo(torch.float32).max
+    edge = torch.cat((mids, mids.nextafter(torch.tensor(big)), mids.nextafter(torch.tensor(-big)),
+                      grid._sorted, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.5, -1.5, 1e30, -1e30, big, -big])))
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.cat((torch.randn(40_000, generator=gen), torch.rand(10_000, generator=gen) * 2 - 1))
+    for x in (edge, torch.cat((edge, rand)), torch.cat((edge, rand))[:50_000].reshape(100, 100, 5)):
+        assert torch.equal(nearest(x).long(), torch.bucketize(x, mids))
+    # through the grid: codes and values as the bucketize rule gives them, for scales of any size
+    s = torch.full((1,), 0.03)
+    for w in (edge * s, torch.cat((edge, rand)) * s):
+        q, v = grid.round(w, (s,))
+        ref = grid._order[torch.bucketize(w / s, mids)]
+        assert torch.equal(q.long(), ref) and torch.equal(v, grid.code[ref] * s)
+
+
+def test_grid_search_batching_picks_what_one_at_a_time_does(monkeypatch):
+    """The candidates rounded all at once or one by one (how the search batches them to bound its
+    memory): the same codes and scales."""
+    from brisk.quant import gptq
+
+    w, g = _layer()
+    grid = CodebookGrid(nf4.codebook("nf4"))
+    together = GPTQ.with_hessian(w, g.H).run(grid, 64)
+    monkeypatch.setattr(gptq, "_BATCH", 1)
+    alone = GPTQ.with_hessian(w, g.H).run(grid, 64)
+    assert torch.equal(together.q, alone.q) and torch.equal(together.params[0], alone.params[0])
+
+
 def _bnb():
     try:
         import bitsandbytes.functional as bf
