@@ -380,11 +380,12 @@ def _native_layer(data, t, order: torch.Tensor | None):
         with warnings.catch_warnings():  # read-only memory map: the kernels never write to it
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(raw)
-    if (gguf_interleave.packable(t.qtype, rows, t.shape[1]) and (t.qtype != gguf_interleave.Q4_K or native.ACT8)
+    act8 = t.qtype in (gguf_interleave.Q4_K, gguf_interleave.Q6_K)  # their x8 kernels take 8-bit activations
+    if (gguf_interleave.packable(t.qtype, rows, t.shape[1]) and (native.ACT8 or not act8)
             and os.environ.get("BRISK_INTERLEAVE", "1") != "0"):
-        # Q4_K / Q8_0 / Q4_0 / Q4_1 rows interleaved for the kernels (2x / 1.6x / 1.4x / 1.6x faster
-        # GEMV); the file's pages it was read from are handed back, else memory would hold the weight
-        # twice. BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs).
+        # Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 rows interleaved for the kernels (one core's GEMV: 2x / 1.3x /
+        # 2.1x / 2x); the file's pages it was read from are handed back, else memory would hold the
+        # weight twice. BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs).
         packed = gguf_interleave.pack(blocks, t.qtype)
         if order is None:
             _release_pages(raw)

@@ -1,4 +1,4 @@
-"""Q4_K, Q8_0, Q4_0 and Q4_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels for
+"""Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels for
 them read (kernels/q4k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
 group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size and rows past the last
 whole group stay where they were."""
@@ -8,20 +8,23 @@ import torch
 
 ROWS = 8
 BLOCK = 144  # Q4_K: bytes per super-block of 256 weights
-Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
+Q6_BLOCK = 210  # Q6_K's
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 # The 32-weight types, per block: (bytes, fp16 fields at its start, code bytes after them). Interleaved,
 # a group's block holds its codes in vectors of 64 bytes (_small), then each fp16 field of rows 0..7.
 SMALL = {Q8_0: (34, 1, 32), Q4_0: (18, 1, 16), Q4_1: (20, 2, 16)}
 
 
 def packable(qtype: int, rows: int, cols: int) -> bool:
-    return rows >= ROWS and (qtype == Q4_K and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
+    return rows >= ROWS and (qtype in (Q4_K, Q6_K) and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
 
 
 def pack(blocks: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
     """blocks: uint8 [N, bytes per row] in the file's layout -> the same shape, interleaved."""
     if qtype in SMALL:
         return _small(blocks, qtype, pack=True)
+    if qtype == Q6_K:
+        return _pack_q6_k(blocks)
     N, row_bytes = blocks.shape
     G, ns = N // ROWS, row_bytes // BLOCK
     out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
@@ -41,6 +44,8 @@ def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
     """The inverse of pack: the file's layout again (paths without the native kernels)."""
     if qtype in SMALL:
         return _small(packed, qtype, pack=False)
+    if qtype == Q6_K:
+        return _unpack_q6_k(packed)
     N, row_bytes = packed.shape
     G, ns = N // ROWS, row_bytes // BLOCK
     out = torch.empty_like(packed, memory_format=torch.contiguous_format)
@@ -105,3 +110,66 @@ def _q4_bytes(lanes: torch.Tensor) -> torch.Tensor:
     codes = torch.stack([torch.stack([v >> 4 * (2 * cb + h) & 15 for h in (0, 1)], 3) for cb in (0, 1)], 3)
     codes = codes.reshape(G, nb, 4, 2, 4, 8).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 8, 32).to(torch.uint8)
     return codes[..., :16] | codes[..., 16:] << 4
+
+
+def _q6_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks [..., 210] -> their 256 six-bit codes in weight order [..., 256] (uint8)."""
+    out = []
+    for h in (0, 1):  # weights 128h..128h+127: ql bytes 64h.., qh bytes 128 + 32h..
+        ql, qh = b[..., 64 * h:64 * h + 64], b[..., 128 + 32 * h:160 + 32 * h]
+        low = torch.cat([ql & 15, ql >> 4], -1)  # weights 128h + 0..63, then + 64..127
+        out.append(low | torch.cat([(qh >> 2 * k & 3) << 4 for k in range(4)], -1))
+    return torch.cat(out, -1)
+
+
+def _q6_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of _q6_codes (ql and qh; the scales and d are added by the caller): [..., 192]."""
+    parts_ql, parts_qh = [], []
+    for h in (0, 1):
+        c = codes[..., 128 * h:128 * h + 128]
+        parts_ql.append((c[..., :64] & 15) | (c[..., 64:] & 15) << 4)
+        hi = c >> 4
+        parts_qh.append(hi[..., :32] | hi[..., 32:64] << 2 | hi[..., 64:96] << 4 | hi[..., 96:] << 6)
+    return torch.cat(parts_ql + parts_qh, -1)
+
+
+def _pack_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K, per group and super-block 1680 bytes (kernels/q4k_x8.h has the layout): 16 vectors of low
+    code nibbles, 8 of high bit pairs, the scales in 4 vectors, the 8 d's."""
+    N, row_bytes = blocks.shape
+    G, ns = N // ROWS, row_bytes // Q6_BLOCK
+    out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
+    b = blocks[:G * ROWS].reshape(G, ROWS, ns, Q6_BLOCK).transpose(1, 2)  # [group, super-block, row, byte]
+    codes = _q6_codes(b)  # [G, ns, 8, 256]
+    o = out[:G * ROWS].view(G, ns, ROWS * Q6_BLOCK)
+    lo = codes & 15
+    # vector u, row r, byte i: weight 8u + i (low nibble), 128 + 8u + i (high nibble)
+    ql = lo[..., :128].reshape(G, ns, ROWS, 16, 8) | lo[..., 128:].reshape(G, ns, ROWS, 16, 8) << 4
+    o[..., :1024].view(G, ns, 16, ROWS, 8).copy_(ql.transpose(2, 3))
+    # vector p, row r, byte i: the top bit pairs of weights 16p + i, 128 + 16p + i, 16p + 8 + i, 136 + 16p + i
+    hi = (codes >> 4).reshape(G, ns, ROWS, 2, 8, 2, 8)  # [.., half, p, second 8, i]
+    qh = hi[..., 0, :, 0, :] | hi[..., 1, :, 0, :] << 2 | hi[..., 0, :, 1, :] << 4 | hi[..., 1, :, 1, :] << 6
+    o[..., 1024:1536].view(G, ns, 8, ROWS, 8).copy_(qh.transpose(2, 3))
+    # scales: vector q, byte 4r + t = row r's scale 4q + t
+    o[..., 1536:1664].view(G, ns, 4, ROWS, 4).copy_(b[..., 192:208].reshape(G, ns, ROWS, 4, 4).transpose(2, 3))
+    o[..., 1664:].view(G, ns, ROWS, 2).copy_(b[..., 208:210])
+    out[G * ROWS:] = blocks[G * ROWS:]
+    return out
+
+
+def _unpack_q6_k(packed: torch.Tensor) -> torch.Tensor:
+    N, row_bytes = packed.shape
+    G, ns = N // ROWS, row_bytes // Q6_BLOCK
+    out = torch.empty_like(packed, memory_format=torch.contiguous_format)
+    o = packed[:G * ROWS].view(G, ns, ROWS * Q6_BLOCK)
+    ql = o[..., :1024].reshape(G, ns, 16, ROWS, 8).transpose(2, 3)  # [.., row, u, i]
+    qh = o[..., 1024:1536].reshape(G, ns, 8, ROWS, 8).transpose(2, 3)  # [.., row, p, i]
+    hi = torch.stack([torch.stack([qh & 3, qh >> 4 & 3], -2), torch.stack([qh >> 2 & 3, qh >> 6], -2)], 3)
+    codes = torch.cat([(ql & 15).reshape(G, ns, ROWS, 128), (ql >> 4).reshape(G, ns, ROWS, 128)], -1)
+    codes = codes | hi.reshape(G, ns, ROWS, 256) << 4
+    b = out[:G * ROWS].view(G, ROWS, ns, Q6_BLOCK).transpose(1, 2)
+    b[..., :192].copy_(_q6_blocks(codes))
+    b[..., 192:208].copy_(o[..., 1536:1664].reshape(G, ns, 4, ROWS, 4).transpose(2, 3).reshape(G, ns, ROWS, 16))
+    b[..., 208:].copy_(o[..., 1664:].reshape(G, ns, ROWS, 2))
+    out[G * ROWS:] = packed[G * ROWS:]
+    return out

@@ -28,7 +28,7 @@ def shapes(name: str) -> list[int]:
     return [256, 512] if name.removesuffix(" x8").endswith("_K") else [96, 512]
 
 
-CASES = [(name, K) for name in TYPES + ["Q4_K x8", "Q8_0 x8", "Q4_0 x8", "Q4_1 x8"] for K in shapes(name)]
+CASES = [(name, K) for name in TYPES + ["Q4_K x8", "Q6_K x8", "Q8_0 x8", "Q4_0 x8", "Q4_1 x8"] for K in shapes(name)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,8 +63,8 @@ def blocks(name: str, K: int, source: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def weight(name: str, K: int, source: str = "random") -> tuple[native.NativeWeight, np.ndarray]:
-    """name "Q4_K x8" / "Q8_0 x8" / "Q4_0 x8" / "Q4_1 x8": rows interleaved by 8 (gguf_interleave), as
-    brisk loads those types (N = 37: four groups and a tail of 5 rows in the file's layout)."""
+    """name "Q4_K x8" / "Q6_K x8" / "Q8_0 x8" / "Q4_0 x8" / "Q4_1 x8": rows interleaved by 8
+    (gguf_interleave), as brisk loads those types (N = 37: four groups and a tail of 5 rows in the file's layout)."""
     x8 = name.endswith(" x8")
     name = name.removesuffix(" x8")
     made = blocks(name, K, source)
@@ -108,7 +108,7 @@ def test_matmul_is_close_and_batch_invariant(level, name, K):
     _close_and_batch_invariant(name, K)
 
 
-@pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES if n in ("Q4_K", "Q5_K", "Q6_K", "Q4_K x8")])
+@pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES if n in ("Q4_K", "Q5_K", "Q6_K", "Q4_K x8", "Q6_K x8")])
 def test_k_quants_both_activation_grids(level, act_bits, name, K):
     _close_and_batch_invariant(name, K)
 
@@ -164,16 +164,17 @@ def _q6k_top_codes() -> np.ndarray:
     return b
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q6_K top codes", "Q4_K x8"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q6_K top codes", "Q4_K x8", "Q6_K x8",
+                                  "Q6_K top codes x8"])
 def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
-    K, rows = 512, 13  # Q4_K x8: a group of 8 and 5 rows after it
-    top, x8 = name == "Q6_K top codes", name == "Q4_K x8"
-    name = name.removesuffix(" x8")
+    K, rows = 512, 13  # x8: a group of 8 and 5 rows after it
+    x8, name = name.endswith(" x8"), name.removesuffix(" x8")
+    top = name == "Q6_K top codes"
     block, name = (_q6k_top_codes(), "Q6_K") if top else (_extreme_block(name), name)
     raw = np.tile(block, (rows, K // 256))
     ref = torch.from_numpy(gguf.quants.dequantize(raw, T[name])).double()
     assert ref.abs().max().item() == (31 * 128 if top else {"Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}[name])
-    data = gguf_interleave.pack(torch.from_numpy(raw)) if x8 else torch.from_numpy(raw)
+    data = gguf_interleave.pack(torch.from_numpy(raw), int(T[name])) if x8 else torch.from_numpy(raw)
     w = native.NativeWeight(int(T[name]), rows, K, data, layout=native.X8 if x8 else 0)
     x = torch.ones(3, K)
     x[1] = -1.0
@@ -183,7 +184,7 @@ def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["Q4_K x8", "Q8_0 x8", "Q4_1 x8"])
+@pytest.mark.parametrize("name", ["Q4_K x8", "Q6_K x8", "Q8_0 x8", "Q4_1 x8"])
 def test_interleaved_rows_split_anywhere_across_threads(name):
     """Threads split a joined product's rows in chunks counted over all its weights: the second
     weight (after 37 rows) has its groups of 8 cut mid-group. Each row must still get its bits."""

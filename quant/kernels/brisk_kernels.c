@@ -250,7 +250,7 @@ static void matmul_chunk(const void *a, int n0, int n1) {
         if (lo >= hi) continue;
         const bk_weight *w = j->ws + i;
         float *y = j->y + j->starts[i];
-        int ints = w->layout == BK_X8 ? (w->type == BK_Q4_K ? j->xq.q8 : (const void *)j->xq.q) != NULL /* else
+        int ints = w->layout == BK_X8 ? (bk_act8_type(w->type) ? j->xq.q8 : (const void *)j->xq.q) != NULL /* else
                                                                   dequantized tiles: they read the layout */
                    : bk_act8_type(w->type) && j->xq.q8 ? 1 : bk_super_type(w->type) ? j->xq.q256 != NULL : j->xq.q != NULL && bk_int_weight(w);
         if (ints)

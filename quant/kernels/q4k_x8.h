@@ -22,7 +22,17 @@
  * Rows past the last whole group (N % 8) follow in the file's layout, at the file's offsets.
  *
  * The integers are exact (a sub-block's int16 sum is at most 4 x 2 x 15 x 127 = 15240) and the float
- * epilogue is one function for one activation row or many: a row's bits do not depend on the batch. */
+ * epilogue is one function for one activation row or many: a row's bits do not depend on the batch
+ *
+ * Q6_K the same way (quant/gguf_interleave.py _pack_q6_k), 1680 bytes per group's super-block (8 x 210):
+ *   [0, 1024)     16 vectors; vector u, row r, byte i: low nibble = the low four bits of weight 8u + i,
+ *                 high nibble = those of weight 128 + 8u + i
+ *   [1024, 1536)  8 vectors; vector p, row r, byte i: the top two bits of weights 16p + i, 128 + 16p + i,
+ *                 16p + 8 + i and 136 + 16p + i (bits 0-1, 2-3, 4-5, 6-7): with vectors 2p and 2p + 1,
+ *                 sub-blocks p and 8 + p
+ *   [1536, 1664)  the scales (int8): vector q (32 bytes), byte 4r + t = row r's scale 4q + t
+ *   [1664, 1680)  d of rows 0..7 (fp16)
+ * A sub-block's 16 products sum in int16 (4 per lane, <= 4 x 63 x 127 = 32004) before its scale. */
 #ifndef BRISK_Q4K_X8_H
 #define BRISK_Q4K_X8_H
 
@@ -30,6 +40,7 @@
 
 #define X8_ROWS 8
 #define X8_BYTES 1152 /* one group's super-block */
+#define Q6X8_BYTES 1680 /* Q6_K's */
 #ifndef X8_PREFETCH
 #define X8_PREFETCH 4608 /* bytes ahead of the super-block being read (4 of them): measured 2304..4608 best */
 #endif
@@ -107,41 +118,84 @@ BK_INLINE v16 x8_accumulate(const uint8_t *g, const x8_head *h, const int8_t *x,
     return fma16(t, s, f);
 }
 
+/* Q6_K: one group's super-block, decoded once for every activation row */
+typedef struct {
+    i16x32 sc[16]; /* sub-block j's scale: int16 lanes 4r..4r+3 hold row r's */
+    i16x32 scq[4]; /* lane 4r + t: row r's scale 4q + t */
+    v16 d;         /* lanes 2r, 2r + 1: row r's d */
+} q6x8_head;
+
+BK_INLINE void q6x8_read(const uint8_t *g, q6x8_head *h) {
+    for (int q = 0; q < 4; q++) {
+        i8x32 v;
+        memcpy(&v, g + 1536 + 32 * q, 32);
+        i16x32 w = __builtin_convertvector(v, i16x32);
+        h->scq[q] = w;
+        h->sc[4 * q] = SPREAD(w, 0), h->sc[4 * q + 1] = SPREAD(w, 1), h->sc[4 * q + 2] = SPREAD(w, 2);
+        h->sc[4 * q + 3] = SPREAD(w, 3);
+    }
+    bk_v8 d = half8(g + 1664);
+    h->d = __builtin_shufflevector(d, d, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+}
+
+/* f += a group's Q6_K super-block times one activation row (x: its 256 codes in order; xs: its 16
+ * sums of 16 codes; s: its scale). Lanes 2r, 2r + 1 of f are row r's. */
+BK_INLINE v16 q6x8_accumulate(const uint8_t *g, const q6x8_head *h, const int8_t *x, const int16_t *xs, v16 s, v16 f) {
+    vi16 a = {0};
+    for (int p = 0; p < 8; p++) { /* sub-blocks p and 8 + p */
+        u8x64 A = load_u8x64(g + 128 * p), B = load_u8x64(g + 128 * p + 64), Q = load_u8x64(g + 1024 + 64 * p);
+        u8x64 alo = (A & 15) | (u8x64)(((u16x32v)Q << 4) & 0x3030), ahi = high_nibbles(A) | (u8x64)(((u16x32v)Q << 2) & 0x3030);
+        u8x64 blo = (B & 15) | (Q & 0x30), bhi = high_nibbles(B) | (u8x64)(((u16x32v)Q >> 2) & 0x3030);
+        i16x32 lo = maddubs(alo, bcast8(x + 16 * p)) + maddubs(blo, bcast8(x + 16 * p + 8));
+        i16x32 hi = maddubs(ahi, bcast8(x + 128 + 16 * p)) + maddubs(bhi, bcast8(x + 136 + 16 * p));
+        a = madd_add(madd_add(a, lo, h->sc[p]), hi, h->sc[8 + p]);
+    }
+    /* the codes are q + 32: take 32 sum_j scale_j x_j (x_j: sub-block j's activation sum) off */
+    vi16 c = madd(h->scq[0], (i16x32)bcast8((const int8_t *)xs));
+    for (int q = 1; q < 4; q++) c = madd_add(c, h->scq[q], (i16x32)bcast8((const int8_t *)(xs + 4 * q)));
+    a -= c << 5;
+    return fma16(fma16(__builtin_convertvector(a, v16), h->d, (v16){0}), s, f);
+}
+
 /* Rows n0..n1 of a BK_X8 weight times M rows of 8-bit activations, y[m * ldy + n]. A group partly
  * inside n0..n1 (a thread's chunk edge) is computed whole and only its rows inside stored. acc: M
  * vectors of scratch (M > 1). */
-BK_INLINE void x8_rows(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy, v16 *acc) {
-    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS;
-    int64_t group_bytes = (int64_t)ns * X8_BYTES;
+BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
+                       v16 *acc) {
+    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS, bytes = type == BK_Q6_K ? Q6X8_BYTES : X8_BYTES;
+    int64_t group_bytes = (int64_t)ns * bytes;
     for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
         const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
-        v16 f1 = {0};
+        v16 f1 = {0}, *f = M == 1 ? &f1 : acc;
         for (int mi = 0; mi < M && M > 1; mi++) acc[mi] = (v16){0};
         for (int sb = 0; sb < ns; sb++) {
-            const uint8_t *g = grp + (int64_t)sb * X8_BYTES;
-            for (int o = 0; o < X8_BYTES; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
-            x8_head h;
-            x8_read(g, &h);
-            if (M == 1) {
-                f1 = x8_accumulate(g, &h, x->q8 + sb * 256, x->xm8 + sb * 16 + 8, splat16(x->s8[sb]), f1);
-                continue;
-            }
-            for (int mi = 0; mi < M; mi++) {
-                int64_t at = (int64_t)mi * ns + sb;
-                acc[mi] = x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), acc[mi]);
+            const uint8_t *g = grp + (int64_t)sb * bytes;
+            for (int o = 0; o < bytes; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
+            if (type == BK_Q6_K) {
+                q6x8_head h;
+                q6x8_read(g, &h);
+                for (int mi = 0; mi < M; mi++) {
+                    int64_t at = (int64_t)mi * ns + sb;
+                    f[mi] = q6x8_accumulate(g, &h, x->q8 + at * 256, x->xs8 + at * 16, splat16(x->s8[at]), f[mi]);
+                }
+            } else {
+                x8_head h;
+                x8_read(g, &h);
+                for (int mi = 0; mi < M; mi++) {
+                    int64_t at = (int64_t)mi * ns + sb;
+                    f[mi] = x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), f[mi]);
+                }
             }
         }
-        for (int mi = 0; mi < M; mi++) {
-            v16 f = M == 1 ? f1 : acc[mi];
+        for (int mi = 0; mi < M; mi++)
             for (int r = 0; r < X8_ROWS; r++)
-                if (g0 + r >= n0 && g0 + r < n1) y[(int64_t)mi * ldy + g0 + r] = f[2 * r] + f[2 * r + 1];
-        }
+                if (g0 + r >= n0 && g0 + r < n1) y[(int64_t)mi * ldy + g0 + r] = f[mi][2 * r] + f[mi][2 * r + 1];
     }
     if (n1 > whole) { /* the rows after the last group: in the file's layout, where the file has them */
         bk_weight tail = *w;
         tail.layout = 0;
         int a = n0 > whole ? n0 : whole;
-        int8_tile_rows(&tail, BK_Q4_K, a, n1, M, x, y, ldy, acc);
+        int8_tile_rows(&tail, type, a, n1, M, x, y, ldy, acc);
     }
 }
 
@@ -157,6 +211,37 @@ BK_INLINE const uint8_t *x8_block(const bk_weight *w, int n, int sb, uint8_t *ou
     memcpy(out + 2, g + 1040 + 2 * r, 2);
     out[3] ^= 0x80; /* back to +dmin */
     for (int i = 0; i < 4; i++) out[4 + i] = g[1056 + 4 * r + i], out[8 + i] = g[1088 + 4 * r + i], out[12 + i] = g[1120 + 4 * r + i];
+    return out;
+}
+
+/* The same for Q6_K (210 bytes) */
+BK_INLINE const uint8_t *q6x8_block(const bk_weight *w, int n, int sb, uint8_t *out) {
+    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS;
+    if (n >= whole) return w->data + (int64_t)n * w->row_bytes + sb * 210;
+    const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * Q6X8_BYTES;
+    int r = n % X8_ROWS;
+    uint8_t code[256];
+    for (int u = 0; u < 16; u++)
+        for (int i = 0; i < 8; i++) {
+            uint8_t b = g[64 * u + 8 * r + i];
+            code[8 * u + i] = b & 15, code[128 + 8 * u + i] = b >> 4;
+        }
+    for (int p = 0; p < 8; p++)
+        for (int i = 0; i < 8; i++) {
+            uint8_t b = g[1024 + 64 * p + 8 * r + i];
+            code[16 * p + i] |= (b & 3) << 4, code[128 + 16 * p + i] |= (b >> 2 & 3) << 4;
+            code[16 * p + 8 + i] |= (b >> 4 & 3) << 4, code[136 + 16 * p + i] |= (b >> 6) << 4;
+        }
+    for (int h = 0; h < 2; h++) /* the file's ql / qh (dq_q6_k's order) */
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *c = code + 128 * h;
+            out[64 * h + l] = (c[l] & 15) | (c[64 + l] & 15) << 4;
+            out[64 * h + 32 + l] = (c[32 + l] & 15) | (c[96 + l] & 15) << 4;
+            out[128 + 32 * h + l] = (c[l] >> 4) | (c[32 + l] >> 4) << 2 | (c[64 + l] >> 4) << 4 | (c[96 + l] >> 4) << 6;
+        }
+    for (int q = 0; q < 4; q++)
+        for (int t = 0; t < 4; t++) out[192 + 4 * q + t] = g[1536 + 32 * q + 4 * r + t];
+    memcpy(out + 208, g + 1664 + 2 * r, 2);
     return out;
 }
 
