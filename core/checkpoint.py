@@ -5,6 +5,7 @@ untrusted data or runs code shipped with a model.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -386,11 +387,32 @@ def _native_layer(data, t, order: torch.Tensor | None):
         # Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 rows interleaved for the kernels (one core's GEMV: 2x / 1.3x /
         # 2.1x / 2x); the file's pages it was read from are handed back, else memory would hold the
         # weight twice. BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs).
-        packed = gguf_interleave.pack(blocks, t.qtype)
+        packed = gguf_interleave.pack(blocks, t.qtype, out=_huge_page_empty(blocks.shape))
         if order is None:
             _release_pages(raw)
         return GGUFLinear(packed, t.qtype, rows, t.shape[1], layout=native.X8)
     return GGUFLinear(blocks, t.qtype, rows, t.shape[1])
+
+
+def _huge_page_empty(shape) -> torch.Tensor:
+    """An empty uint8 tensor in private anonymous memory the kernel may back with 2 MB pages (Linux's
+    transparent huge pages in their usual madvise mode): the kernels stream the weights, and on 4 KB
+    pages a 1.1B Q4_K_M model's interleaved copy decoded at 37-42 tok/s against 44-50 for the same
+    file's pages read in place (the page cache maps them in large folios here), 2026-11-25."""
+    n = math.prod(shape)
+    huge = 2 << 20
+    if sys.platform != "linux" or n < huge:
+        return torch.empty(shape, dtype=torch.uint8)
+    import mmap
+
+    m = mmap.mmap(-1, n + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # pages touched on write only
+    t = torch.frombuffer(m, dtype=torch.uint8)  # keeps m alive
+    at = -t.data_ptr() % huge
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise / no THP: 4 KB pages
+        # whole 2 MB pages only: a huge page under the partial tail would hold up to 2 MB of nothing
+        # (a 1.1B model's 154 matrices: +366 MB of RSS)
+        m.madvise(mmap.MADV_HUGEPAGE, at, n // huge * huge)
+    return t[at:at + n].view(shape)
 
 
 def _release_pages(view) -> None:

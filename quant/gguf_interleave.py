@@ -19,8 +19,22 @@ def packable(qtype: int, rows: int, cols: int) -> bool:
     return rows >= ROWS and (qtype in (Q4_K, Q6_K) and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
 
 
-def pack(blocks: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
-    """blocks: uint8 [N, bytes per row] in the file's layout -> the same shape, interleaved."""
+CHUNK = 4096  # rows packed at a time: the temporaries (a strided view's reshape copies) stay small
+
+
+def pack(blocks: torch.Tensor, qtype: int = Q4_K, out: torch.Tensor | None = None) -> torch.Tensor:
+    """blocks: uint8 [N, bytes per row] in the file's layout -> the same shape, interleaved (into `out`
+    where given)."""
+    out = torch.empty_like(blocks, memory_format=torch.contiguous_format) if out is None else out
+    whole = blocks.shape[0] // ROWS * ROWS
+    for a in range(0, whole, CHUNK):
+        b = min(a + CHUNK, whole)
+        out[a:b] = _pack_groups(blocks[a:b], qtype)
+    out[whole:] = blocks[whole:]
+    return out
+
+
+def _pack_groups(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     if qtype in SMALL:
         return _small(blocks, qtype, pack=True)
     if qtype == Q6_K:
@@ -134,8 +148,8 @@ def _q6_blocks(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    """Q6_K, per group and super-block 1680 bytes (kernels/q4k_x8.h has the layout): 16 vectors of low
-    code nibbles, 8 of high bit pairs, the scales in 4 vectors, the 8 d's."""
+    """Q6_K, per group and super-block 1680 bytes (kernels/q4k_x8.h has the layout): 8 chunks of two
+    vectors of low code nibbles and one of high bit pairs, the scales in 4 vectors, the 8 d's."""
     N, row_bytes = blocks.shape
     G, ns = N // ROWS, row_bytes // Q6_BLOCK
     out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
@@ -145,11 +159,12 @@ def _pack_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     lo = codes & 15
     # vector u, row r, byte i: weight 8u + i (low nibble), 128 + 8u + i (high nibble)
     ql = lo[..., :128].reshape(G, ns, ROWS, 16, 8) | lo[..., 128:].reshape(G, ns, ROWS, 16, 8) << 4
-    o[..., :1024].view(G, ns, 16, ROWS, 8).copy_(ql.transpose(2, 3))
+    chunks = o[..., :1536].view(G, ns, 8, 3, ROWS, 8)  # per p: ql vectors 2p, 2p + 1, qh vector p
+    chunks[..., :2, :, :].copy_(ql.transpose(2, 3).reshape(G, ns, 8, 2, ROWS, 8))
     # vector p, row r, byte i: the top bit pairs of weights 16p + i, 128 + 16p + i, 16p + 8 + i, 136 + 16p + i
     hi = (codes >> 4).reshape(G, ns, ROWS, 2, 8, 2, 8)  # [.., half, p, second 8, i]
     qh = hi[..., 0, :, 0, :] | hi[..., 1, :, 0, :] << 2 | hi[..., 0, :, 1, :] << 4 | hi[..., 1, :, 1, :] << 6
-    o[..., 1024:1536].view(G, ns, 8, ROWS, 8).copy_(qh.transpose(2, 3))
+    chunks[..., 2, :, :].copy_(qh.transpose(2, 3))
     # scales: vector q, byte 4r + t = row r's scale 4q + t
     o[..., 1536:1664].view(G, ns, 4, ROWS, 4).copy_(b[..., 192:208].reshape(G, ns, ROWS, 4, 4).transpose(2, 3))
     o[..., 1664:].view(G, ns, ROWS, 2).copy_(b[..., 208:210])
@@ -162,8 +177,9 @@ def _unpack_q6_k(packed: torch.Tensor) -> torch.Tensor:
     G, ns = N // ROWS, row_bytes // Q6_BLOCK
     out = torch.empty_like(packed, memory_format=torch.contiguous_format)
     o = packed[:G * ROWS].view(G, ns, ROWS * Q6_BLOCK)
-    ql = o[..., :1024].reshape(G, ns, 16, ROWS, 8).transpose(2, 3)  # [.., row, u, i]
-    qh = o[..., 1024:1536].reshape(G, ns, 8, ROWS, 8).transpose(2, 3)  # [.., row, p, i]
+    chunks = o[..., :1536].reshape(G, ns, 8, 3, ROWS, 8)
+    ql = chunks[..., :2, :, :].reshape(G, ns, 16, ROWS, 8).transpose(2, 3)  # [.., row, u, i]
+    qh = chunks[..., 2, :, :].transpose(2, 3)  # [.., row, p, i]
     hi = torch.stack([torch.stack([qh & 3, qh >> 4 & 3], -2), torch.stack([qh >> 2 & 3, qh >> 6], -2)], 3)
     codes = torch.cat([(ql & 15).reshape(G, ns, ROWS, 128), (ql >> 4).reshape(G, ns, ROWS, 128)], -1)
     codes = codes | hi.reshape(G, ns, ROWS, 256) << 4

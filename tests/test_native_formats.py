@@ -197,3 +197,16 @@ def test_interleaved_rows_split_anywhere_across_threads(name):
     finally:
         native.set_threads(torch.get_num_threads())
     assert torch.equal(joined, torch.cat([a.matmul(x), b.matmul(x)], dim=1))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"])
+def test_packing_in_chunks_and_into_a_given_buffer_is_the_same(name, monkeypatch):
+    """Loads pack big matrices a few thousand rows at a time (bounded temporaries), into a buffer the
+    loader allocates (huge pages): the bytes must be those of one pass."""
+    raw, _ = blocks(name, 512, "random")
+    whole = gguf_interleave.pack(torch.from_numpy(raw), int(T[name]))
+    monkeypatch.setattr(gguf_interleave, "CHUNK", 16)  # 37 rows: two chunks of 16, then a tail of 5
+    out = torch.full(raw.shape, 7, dtype=torch.uint8)
+    assert gguf_interleave.pack(torch.from_numpy(raw), int(T[name]), out=out) is out
+    assert torch.equal(out, whole)
+    assert torch.equal(gguf_interleave.unpack(out, int(T[name])), torch.from_numpy(raw))
