@@ -382,21 +382,15 @@ def _native_layer(data, t, order: torch.Tensor | None):
         with warnings.catch_warnings():  # read-only memory map: the kernels never write to it
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(raw)
-    act8 = t.qtype in (gguf_interleave.Q4_K, gguf_interleave.Q6_K)  # their x8 kernels take 8-bit activations
-    if (gguf_interleave.packable(t.qtype, rows, t.shape[1]) and (native.ACT8 or not act8)
+    if (gguf_interleave.packable(t.qtype, rows, t.shape[1]) and (native.ACT8 or t.qtype not in native.ACT8_TYPES)
             and os.environ.get("BRISK_INTERLEAVE", "1") != "0"):
         # Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 rows interleaved for the kernels (one core's GEMV: 2x / 1.3x /
         # 2.1x / 2x); the file's pages it was read from are handed back chunk by chunk, else memory
         # would hold the weight twice (at the peak: Gemma 3's 178 MB table, +120 MB of peak RSS).
-        # Chunks are whole groups of 8 rows, so packing them one by one gives the same bytes.
         # BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs).
-        packed = _huge_page_empty(blocks.shape)
-        for a in range(0, rows, gguf_interleave.CHUNK):
-            b = min(a + gguf_interleave.CHUNK, rows)
-            gguf_interleave.pack(blocks[a:b], t.qtype, out=packed[a:b])
-            if order is None:
-                _release_pages(raw[a:b])
-        _trim_heap()
+        release = (lambda a, b: _release_pages(raw[a:b])) if order is None else None
+        packed = gguf_interleave.pack(blocks, t.qtype, out=_huge_page_empty(blocks.shape), done=release)
+        _trim_heap(packed.numel())
         return GGUFLinear(packed, t.qtype, rows, t.shape[1], layout=native.X8)
     return GGUFLinear(blocks, t.qtype, rows, t.shape[1])
 
@@ -423,28 +417,40 @@ def _huge_page_empty(shape) -> torch.Tensor:
 
 
 @functools.cache
-def _malloc_trim():
+def _libc():
+    """The C library's functions (Linux), loaded once; None elsewhere."""
     import ctypes
 
+    if sys.platform != "linux":
+        return None
     try:
-        return ctypes.CDLL(None).malloc_trim if sys.platform == "linux" else None
-    except (OSError, AttributeError):  # not glibc
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
         return None
 
 
-def _trim_heap() -> None:
-    """Hand the C heap's free memory back to the system: packing leaves its temporaries there (glibc
-    keeps freed blocks below its adaptive mmap threshold), and over a 1.1B model's 154 matrices that
-    held ~300 MB, peak RSS 1.5x the file; trimmed after each one, about the file size."""
-    trim = _malloc_trim()
-    if trim is not None:
+_untrimmed = 0  # bytes packed since the C heap was last trimmed
+TRIM_EVERY = 64 << 20
+
+
+def _trim_heap(nbytes: int) -> None:
+    """Hand the C heap's free memory back to the system once every TRIM_EVERY bytes packed: packing
+    leaves its temporaries there (glibc keeps freed blocks below its adaptive mmap threshold), and
+    over a 1.1B model's 154 matrices that held ~300 MB, peak RSS 1.5x the file. (Each call costs
+    about a millisecond: after every matrix it was 0.2 s of SmolLM2's load.)"""
+    global _untrimmed
+    _untrimmed += nbytes
+    trim = getattr(_libc(), "malloc_trim", None)  # glibc's; other C libraries: nothing to do
+    if trim is not None and _untrimmed >= TRIM_EVERY:
         trim(0)
+        _untrimmed = 0
 
 
 def _release_pages(view) -> None:
     """Drop a read-only file mapping's pages under `view` from this process's memory (they stay in
     the page cache; touching them again reads them back). Linux; elsewhere nothing happens."""
-    if sys.platform != "linux":
+    libc = _libc()
+    if libc is None:
         return
     import ctypes
     import mmap
@@ -453,7 +459,6 @@ def _release_pages(view) -> None:
     start = -(-view.ctypes.data // page) * page
     end = (view.ctypes.data + view.nbytes) // page * page
     if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
 
 

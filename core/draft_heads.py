@@ -40,8 +40,7 @@ from torch import nn
 
 from ..quant.linear import Int8Linear
 from .errors import BriskError, FileError
-from .drafting import Draft, Drafter
-from .lookahead import MAX_TREE
+from .drafting import MAX_TREE, Draft, Drafter
 
 FORMAT = "brisk-draft-heads"
 VERSION = 1
@@ -281,8 +280,7 @@ class HeadsDrafter(Drafter):
         self.readout = Int8Linear.from_float(SimpleNamespace(weight=rows, bias=None)).to(w.device)
         self.softcap = llm.config.final_softcap
         self.nodes = [tuple(n) for n in config["tree"]["nodes"]]
-        # At most MAX_TREE tokens a pass (the nodes and the pending token), as lookahead: beyond
-        # that float32 passes leave the batch-invariant kernels and greedy could drift from plain.
+        # at most MAX_TREE tokens a pass: the nodes and the pending token
         best = min(config["tree"]["budget"], len(self.nodes), MAX_TREE - 1)
         self.sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32, 64) if b < best] + [best]))
         self._shapes: dict[tuple[int, int], tuple[list[int], list[int], torch.Tensor, int]] = {}

@@ -12,6 +12,11 @@ import torch
 
 from .sampling import SamplingParams
 
+# Tokens one tree pass may hold (the pending token and the nodes), for every tree drafter: beyond it
+# float32 passes leave the native kernels' batch-invariant products (native.F32_MAX_ROWS) and greedy
+# could drift from plain decoding.
+MAX_TREE = 64
+
 
 @dataclass
 class Draft:

@@ -28,10 +28,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .drafting import Draft, Drafter
+from .drafting import MAX_TREE, Draft, Drafter
 from .errors import InvalidValue
 
-MAX_TREE = 64  # nodes of a round's tree at most: the native kernels' batch-invariant passes (F32_MAX_ROWS)
 POOL_PER_KEY = 16  # n-grams kept per first token, the most recent
 
 

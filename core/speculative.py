@@ -36,10 +36,9 @@ import torch
 from .cuda_graph import decode_step
 from .errors import BriskError, InvalidValue
 from .generate import common_prefix, prefill
-from .drafting import Draft, Drafter  # the interface drafters implement (re-exported)
+from .drafting import MAX_TREE, Draft, Drafter  # the interface drafters implement (re-exported)
 from .kv import ContiguousKV
 from .kv.base import ancestor_mask  # noqa: F401 (tree drafts' mask, re-exported)
-from .lookahead import MAX_TREE
 from .sampling import SamplingParams, apply_repetition_penalty, extend_seen, probabilities
 
 K_MAX = 12  # most drafts per round for --draft-k auto: beyond it acceptance^K makes drafts worthless

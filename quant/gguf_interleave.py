@@ -4,6 +4,8 @@ group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size an
 whole group stay where they were."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 ROWS = 8
@@ -15,6 +17,9 @@ Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 SMALL = {Q8_0: (34, 1, 32), Q4_0: (18, 1, 16), Q4_1: (20, 2, 16)}
 
 
+TYPES = (Q4_K, Q6_K, *SMALL)  # the types with an interleaved layout (native.X8)
+
+
 def packable(qtype: int, rows: int, cols: int) -> bool:
     return rows >= ROWS and (qtype in (Q4_K, Q6_K) and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
 
@@ -22,15 +27,22 @@ def packable(qtype: int, rows: int, cols: int) -> bool:
 CHUNK = 4096  # rows packed at a time: the temporaries (a strided view's reshape copies) stay small
 
 
-def pack(blocks: torch.Tensor, qtype: int = Q4_K, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack(blocks: torch.Tensor, qtype: int = Q4_K, out: torch.Tensor | None = None,
+         done: Callable[[int, int], None] | None = None) -> torch.Tensor:
     """blocks: uint8 [N, bytes per row] in the file's layout -> the same shape, interleaved (into `out`
-    where given)."""
+    where given). done(a, b), where given, is told each span of source rows as soon as it is read
+    (a loader hands their pages back)."""
     out = torch.empty_like(blocks, memory_format=torch.contiguous_format) if out is None else out
-    whole = blocks.shape[0] // ROWS * ROWS
+    N = blocks.shape[0]
+    whole = N // ROWS * ROWS
     for a in range(0, whole, CHUNK):
         b = min(a + CHUNK, whole)
         out[a:b] = _pack_groups(blocks[a:b], qtype)
+        if done is not None:
+            done(a, b)
     out[whole:] = blocks[whole:]
+    if done is not None and whole < N:
+        done(whole, N)
     return out
 
 
@@ -111,18 +123,18 @@ def _q4_lanes(file_codes: torch.Tensor) -> torch.Tensor:
     weight 8c + i of row 4h + r (kernels/q8_x8.h)."""
     G, nb = file_codes.shape[:2]
     codes = torch.cat([file_codes & 15, file_codes >> 4], -1).view(G, nb, 2, 4, 4, 8)  # [h, r, c, i]
-    codes = codes.permute(0, 1, 4, 2, 3, 5).reshape(G, nb, 2, 2, 2, 4, 8).to(torch.int32)  # [V, c % 2, h, r, i]
-    lanes = sum(codes[:, :, :, cb, h] << 4 * (2 * cb + h) for cb in (0, 1) for h in (0, 1))
-    return torch.stack([lanes & 255, lanes >> 8], -1).to(torch.uint8).reshape(G, nb, 128)
+    codes = codes.permute(0, 1, 4, 2, 3, 5).reshape(G, nb, 2, 2, 2, 4, 8)  # [V, c % 2, h, r, i]
+    # nibble k = 2 (c % 2) + h: the lane's low byte holds k = 0, 1, its high byte k = 2, 3 (uint8 all along)
+    low, high = (codes[:, :, :, cb, 0] | codes[:, :, :, cb, 1] << 4 for cb in (0, 1))
+    return torch.stack([low, high], -1).reshape(G, nb, 128)
 
 
 def _q4_bytes(lanes: torch.Tensor) -> torch.Tensor:
     """The inverse of _q4_lanes."""
     G, nb = lanes.shape[:2]
-    b = lanes.reshape(G, nb, 2, 4, 8, 2).to(torch.int32)
-    v = b[..., 0] | b[..., 1] << 8  # [V, r, i]
-    codes = torch.stack([torch.stack([v >> 4 * (2 * cb + h) & 15 for h in (0, 1)], 3) for cb in (0, 1)], 3)
-    codes = codes.reshape(G, nb, 4, 2, 4, 8).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 8, 32).to(torch.uint8)
+    b = lanes.reshape(G, nb, 2, 4, 8, 2)  # [V, r, i, byte]: byte cb holds nibbles h = 0, 1 of c % 2 = cb
+    codes = torch.stack([torch.stack([b[..., cb] & 15, b[..., cb] >> 4], 3) for cb in (0, 1)], 3)
+    codes = codes.reshape(G, nb, 4, 2, 4, 8).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 8, 32)
     return codes[..., :16] | codes[..., 16:] << 4
 
 

@@ -298,7 +298,7 @@ class GPTQ:
         _check(bits, group_size, self.weight.shape[1])
         c = self.run(UniformGrid(bits, sym, search), group_size, act_order, group_order, damp, block_size)
         scales, zeros = c.params
-        return _result(c.q, scales, zeros, c.g_idx, bits, group_size, sym, self.weight, self.H)
+        return _result(c.q, scales, zeros, c.g_idx, bits, group_size, sym, c.dequantized, c.error)
 
     def run(self, grid, group_size: int, act_order: bool = False, group_order: bool = True, damp: float = 0.01,
             block_size: int = 128) -> Compensated:
@@ -387,10 +387,9 @@ def output_error(deq: torch.Tensor, weight: torch.Tensor, H: torch.Tensor | None
     return float(((d @ H) * d).sum() / ((w @ H) * w).sum())
 
 
-def _result(q, scales, zeros, g_idx, bits, group_size, sym, weight, H) -> GPTQResult:
-    deq = (q - zeros.T[:, g_idx]) * scales.T[:, g_idx]
+def _result(q, scales, zeros, g_idx, bits, group_size, sym, deq, error) -> GPTQResult:
     return GPTQResult(q.to(torch.int32), scales, zeros.to(torch.int32), g_idx.to(torch.int32), bits,
-                      group_size, sym, deq, output_error(deq, weight, H))
+                      group_size, sym, deq, error)
 
 
 def rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
@@ -407,4 +406,5 @@ def rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = 
              for g0 in range(0, K, gs)]
     scales, zeros = torch.stack([s for s, _ in grids]), torch.stack([z for _, z in grids])  # [G, N]
     q = _codes(w, scales.T[:, g_idx], zeros.T[:, g_idx], 2 ** bits - 1)
-    return _result(q, scales, zeros, g_idx, bits, group_size, sym, weight, H)
+    deq = (q - zeros.T[:, g_idx]) * scales.T[:, g_idx]
+    return _result(q, scales, zeros, g_idx, bits, group_size, sym, deq, output_error(deq, weight, H))

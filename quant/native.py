@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from . import gguf_interleave
+
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "brisk_kernels.c"
 QB = 32  # every format's rows are whole blocks of 32 (or 256) weights
@@ -289,7 +291,7 @@ class NativeWeight:
                  layout: int = 0):
         """layout: 0, the rows as the format stores them, or X8 (Q4_K, Q6_K, Q8_0, Q4_0 or Q4_1 rows interleaved by 8:
         quant/gguf_interleave.py)."""
-        if layout not in (0, X8) or layout == X8 and kind not in (2, 3, 8, 12, 14):
+        if layout not in (0, X8) or layout == X8 and kind not in gguf_interleave.TYPES:
             raise ValueError(f"layout {layout} for a weight of kind {kind}")
         if kind in BLOCK:
             row_bytes = K // BLOCK[kind][0] * BLOCK[kind][1]

@@ -22,7 +22,6 @@ typedef int8_t i8x64 __attribute__((vector_size(64)));
 typedef uint16_t u16x32v __attribute__((vector_size(64)));
 typedef uint8_t u8x32 __attribute__((vector_size(32)));
 
-/* the types that take 8-bit activations when they are on */
 /* 32 bytes of a then 32 of b */
 BK_INLINE u8x64 halves_u8(unsigned a, unsigned b) {
     u8x32 x = (u8x32){0} + (uint8_t)a, y = (u8x32){0} + (uint8_t)b;
@@ -31,6 +30,7 @@ BK_INLINE u8x64 halves_u8(unsigned a, unsigned b) {
                                    47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
 }
 
+/* the types that take 8-bit activations when they are on */
 BK_INLINE int bk_act8_type(int type) { return type == BK_Q4_K || type == BK_Q5_K || type == BK_Q6_K; }
 
 BK_INLINE u8x64 load_u8x64(const uint8_t *p) {
