@@ -1,4 +1,4 @@
-"""Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels for
+"""Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q4_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels for
 them read (kernels/q4k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
 group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size and rows past the last
 whole group stay where they were."""
@@ -10,18 +10,19 @@ import torch
 
 ROWS = 8
 BLOCK = 144  # Q4_K: bytes per super-block of 256 weights
+Q5_BLOCK = 176  # Q5_K's
 Q6_BLOCK = 210  # Q6_K's
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
 # The 32-weight types, per block: (bytes, fp16 fields at its start, code bytes after them). Interleaved,
 # a group's block holds its codes in vectors of 64 bytes (_small), then each fp16 field of rows 0..7.
 SMALL = {Q8_0: (34, 1, 32), Q4_0: (18, 1, 16), Q4_1: (20, 2, 16)}
 
 
-TYPES = (Q4_K, Q6_K, *SMALL)  # the types with an interleaved layout (native.X8)
+TYPES = (Q4_K, Q5_K, Q6_K, *SMALL)  # the types with an interleaved layout (native.X8)
 
 
 def packable(qtype: int, rows: int, cols: int) -> bool:
-    return rows >= ROWS and (qtype in (Q4_K, Q6_K) and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
+    return rows >= ROWS and (qtype in (Q4_K, Q5_K, Q6_K) and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
 
 
 CHUNK = 4096  # rows packed at a time: the temporaries (a strided view's reshape copies) stay small
@@ -51,19 +52,7 @@ def _pack_groups(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         return _small(blocks, qtype, pack=True)
     if qtype == Q6_K:
         return _pack_q6_k(blocks)
-    N, row_bytes = blocks.shape
-    G, ns = N // ROWS, row_bytes // BLOCK
-    out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
-    # [group, row, super-block, byte] -> [group, super-block, row, byte]
-    b = blocks[:G * ROWS].reshape(G, ROWS, ns, BLOCK).transpose(1, 2)
-    o = out[:G * ROWS].view(G, ns, ROWS * BLOCK)
-    o[..., :1024].view(G, ns, 16, ROWS, 8).copy_(b[..., 16:].reshape(G, ns, ROWS, 16, 8).transpose(2, 3))
-    o[..., 1024:1040].view(G, ns, ROWS, 2).copy_(b[..., 0:2])
-    o[..., 1040:1056].view(G, ns, ROWS, 2).copy_(b[..., 2:4])
-    o[..., 1041:1056:2] ^= 0x80  # -dmin: the fp16's sign bit (the kernel adds the minimum term)
-    o[..., 1056:].view(G, ns, 3, ROWS, 4).copy_(b[..., 4:16].reshape(G, ns, ROWS, 3, 4).transpose(2, 3))
-    out[G * ROWS:] = blocks[G * ROWS:]
-    return out
+    return _k_groups(blocks, qtype, pack=True)
 
 
 def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
@@ -72,19 +61,72 @@ def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
         return _small(packed, qtype, pack=False)
     if qtype == Q6_K:
         return _unpack_q6_k(packed)
-    N, row_bytes = packed.shape
-    G, ns = N // ROWS, row_bytes // BLOCK
-    out = torch.empty_like(packed, memory_format=torch.contiguous_format)
-    o = packed[:G * ROWS].view(G, ns, ROWS * BLOCK)
-    b = out[:G * ROWS].view(G, ROWS, ns, BLOCK).transpose(1, 2)  # [group, super-block, row, byte]
-    b[..., 16:].copy_(o[..., :1024].reshape(G, ns, 16, ROWS, 8).transpose(2, 3).reshape(G, ns, ROWS, 128))
-    b[..., 0:2].copy_(o[..., 1024:1040].reshape(G, ns, ROWS, 2))
-    m = o[..., 1040:1056].clone()
-    m[..., 1::2] ^= 0x80
-    b[..., 2:4].copy_(m.reshape(G, ns, ROWS, 2))
-    b[..., 4:16].copy_(o[..., 1056:].reshape(G, ns, 3, ROWS, 4).transpose(2, 3).reshape(G, ns, ROWS, 12))
-    out[G * ROWS:] = packed[G * ROWS:]
+    return _k_groups(packed, qtype, pack=False)
+
+
+def _k_groups(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
+    """pack/unpack of Q4_K and Q5_K (kernels/q4k_x8.h has the layouts): per group and super-block the
+    codes (Q5_K: with a vector of fifth bits after every 4), then the 8 d's, -dmin's and scale bytes."""
+    bb = BLOCK if qtype == Q4_K else Q5_BLOCK
+    N, row_bytes = src.shape
+    G, ns = N // ROWS, row_bytes // bb
+    out = torch.empty_like(src, memory_format=torch.contiguous_format)
+    file_side = (out if not pack else src)[:G * ROWS].reshape(G, ROWS, ns, bb).transpose(1, 2)  # [group, super-block, row, byte]
+    x8 = (out if pack else src)[:G * ROWS].view(G, ns, ROWS * bb)
+    codes = 1024 if qtype == Q4_K else 1280  # where the head (d, -dmin, scales) starts
+    if qtype == Q4_K:  # vector u, row r: the row's code bytes 8u..8u+7
+        vec, qs = x8[..., :1024].view(G, ns, 16, ROWS, 8), file_side[..., 16:]
+        if pack:
+            vec.copy_(qs.reshape(G, ns, ROWS, 16, 8).transpose(2, 3))
+        else:
+            qs.copy_(vec.transpose(2, 3).reshape(G, ns, ROWS, 128))
+    else:  # chunk c: vectors 4c..4c+3 as Q4_K's, then chunk c's fifth bits (_q5_high)
+        chunks = x8[..., :1280].view(G, ns, 4, 5, ROWS, 8)  # [c, slot, r, i]
+        qs, qh = file_side[..., 48:], file_side[..., 16:48]
+        if pack:
+            chunks[..., :4, :, :].copy_(qs.reshape(G, ns, ROWS, 4, 4, 8).permute(0, 1, 3, 4, 2, 5))
+            chunks[..., 4, :, :].copy_(_q5_high(qh.reshape(G, ns, ROWS, 4, 8)).transpose(2, 3))
+        else:
+            qs.copy_(chunks[..., :4, :, :].permute(0, 1, 4, 2, 3, 5).reshape(G, ns, ROWS, 128))
+            qh.copy_(_q5_file_high(chunks[..., 4, :, :].transpose(2, 3)).reshape(G, ns, ROWS, 32))
+    head = x8[..., codes:]
+    if pack:
+        head[..., 0:16].view(G, ns, ROWS, 2).copy_(file_side[..., 0:2])
+        head[..., 16:32].view(G, ns, ROWS, 2).copy_(file_side[..., 2:4])
+        head[..., 17:32:2] ^= 0x80  # -dmin: the fp16's sign bit (the kernel adds the minimum term)
+        head[..., 32:].view(G, ns, 3, ROWS, 4).copy_(file_side[..., 4:16].reshape(G, ns, ROWS, 3, 4).transpose(2, 3))
+    else:
+        file_side[..., 0:2].copy_(head[..., 0:16].reshape(G, ns, ROWS, 2))
+        m = head[..., 16:32].clone()
+        m[..., 1::2] ^= 0x80
+        file_side[..., 2:4].copy_(m.reshape(G, ns, ROWS, 2))
+        file_side[..., 4:16].copy_(head[..., 32:].reshape(G, ns, 3, ROWS, 4).transpose(2, 3).reshape(G, ns, ROWS, 12))
+    out[G * ROWS:] = src[G * ROWS:]
     return out
+
+
+def _q5_high(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_K's qh bytes [..., t, i] (byte 8t + i: bit 2c, 2c + 1 = the fifth bits of weights 64c + 8t + i,
+    64c + 32 + 8t + i) -> [..., c, i]: byte i of chunk c holds in bit t and 4 + t those of code vector
+    4c + t's low and high nibbles (so that one shift of the chunk's vector and a mask give each)."""
+    out = []
+    for c in range(4):
+        b = torch.zeros_like(qh[..., 0, :])
+        for t in range(4):
+            b |= (qh[..., t, :] >> 2 * c & 1) << t | (qh[..., t, :] >> 2 * c + 1 & 1) << 4 + t
+        out.append(b)
+    return torch.stack(out, -2)
+
+
+def _q5_file_high(hb: torch.Tensor) -> torch.Tensor:
+    """The inverse of _q5_high: [..., c, i] -> [..., t, i]."""
+    out = []
+    for t in range(4):
+        b = torch.zeros_like(hb[..., 0, :])
+        for c in range(4):
+            b |= (hb[..., c, :] >> t & 1) << 2 * c | (hb[..., c, :] >> 4 + t & 1) << 2 * c + 1
+        out.append(b)
+    return torch.stack(out, -2)
 
 
 def _small(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:

@@ -51,7 +51,7 @@ INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 # of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, 2.6x faster on
 # Q4_K than 16-bit ones); BRISK_ACT8=0 keeps them 16-bit
 ACT8_TYPES = {12, 13, 14}
-X8 = 8  # bk_weight's layout of Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 rows interleaved by 8 (kernels/q4k_x8.h, q8_x8.h): the kernels' fastest
+X8 = 8  # bk_weight's layout of Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 rows interleaved by 8 (kernels/q4k_x8.h, q8_x8.h): the kernels' fastest
 ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
@@ -289,7 +289,7 @@ class NativeWeight:
     def __init__(self, kind: int, N: int, K: int, data: torch.Tensor, scales: torch.Tensor | None = None,
                  zeros: torch.Tensor | None = None, group: int = 0, row_scales: torch.Tensor | None = None,
                  layout: int = 0):
-        """layout: 0, the rows as the format stores them, or X8 (Q4_K, Q6_K, Q8_0, Q4_0 or Q4_1 rows interleaved by 8:
+        """layout: 0, the rows as the format stores them, or X8 (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 or Q4_1 rows interleaved by 8:
         quant/gguf_interleave.py)."""
         if layout not in (0, X8) or layout == X8 and kind not in gguf_interleave.TYPES:
             raise ValueError(f"layout {layout} for a weight of kind {kind}")

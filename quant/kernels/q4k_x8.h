@@ -24,6 +24,15 @@
  * The integers are exact (a sub-block's int16 sum is at most 4 x 2 x 15 x 127 = 15240) and the float
  * epilogue is one function for one activation row or many: a row's bits do not depend on the batch
  *
+ * Q5_K the same way (quant/gguf_interleave.py _k_groups), 1408 bytes per group's super-block (8 x 176):
+ *   [0, 1280)     4 chunks of 5 vectors: chunk c holds Q4_K's code vectors 4c..4c+3 (the low four bits),
+ *                 then the fifth bits of those 256 codes (one forward stream, as Q6_K's high bits):
+ *                 byte i of row r holds in bit t that of vector 4c + t's low nibble (weight 64c + 8t + i),
+ *                 in bit 4 + t its high nibble's (64c + 32 + 8t + i), so each is one shift of the
+ *                 chunk's vector and an and-or into the nibble.
+ *   [1280, 1408)  d, -dmin and the scale bytes of rows 0..7, as Q4_K's [1024, 1152).
+ * A sub-block's int16 sum is at most 4 x 2 x 31 x 127 = 31496, still exact.
+ *
  * Q6_K the same way (quant/gguf_interleave.py _pack_q6_k), 1680 bytes per group's super-block (8 x 210):
  *   [0, 1536)     8 chunks of 3 vectors: chunk p holds low-nibble vectors 2p and 2p + 1, then high-bit
  *                 vector p (one forward stream: with the high bits in a region of their own, two
@@ -42,6 +51,8 @@
 
 #define X8_ROWS 8
 #define X8_BYTES 1152 /* one group's super-block */
+#define Q5X8_BYTES 1408 /* Q5_K's */
+#define Q5X8_HEAD 1280 /* where its d, -dmin and scales start (Q4_K's: 1024) */
 #define Q6X8_BYTES 1680 /* Q6_K's */
 #ifndef X8_PREFETCH
 #define X8_PREFETCH 4608 /* bytes ahead of the super-block being read (4 of them): measured 2304..4608 best */
@@ -84,9 +95,10 @@ typedef struct {
     12 + j, 12 + j, 12 + j, 12 + j, 16 + j, 16 + j, 16 + j, 16 + j, 20 + j, 20 + j, 20 + j, 20 + j, 24 + j, 24 + j, \
     24 + j, 24 + j, 28 + j, 28 + j, 28 + j, 28 + j)
 
-BK_INLINE void x8_read(const uint8_t *g, x8_head *h) {
+/* hd: the super-block's d, -dmin and scales (Q4_K: g + 1024, Q5_K: g + Q5X8_HEAD) */
+BK_INLINE void x8_read(const uint8_t *hd, x8_head *h) {
     u8x32s A, B, C; /* lanes 4r + i: row r's scale bytes i, 4 + i, 8 + i */
-    memcpy(&A, g + 1056, 32), memcpy(&B, g + 1088, 32), memcpy(&C, g + 1120, 32);
+    memcpy(&A, hd + 32, 32), memcpy(&B, hd + 64, 32), memcpy(&C, hd + 96, 32);
     /* Q4_K's six-bit packing: scales 0..3 and minimums 0..3 in the low bits of bytes 0..3 / 4..7;
      * scales and minimums 4..7: low four bits in byte 8..11's nibbles, top two in bytes 0..7's top bits */
     i16x32 lo = __builtin_convertvector(A & 63, i16x32), hi = __builtin_convertvector((C & 15) | ((A >> 6) << 4), i16x32);
@@ -94,9 +106,19 @@ BK_INLINE void x8_read(const uint8_t *g, x8_head *h) {
     h->s[4] = SPREAD(hi, 0), h->s[5] = SPREAD(hi, 1), h->s[6] = SPREAD(hi, 2), h->s[7] = SPREAD(hi, 3);
     h->m0 = __builtin_convertvector(B & 63, i16x32);
     h->m1 = __builtin_convertvector((C >> 4) | ((B >> 6) << 4), i16x32);
-    bk_v8 d = half8(g + 1024), m = half8(g + 1040);
+    bk_v8 d = half8(hd), m = half8(hd + 16);
     h->d = __builtin_shufflevector(d, d, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     h->nm = __builtin_shufflevector(m, m, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+}
+
+/* The float epilogue of Q4_K's and Q5_K's x8 sums (a: the scaled code sums), one for every batch */
+BK_INLINE v16 x8_finish(vi16 a, const x8_head *h, const int16_t *xm, v16 s, v16 f) {
+    /* lane 2r + e of mn: row r's minimums 2e, 2e + 1, 4 + 2e, 5 + 2e times their sub-blocks' sums */
+    vi16 mn = madd(h->m0, (i16x32)bcast8((const int8_t *)xm)) + madd(h->m1, (i16x32)bcast8((const int8_t *)(xm + 4)));
+    /* written as multiply-adds so that no copy is left to -ffp-contract (see fma16) */
+    v16 t = fma16(__builtin_convertvector(a, v16), h->d, (v16){0});
+    t = fma16(__builtin_convertvector(mn, v16), h->nm, t);
+    return fma16(t, s, f);
 }
 
 /* f += a group's super-block times one activation row (x: its 256 codes in order; xm: its 8 sums of
@@ -112,12 +134,27 @@ BK_INLINE v16 x8_accumulate(const uint8_t *g, const x8_head *h, const int8_t *x,
         }
         a = madd_add(madd_add(a, lo, h->s[2 * c]), hi, h->s[2 * c + 1]);
     }
-    /* lane 2r + e of mn: row r's minimums 2e, 2e + 1, 4 + 2e, 5 + 2e times their sub-blocks' sums */
-    vi16 mn = madd(h->m0, (i16x32)bcast8((const int8_t *)xm)) + madd(h->m1, (i16x32)bcast8((const int8_t *)(xm + 4)));
-    /* written as multiply-adds so that no copy is left to -ffp-contract (see fma16) */
-    v16 t = fma16(__builtin_convertvector(a, v16), h->d, (v16){0});
-    t = fma16(__builtin_convertvector(mn, v16), h->nm, t);
-    return fma16(t, s, f);
+    return x8_finish(a, h, xm, s, f);
+}
+
+/* The same for Q5_K: each code vector's nibbles with their fifth bits from the chunk's last vector */
+BK_INLINE v16 q5x8_accumulate(const uint8_t *g, const x8_head *h, const int8_t *x, const int16_t *xm, v16 s, v16 f) {
+    vi16 a = {0};
+    for (int c = 0; c < 4; c++) {
+        const uint8_t *p = g + 320 * c;
+        u8x64 q = load_u8x64(p + 256);
+        i16x32 lo = {0}, hi = {0};
+        for (int t = 0; t < 4; t++) { /* 16-bit shifts of at most 4 bring no bit into bit 4 from the other byte */
+            u8x64 v = load_u8x64(p + 64 * t);
+            u16x32v vw = (u16x32v)v, qw = (u16x32v)q; /* one lane type: the and-ors fuse (vpternlog) */
+            u8x64 l5 = (u8x64)((vw & 0x0F0F) | ((qw << (4 - t)) & 0x1010));
+            u8x64 h5 = (u8x64)(((vw >> 4) & 0x0F0F) | ((qw >> t) & 0x1010));
+            lo += maddubs(l5, bcast8(x + 64 * c + 8 * t));
+            hi += maddubs(h5, bcast8(x + 64 * c + 32 + 8 * t));
+        }
+        a = madd_add(madd_add(a, lo, h->s[2 * c]), hi, h->s[2 * c + 1]);
+    }
+    return x8_finish(a, h, xm, s, f);
 }
 
 /* Q6_K: one group's super-block, decoded once for every activation row */
@@ -164,7 +201,8 @@ BK_INLINE v16 q6x8_accumulate(const uint8_t *g, const q6x8_head *h, const int8_t
  * vectors of scratch (M > 1). */
 BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
                        v16 *acc) {
-    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS, bytes = type == BK_Q6_K ? Q6X8_BYTES : X8_BYTES;
+    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS;
+    int bytes = type == BK_Q6_K ? Q6X8_BYTES : type == BK_Q5_K ? Q5X8_BYTES : X8_BYTES;
     int64_t group_bytes = (int64_t)ns * bytes;
     for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
         const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
@@ -180,9 +218,16 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
                     int64_t at = (int64_t)mi * ns + sb;
                     f[mi] = q6x8_accumulate(g, &h, x->q8 + at * 256, x->xs8 + at * 16, splat16(x->s8[at]), f[mi]);
                 }
+            } else if (type == BK_Q5_K) {
+                x8_head h;
+                x8_read(g + Q5X8_HEAD, &h);
+                for (int mi = 0; mi < M; mi++) {
+                    int64_t at = (int64_t)mi * ns + sb;
+                    f[mi] = q5x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), f[mi]);
+                }
             } else {
                 x8_head h;
-                x8_read(g, &h);
+                x8_read(g + 1024, &h);
                 for (int mi = 0; mi < M; mi++) {
                     int64_t at = (int64_t)mi * ns + sb;
                     f[mi] = x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), f[mi]);
@@ -201,6 +246,14 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
     }
 }
 
+/* Row r's d, dmin and scale bytes back in a Q4_K/Q5_K block's first 16 (hd: the group's head) */
+BK_INLINE void x8_head_bytes(const uint8_t *hd, int r, uint8_t *out) {
+    memcpy(out, hd + 2 * r, 2);
+    memcpy(out + 2, hd + 16 + 2 * r, 2);
+    out[3] ^= 0x80; /* back to +dmin */
+    for (int i = 0; i < 4; i++) out[4 + i] = hd[32 + 4 * r + i], out[8 + i] = hd[64 + 4 * r + i], out[12 + i] = hd[96 + 4 * r + i];
+}
+
 /* Row n's super-block sb back in the file's 144 bytes (dequantizing a row: embedding lookups, tiles) */
 BK_INLINE const uint8_t *x8_block(const bk_weight *w, int n, int sb, uint8_t *out) {
     int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS;
@@ -209,10 +262,26 @@ BK_INLINE const uint8_t *x8_block(const bk_weight *w, int n, int sb, uint8_t *ou
     const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * X8_BYTES;
     int r = n % X8_ROWS;
     for (int u = 0; u < 16; u++) memcpy(out + 16 + 8 * u, g + 64 * u + 8 * r, 8);
-    memcpy(out, g + 1024 + 2 * r, 2);
-    memcpy(out + 2, g + 1040 + 2 * r, 2);
-    out[3] ^= 0x80; /* back to +dmin */
-    for (int i = 0; i < 4; i++) out[4 + i] = g[1056 + 4 * r + i], out[8 + i] = g[1088 + 4 * r + i], out[12 + i] = g[1120 + 4 * r + i];
+    x8_head_bytes(g + 1024, r, out);
+    return out;
+}
+
+/* The same for Q5_K (176 bytes) */
+BK_INLINE const uint8_t *q5x8_block(const bk_weight *w, int n, int sb, uint8_t *out) {
+    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS;
+    if (n >= whole) return w->data + (int64_t)n * w->row_bytes + sb * 176;
+    const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * Q5X8_BYTES;
+    int r = n % X8_ROWS;
+    x8_head_bytes(g + Q5X8_HEAD, r, out);
+    memset(out + 16, 0, 32);
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < 4; t++) {
+            memcpy(out + 48 + 32 * c + 8 * t, g + 320 * c + 64 * t + 8 * r, 8);
+            for (int i = 0; i < 8; i++) { /* qh byte 8t + i: bits 2c, 2c + 1 */
+                uint8_t q = g[320 * c + 256 + 8 * r + i];
+                out[16 + 8 * t + i] |= (uint8_t)(((q >> t) & 1) << (2 * c) | ((q >> (4 + t)) & 1) << (2 * c + 1));
+            }
+        }
     return out;
 }
 

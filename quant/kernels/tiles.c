@@ -67,6 +67,7 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
         uint8_t blk[210];
         for (int b = k0 / bw; b < k1 / bw; b++) {
             if (w->type == BK_Q4_K) dq_q4_k(x8_block(w, n, b, blk), y + b * bw - k0);
+            else if (w->type == BK_Q5_K) dq_q5_k(q5x8_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q6_K) dq_q6_k(q6x8_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q8_0) dq_q8_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q4_1) dq_q4_1(x8i16_block(w, n, b, blk), y + b * bw - k0);
@@ -211,6 +212,7 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
     if (w->layout == BK_X8) {
         switch (w->type) { /* each type its own loop (x8i16_rows: type a constant) */
         case BK_Q4_K: x8_rows(w, BK_Q4_K, n0, n1, M, x, y, ldy, (v16 *)buf); break;
+        case BK_Q5_K: x8_rows(w, BK_Q5_K, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q6_K: x8_rows(w, BK_Q6_K, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q8_0: x8i16_rows(w, BK_Q8_0, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q4_1: x8i16_rows(w, BK_Q4_1, n0, n1, M, x, y, ldy, (v16 *)buf); break;
