@@ -33,7 +33,11 @@ def methods(group: int) -> dict[str, list[str]]:
             "nf4": ["--method", "nf4"], "int8": ["--method", "int8"],
             # bitsandbytes' round-to-nearest (no calibration): the yardstick for nf4 and int8
             "nf4-rtn (--samples 0)": ["--method", "nf4", "--samples", "0"],
-            "int8-rtn (--samples 0)": ["--method", "int8", "--samples", "0"]}
+            "int8-rtn (--samples 0)": ["--method", "int8", "--samples", "0"],
+            # the table (and tied head) 8-bit too, on Q8_0's grid: brisk-only folders, sized against llama.cpp's files
+            f"gptq-4bit-g{group} --embedding int8": ["--method", "gptq", "--bits", "4", "--group-size", str(group),
+                                                      "--embedding", "int8"],
+            "int8 --embedding int8": ["--method", "int8", "--embedding", "int8"]}
 
 
 def brisk(*args) -> dict:

@@ -160,7 +160,8 @@ def _load_pickled(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_hf_folder(name: str, folder: Path) -> Checkpoint:
+def load_hf_folder(name: str, folder: Path, native_blocks: bool = False) -> Checkpoint:
+    from ..quant import embedding_format
     from .tokenizer import Tokenizer
 
     cfg_json = _read_json(folder / "config.json")
@@ -171,10 +172,26 @@ def load_hf_folder(name: str, folder: Path) -> Checkpoint:
     quant = cfg_json.get("quantization_config") or {}
     if not isinstance(quant, dict):
         raise FileError(f"quantization_config must be an object, got {shown(quant)}", folder / "config.json")
+    modules, extra = {}, {}
+    if embedding_format.CONFIG_KEY in cfg_json:  # brisk's 8-bit table (quant/embedding_format.py)
+        try:
+            raw = embedding_format.q8_0_blocks(tensors, cfg_json[embedding_format.CONFIG_KEY], cfg.vocab_size, cfg.dim)
+        except embedding_format.EmbeddingFormatError as e:
+            raise FileError(str(e), folder) from None
+        if native_blocks:
+            table = _kept_layer(torch.from_numpy(raw), embedding_format.Q8_0, cfg.vocab_size, cfg.dim)
+        else:  # torch's kernels: int8 rows
+            from ..quant import gguf_blocks
+
+            table = gguf_blocks.to_layer(raw, cfg.vocab_size, cfg.dim, embedding_format.Q8_0)
+        if cfg.tie_embeddings:
+            modules["lm_head"] = table  # the embedding then reads its rows (build_model)
+        else:
+            extra["embed_layer"] = table
     tok = Tokenizer.from_hf_folder(folder)
     return Checkpoint(name, "hf", folder, cfg, tensors, tok,
                       checked_generation(_read_json(folder / "generation_config.json"), folder / "generation_config.json"),
-                      quant_config=quant)
+                      extra=extra, modules=modules, quant_config=quant)
 
 
 # the sampling settings a model may recommend, and the values each may take
@@ -371,9 +388,6 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
 
 def _native_layer(data, t, order: torch.Tensor | None):
     """A GGUF weight as a GGUFLinear over the file's bytes (a copy only where rows must be reordered)."""
-    from ..quant import gguf_interleave, native
-    from ..quant.gguf_linear import GGUFLinear
-
     rows = t.shape[0]
     raw = data[t.offset:t.offset + t.nbytes].reshape(rows, -1)
     if order is not None:
@@ -382,17 +396,26 @@ def _native_layer(data, t, order: torch.Tensor | None):
         with warnings.catch_warnings():  # read-only memory map: the kernels never write to it
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(raw)
-    if (gguf_interleave.packable(t.qtype, rows, t.shape[1]) and (native.ACT8 or t.qtype not in native.ACT8_TYPES)
+    return _kept_layer(blocks, t.qtype, rows, t.shape[1], raw if order is None else None)
+
+
+def _kept_layer(blocks: torch.Tensor, qtype: int, rows: int, cols: int, source=None):
+    """GGUF blocks [rows, bytes per row] as a GGUFLinear, interleaved where the kernels have that
+    layout; source: the memory-mapped file bytes blocks reads, handed back as they are packed."""
+    from ..quant import gguf_interleave, native
+    from ..quant.gguf_linear import GGUFLinear
+
+    if (gguf_interleave.packable(qtype, rows, cols) and (native.ACT8 or qtype not in native.ACT8_TYPES)
             and os.environ.get("BRISK_INTERLEAVE", "1") != "0"):
-        # Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 rows interleaved for the kernels (one core's GEMV: 2x / 1.3x /
-        # 2.1x / 2x); the file's pages it was read from are handed back chunk by chunk, else memory
+        # Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 rows interleaved for the kernels (one core's GEMV: 2x /
+        # 2.1x / 1.3x / 2.1x / 2x); the file's pages it was read from are handed back chunk by chunk, else memory
         # would hold the weight twice (at the peak: Gemma 3's 178 MB table, +120 MB of peak RSS).
         # BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs).
-        release = (lambda a, b: _release_pages(raw[a:b])) if order is None else None
-        packed = gguf_interleave.pack(blocks, t.qtype, out=_huge_page_empty(blocks.shape), done=release)
+        release = (lambda a, b: _release_pages(source[a:b])) if source is not None else None
+        packed = gguf_interleave.pack(blocks, qtype, out=_huge_page_empty(blocks.shape), done=release)
         _trim_heap(packed.numel())
-        return GGUFLinear(packed, t.qtype, rows, t.shape[1], layout=native.X8)
-    return GGUFLinear(blocks, t.qtype, rows, t.shape[1])
+        return GGUFLinear(packed, qtype, rows, cols, layout=native.X8)
+    return GGUFLinear(blocks, qtype, rows, cols)
 
 
 def _huge_page_empty(shape) -> torch.Tensor:
@@ -595,4 +618,4 @@ def load_checkpoint(name: str | None, keep_quantized: bool = True, native_blocks
         if magic != b"GGUF":
             raise FileError(f"not a GGUF file (bad magic {magic!r})", name)
         return load_gguf(display, path, keep_quantized, native_blocks)
-    return load_hf_folder(display, path)
+    return load_hf_folder(display, path, native_blocks)

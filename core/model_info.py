@@ -236,8 +236,12 @@ def _hf_info(name: str, folder: Path, ctx: int | None) -> ModelInfo:
         notes.append(f"the tokenizer would not load: {e}")
     generation = _read_json(folder / "generation_config.json")
     sampling = {k: generation[k] for k in _SAMPLING_KEYS if k in generation}
+    quant = _describe_quant(qcfg) if qcfg else None
+    if "brisk_embedding" in cfg_json:  # quant/embedding_format.py
+        quant = (quant + ", " if quant else "") + "8-bit embedding"
+        notes.append("the embedding is in brisk's 8-bit format: transformers and vLLM cannot load this folder")
     info = _common(name, folder, "hf", cfg_json.get("model_type") or cfg.arch, cfg, ctx, has_template, sampling,
-                   sorted(usage.values(), key=lambda u: -u.bytes), _describe_quant(qcfg) if qcfg else None,
+                   sorted(usage.values(), key=lambda u: -u.bytes), quant,
                    parameters=parameters, file_bytes=sum(f.stat().st_size for f in files))
     info.notes.extend(notes)
     info.memory = _fits(info, cfg, lambda device, size: _hf_weight_bytes(tensors, cfg, size, bool(qcfg), device))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import default_sigint
@@ -109,6 +110,7 @@ def test_calib_file_formats(tmp_path):
     (["--method", "nf4", "--samples", "-1"], ["--samples", "0: round to nearest"]),
     (["--method", "gptq", "--calib", "/nonexistent/calib.txt"], ["no such file"]),
     (["--method", "gptq", "--seq-len", "1000"], ["exceeds"]),
+    (["--method", "gptq", "--embedding", "int4"], ["--embedding", "16bit or int8"]),
 ])
 def test_bad_arguments(tiny_llama_dir, tmp_path, args, words):
     out = tmp_path / "out"
@@ -334,6 +336,84 @@ def test_gptq_beats_round_to_nearest(tiny_llama_dir, tmp_path):
                 m.weight.copy_(rtn(m.weight, bits=3, group_size=64).dequantized)
     ids = calibration.calibration_batch(base.tokenizer, calibration.builtin_texts(), 8, 64).flatten().tolist()[:240]
     assert kl_top1(base, q, ids)[0] < 0.8 * kl_top1(base, r, ids)[0]
+
+
+@pytest.mark.parametrize("kind, method, calib", [("tiny_qwen2_dir", "gptq", CALIB), ("tiny_llama_dir", "int8", ["--samples", "0"])])
+def test_int8_embedding(kind, method, calib, request, tmp_path):
+    """--embedding int8: the table is written as 8-bit codes with a float16 scale per 32, GGUF Q8_0's
+    reference quantizer to the bit (the gguf package's); brisk loads it (tied: as the Q8_0 output
+    layer the embedding reads its rows from; untied: as the embedding's own table) and computes what
+    the 16-bit folder computes with those rows."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from brisk.core.llm import LLM
+    from brisk.quant import embedding_format as ef
+    from brisk.quant.gguf_linear import GGUFLinear
+
+    model = request.getfixturevalue(kind)
+    base = float_llm(model)
+    table = base.model.model.embed_tokens.weight.detach()
+    outs = {}
+    for emb in ("16bit", "int8"):
+        outs[emb] = tmp_path / emb
+        r = quantize(model, outs[emb], "--method", method, *calib, "--embedding", emb, "--json")
+        assert r.exit_code == 0, r.output
+    tensors = {}
+    for f in outs["int8"].glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    q, sc = tensors[ef.QWEIGHT], tensors[ef.SCALES]
+    assert "model.embed_tokens.weight" not in tensors and q.dtype == torch.int8 and sc.dtype == torch.float16
+    assert q.shape == table.shape and sc.shape == (table.shape[0], table.shape[1] // 32)
+    V, D = table.shape
+    ref = gguf.quants.quantize(table.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(V, D // 32, 34)
+    assert np.array_equal(ref[..., :2].view(np.float16).reshape(V, -1), sc.numpy())
+    assert np.array_equal(ref[..., 2:].view(np.int8).reshape(V, D), q.numpy())
+    deq = ef.decoded(tensors)
+    assert json.loads((outs["int8"] / "config.json").read_text())[ef.CONFIG_KEY]["format"] == "q8_0_rows"
+    r = runner.invoke(app, ["info", str(outs["int8"]), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["quant_method"].endswith("8-bit embedding"), r.output
+    assert (sum(p.stat().st_size for p in outs["int8"].iterdir())
+            < sum(p.stat().st_size for p in outs["16bit"].iterdir()) - table.numel() * 0.9)
+
+    q8, q16 = (LLM.load(str(outs[e]), device="cpu", dtype="float32") for e in ("int8", "16bit"))
+    tied = base.config.tie_embeddings
+    assert tied == (kind == "tiny_qwen2_dir")
+    held = q8.model.lm_head if tied else q8.model.model.embed_tokens.head
+    assert isinstance(held, GGUFLinear) and held.type_name == "Q8_0"
+    ids = base.tokenizer.encode(TEXT)
+    torch.testing.assert_close(q8.model.embed(torch.tensor([ids])), deq[ids][None])
+    # the same model with the 8-bit rows put in the 16-bit folder's float table
+    with torch.no_grad():
+        q16.model.model.embed_tokens.weight.copy_(deq)
+    if calib[-1] == "0":  # uncalibrated: the blocks are the same bytes in both folders (float32 round-off)
+        torch.testing.assert_close(q8.logits(ids), q16.logits(ids), rtol=1e-4, atol=1e-4)
+    kl8, kl16 = kl_top1(base, q8, ids)[0], kl_top1(base, q16, ids)[0]
+    assert kl8 < 2 * kl16 + 1e-4, (kl8, kl16)
+
+
+def test_bad_int8_embedding_is_refused(tiny_qwen2_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from brisk.core.errors import FileError
+    from brisk.core.llm import LLM
+    from brisk.quant import embedding_format as ef
+
+    out = tmp_path / "out"
+    assert quantize(tiny_qwen2_dir, out, "--method", "int8", "--samples", "0", "--embedding", "int8").exit_code == 0
+    shard = next(out.glob("*.safetensors"))
+    good = load_file(str(shard))
+    for change, words in ((lambda t: t.pop(ef.SCALES), "model.embed_tokens.scales is missing"),
+                          (lambda t: t.update({ef.QWEIGHT: t[ef.QWEIGHT][:-1]}), "must be int8 [300, 64]"),
+                          (lambda t: t.update({ef.SCALES: t[ef.SCALES].float()}), "must be float16 [300, 2]")):
+        t = dict(good)
+        change(t)
+        save_file(t, str(shard), metadata={"format": "pt"})
+        with pytest.raises(FileError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            LLM.load(str(out), device="cpu", dtype="float32")
+    save_file(good, str(shard), metadata={"format": "pt"})
+    r = runner.invoke(app, ["generate", str(out), "hi", "-n", "2", "--temperature", "0"])
+    assert r.exit_code == 0, r.output
 
 
 def test_sharded_output(tiny_qwen2_dir, tmp_path):

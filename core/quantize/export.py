@@ -1,6 +1,7 @@
 """The output folder in the format the ecosystem reads: which format module writes the linears,
 the quantization_config that names it, and the folder assembled from the finished blocks (the
-embeddings, norms and lm_head stay float, as GPTQModel and AutoAWQ leave them)."""
+embeddings, norms and lm_head stay float, as GPTQModel and AutoAWQ leave them, unless --embedding int8
+asks for brisk's int8 table: quant/embedding_format.py)."""
 from __future__ import annotations
 
 import shutil
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ...quant import embedding_format
 from .. import hf_export
 from .options import QuantOptions
 from .resume import load_layer
@@ -30,20 +32,23 @@ def choose_format(opts: QuantOptions, dtype: torch.dtype):
                                         compute_dtype=str(dtype).removeprefix("torch."), skip_modules=["lm_head"])
 
 
-def assemble(net, cfg, ckpt, config, qcfg, opts, dtype, partial: Path, max_shard_bytes: int) -> None:
-    """partial/output: config.json (+ quantization_config), shards, tokenizer, generation config."""
+def assemble(net, cfg, ckpt, config, qcfg, opts, dtype, partial: Path, max_shard_bytes: int,
+             table: dict | None = None) -> None:
+    """partial/output: config.json (+ quantization_config), shards, tokenizer, generation config.
+    table: the 8-bit embedding's tensors (embedding_format.quantize_table), else the table is written 16-bit."""
     dest = partial / "output"
     if dest.exists():
         shutil.rmtree(dest)  # from a run that died while writing
     dest.mkdir()
-    tensors = {"model.embed_tokens.weight": net.model.embed_tokens.weight.to(dtype)}
+    tensors = dict(table) if table is not None else {"model.embed_tokens.weight": net.model.embed_tokens.weight.to(dtype)}
     for i in range(cfg.n_layers):
         tensors.update(load_layer(partial, i))
     tensors["model.norm.weight"] = net.model.norm.weight.to(dtype)
     if not cfg.tie_embeddings:
         tensors["lm_head.weight"] = net.lm_head.weight.to(dtype)
     hf_export.write_shards(dest, tensors, max_shard_bytes)
-    hf_export.write_json(dest / "config.json", {**config, "quantization_config": qcfg})
+    extra = {embedding_format.CONFIG_KEY: embedding_format.config_entry()} if table is not None else {}
+    hf_export.write_json(dest / "config.json", {**config, "quantization_config": qcfg, **extra})
     if opts.method == "gptq":  # the older AutoGPTQ loaders read it from here
         hf_export.write_json(dest / "quantize_config.json", qcfg)
     hf_export.write_tokenizer(ckpt, dest)

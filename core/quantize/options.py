@@ -20,6 +20,7 @@ GPTQ_BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)  # what --group-size takes (gptq also -1: one group per row)
 AUTO_GROUPS = (128, 64, 32)  # the default: the largest that divides every layer's in_features
 DEFAULT_SAMPLES, DEFAULT_SEQ_LEN = 32, 256
+EMBEDDINGS = ("16bit", "int8")  # the token table (and a tied output layer): the ecosystem's 16 bits, or brisk's 8-bit codes (Q8_0's grid)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class QuantOptions:
     calib: str | None = None
     samples: int | None = None  # 0: no calibration (round-to-nearest; nf4, fp4, int8 only)
     seq_len: int | None = None
+    embedding: str | None = None  # "16bit" (default) or "int8" (quant/embedding_format.py)
 
     @property
     def calibrated(self) -> bool:
@@ -49,7 +51,9 @@ class QuantOptions:
             raise InvalidValue("method", m, "", template=f"unknown {{option}} {m!r}; use one of {', '.join(METHODS)}")
         _only(m, ("gptq",), act_order=self.act_order, damp=self.damp)
         _only(m, ("nf4", "fp4"), double_quant=self.double_quant)
-        o = self
+        o = replace(self, embedding=self.embedding or "16bit")
+        if o.embedding not in EMBEDDINGS:
+            raise InvalidValue("embedding", o.embedding, "", template=f"{{option}} must be {' or '.join(EMBEDDINGS)}, not {o.embedding!r}")
         if o.samples == 0 and m in ROUNDABLE:
             for name, value in (("calib", o.calib), ("seq_len", o.seq_len)):
                 if value is not None:
@@ -177,5 +181,6 @@ def estimate_bytes(cfg, opts: QuantOptions) -> int:
             per_layer += n * k + 4 * n
         else:
             per_layer += n * k // 2 + n * k // 64 * (1 if opts.double_quant else 4)
-    floats = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) + (cfg.n_layers * 4 + 1) * cfg.dim
-    return int(per_layer * cfg.n_layers + 2 * floats)
+    table = cfg.vocab_size * cfg.dim
+    floats = table * (0 if opts.embedding == "int8" else 1) + table * (0 if cfg.tie_embeddings else 1) + (cfg.n_layers * 4 + 1) * cfg.dim
+    return int(per_layer * cfg.n_layers + 2 * floats + (table + 2 * cfg.vocab_size if opts.embedding == "int8" else 0))

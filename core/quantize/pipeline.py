@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ...quant import embedding_format
 from .. import calibration, hf_export
 from ..errors import FileError
 from . import blocks, export, recipes, resume
@@ -110,13 +111,19 @@ def quantize_model(model: str | None, out: str | Path, opts: QuantOptions, force
     summary = QuantSummary(llm.name, str(out), opts.method, opts.public(),
                            "output" if ids is not None else "weight", float_dtype=str(dtype).removeprefix("torch."),
                            calibration_tokens=0 if ids is None else ids.numel(), source_bytes=ckpt.file_bytes)
-    summary.kept_float = ["model.embed_tokens", "lm_head" + (" (tied)" if cfg.tie_embeddings else ""), "norms"]
+    tied = " (tied)" if cfg.tie_embeddings else ""
+    summary.kept_float = (["model.embed_tokens", "lm_head" + tied] if opts.embedding == "16bit"
+                          else [] if cfg.tie_embeddings else ["lm_head"]) + ["norms"]
     summary.fp16_bytes = 2 * sum(p.numel() for p in {id(p): p for p in net.parameters()}.values())
 
     with torch.no_grad():
+        table = None
+        if opts.embedding == "int8":  # from the source's values, once (re-quantizing its own output may differ)
+            table = embedding_format.quantize_table(net.model.embed_tokens.weight)
+            net.model.embed_tokens.weight.copy_(embedding_format.decoded(table))
         _quantize_blocks(net, ids, opts, fmt, qcfg, dtype, partial, done, report, summary)
         report("writing", out=str(out))
-        export.assemble(net, cfg, ckpt, config, qcfg, opts, dtype, partial, max_shard_bytes)
+        export.assemble(net, cfg, ckpt, config, qcfg, opts, dtype, partial, max_shard_bytes, table)
     if out.exists():  # --force: the old folder goes only once the new one is complete
         os.replace(out, partial / "replaced")
     os.replace(partial / "output", out)
@@ -133,7 +140,8 @@ def _quantize_blocks(net, ids, opts, fmt, qcfg, dtype, partial, done, report, su
     stop_after = resume.stop_after()
     x = rope = kv = None
     if ids is not None:
-        blocks.round_(net.model.embed_tokens.weight, dtype)  # calibrate on the embeddings the checkpoint will hold
+        if opts.embedding == "16bit":  # calibrate on the embeddings the checkpoint will hold (int8: set already)
+            blocks.round_(net.model.embed_tokens.weight, dtype)
         x, rope, kv = blocks.block_inputs(net, ids)
     report("start", total=len(layers), done=len(done))
     fresh = 0
