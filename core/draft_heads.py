@@ -332,6 +332,16 @@ class HeadsDrafter(Drafter):
     def tree_options(self) -> list[int]:
         return list(self.sizes)
 
+    def expected_tokens(self, option: int) -> float | None:
+        """Tokens a round with the tree's first `option` nodes emits on average, as `brisk distill`
+        measured it through this drafter (config "measured"), else as its held-out accuracies
+        predict (config "tree" "probs"); None where the file has neither."""
+        measured = (self.config.get("measured") or {}).get("tokens_per_pass") or {}
+        if str(option) in measured:
+            return float(measured[str(option)])
+        probs = self.config["tree"].get("probs")
+        return 1.0 + sum(probs[:option]) if probs else None
+
     def propose_tree(self, ctx: list[int], option: int | None = None, depth: int = 1 << 30, size: int = 1 << 30,
                      params=None, gen=None, seen=None) -> Draft | None:
         """The round after ctx (ctx[-1] the pending token): the static tree's first `option` nodes

@@ -273,20 +273,26 @@ class TreePolicy:
     a wait that doubles each time it loses (quadruples when it lost badly), so a drafter that does
     not pay on this text or device costs little: the back-off. An option that could not win even if
     every round kept its deepest candidate path (its most tokens per round over the time of a pass
-    over its usual tree size, `cost` = seconds per pass over n tokens as measured by the loop, below
-    the best rate) has its run cut short and is not retried while that holds."""
+    over its usual tree size, `cost` = seconds per pass over n tokens as measured by the loop, or
+    over its rounds' measured time where that is longer, below the best rate) has its run cut short
+    and is not retried while that holds. Where the drafter estimates its tokens per round
+    (`expected`: trained heads measured theirs), the hope is the larger of that estimate and what
+    its rounds emitted, not the deepest path: an option that cannot pay is then dropped after one
+    round, not tried for RUN rounds again and again (on a CPU, where a pass over a few tokens costs
+    1.3-2x a step, heads auto lost 4-11% to those tries)."""
 
     RUN = 4  # rounds a choice runs before it is judged
     DECAY = 0.9  # per round of a choice: recent text counts more
     FIRST_WAIT = 32  # rounds before a losing choice is tried again
     BADLY = 0.75  # losing badly: below this fraction of the best rate
 
-    def __init__(self, options: list, adaptive: bool = True, cost=None):
+    def __init__(self, options: list, adaptive: bool = True, cost=None, expected=None):
         if not options:
             raise ValueError("a tree drafter needs at least one option")
-        self.options, self.adaptive, self.cost = list(options), adaptive, cost
+        self.options, self.adaptive, self.cost, self.expected = list(options), adaptive, cost, expected
         self.tokens: dict = {}  # choice -> decayed tokens emitted
         self.seconds: dict = {}  # choice -> decayed seconds spent
+        self.rounds: dict = {}  # choice -> decayed rounds run
         self.nodes: dict = {}  # option -> its trees' tokens per pass (pending token included), averaged
         self.most: dict = {}  # option -> the most tokens one of its rounds could emit
         self.wait: dict = {}  # choice -> rounds it waits after its next loss
@@ -331,11 +337,17 @@ class TreePolicy:
         return pick
 
     def _hopeless(self, choice, best) -> bool:
-        """Whether `choice` would lose to `best` even if each of its rounds kept its deepest path."""
+        """Whether `choice` would lose to `best` even at its most hopeful (see the class)."""
         if choice is None or self.cost is None or choice not in self.nodes:
             return False
-        seconds = self.cost(round(self.nodes[choice]))
-        return bool(seconds) and self.most[choice] / seconds < self.rate(best)
+        seconds = self.cost(round(self.nodes[choice])) or 0.0
+        tokens = self.most[choice]
+        if self.rounds.get(choice):
+            seconds = max(seconds, self.seconds[choice] / self.rounds[choice])
+            guess = self.expected(choice) if self.expected is not None else None
+            if guess is not None:
+                tokens = min(tokens, max(guess, self.tokens[choice] / self.rounds[choice]))
+        return bool(seconds) and tokens / seconds < self.rate(best)
 
     def _best(self):
         rates = {c: self.rate(c) for c in [None] + self.options if self.rate(c) is not None}
@@ -362,6 +374,7 @@ class TreePolicy:
         if tokens:
             self.tokens[choice] = self.tokens.get(choice, 0.0) * self.DECAY + tokens
             self.seconds[choice] = self.seconds.get(choice, 0.0) * self.DECAY + (end - start)
+            self.rounds[choice] = self.rounds.get(choice, 0.0) * self.DECAY + 1
 
     def discard(self) -> None:
         """Forget the round in flight (a new generation: the time since includes its prefill)."""
@@ -479,7 +492,8 @@ class Speculator:
             raise InvalidValue("draft_k", k, "must be a positive integer or auto")
         self.drafter, self.k = drafter, k
         self.policy = KPolicy(k if not drafter.tree else "auto")  # kept across generations: costs carry over
-        self.trees = TreePolicy(drafter.tree_options(), k == "auto", self.policy.pass_cost) if drafter.tree else None
+        self.trees = TreePolicy(drafter.tree_options(), k == "auto", self.policy.pass_cost,
+                                getattr(drafter, "expected_tokens", None)) if drafter.tree else None
         self.stats: dict = self.new_stats()
 
     @property

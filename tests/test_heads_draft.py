@@ -247,3 +247,18 @@ def test_smollm2_heads_greedy_identical_to_plain(smollm2_path, smollm2_heads, qu
         assert "".join(pieces) == "".join(plain_pieces) and s.last.spec["drafted"] > 0
         s, _ = run(llm, ids, n=40, stop=(stop,), speculator=sp)
         assert s.last.tokens == plain_stop.last.tokens and s.last.finish_reason == plain_stop.last.finish_reason
+
+
+def test_expected_tokens_from_the_file(tiny, heads_dir):
+    """The TreePolicy's estimate: tokens per pass as distill measured them through the drafter, else
+    1 + the tree's node probabilities."""
+    sp = heads(tiny, heads_dir)
+    d = sp.drafter
+    assert sp.trees.expected == d.expected_tokens
+    measured = (d.config.get("measured") or {}).get("tokens_per_pass") or {}
+    probs = d.config["tree"]["probs"]
+    for size in d.tree_options():
+        want = measured.get(str(size), 1.0 + sum(probs[:size]))
+        assert d.expected_tokens(size) == pytest.approx(want) and d.expected_tokens(size) >= 1.0
+    d.config = {**d.config, "measured": None}
+    assert d.expected_tokens(2) == pytest.approx(1.0 + probs[0] + probs[1])

@@ -443,6 +443,24 @@ def test_tree_policy_skips_hopeless_retries():
     assert clock.picks["big"] == 1
 
 
+def test_tree_policy_uses_the_drafters_estimate():
+    """A drafter's own estimate of its tokens per round (trained heads measure theirs) replaces the
+    deepest path as the hope: an option that cannot pay runs one round, not RUN rounds at every
+    retry; one whose rounds emit more than the estimate (a text the heads suit) is judged by that."""
+    cost = lambda n: 1.0 if n == 1 else 1.3  # noqa: E731  (a pass over a few tokens: 1.3 steps)
+    runs = {}
+    for expected in (None, lambda c: 1.2):
+        p = TreePolicy(["t"], cost=cost, expected=expected)
+        clock = Clock(p, {None: (1.0, 1), "t": (1.3, 1.2)})  # the deepest path (3 tokens) would pay
+        clock.rounds(1000)
+        runs[expected is None] = clock.picks["t"]
+    assert runs[False] == 1 and runs[True] > 3 * TreePolicy.RUN, runs
+    p = TreePolicy(["t"], cost=cost, expected=lambda c: 1.2)
+    clock = Clock(p, {None: (1.0, 1), "t": (1.3, 2.0)})  # emits more than estimated: 1.5 tokens/s
+    clock.rounds(1000)
+    assert clock.picks["t"] > 0.9 * 1000
+
+
 # ---------------------------------------------------------------- command line
 
 def test_cli_lookahead_options(tiny_llama_dir):
