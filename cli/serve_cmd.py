@@ -33,6 +33,12 @@ def serve(
     dtype: str = c.DtypeOpt,
     threads: Optional[int] = c.ThreadsOpt,
     ctx: Optional[int] = c.CtxOpt,
+    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding for each request (as generate's "
+                                        "--draft: a draft model, self:int8|self:int4, ngram, lookahead or heads:PATH). "
+                                        "Requests then run one at a time, the rest queued: drafts and continuous "
+                                        "batching fill the same pass."),
+    draft_k: str = c.DraftKOpt,
+    lookahead: Optional[str] = c.LookaheadOpt,
 ):
     """Serve /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API), streamed or not.
 
@@ -44,21 +50,29 @@ def serve(
         import uvicorn
 
         from ..core.errors import BriskError
-        from ..core.batching import Engine, EngineThread
+        from ..core.batching import Engine, EngineThread, SerialEngine
         from .openai_api import create_app
 
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
         name = model or model_pos
         sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
+        c.check_draft(draft, draft_k, lookahead)
+        if draft and kv_tokens is not None:
+            raise BriskError("--kv-tokens sizes the batching pool, which --draft does not use (one sequence at a time)")
         _check_port(host, port)  # before the model load, which takes a while
         llm = c.load_llm(name, device, dtype, ctx, threads=threads)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, 1.0, None)
         served = served_name or name or llm.name.removesuffix(" (default)")
-        runner = EngineThread(Engine(llm, max_batch=max_concurrency, kv_tokens=kv_tokens))
+        speculator = c.load_speculator(llm, draft, draft_k, lookahead=lookahead)
+        engine = (SerialEngine(llm, speculator) if speculator is not None
+                  else Engine(llm, max_batch=max_concurrency, kv_tokens=kv_tokens))
+        runner = EngineThread(engine)
         api = create_app(llm, runner, sampling, served, api_key, max_tokens)
-        c.err_console.print(f"serving {served} on http://{host}:{port}/v1 · {max_concurrency} sequences at once · "
-                            f"KV pool {runner.engine.kv.nbytes / 2**20:.0f} MiB"
+        batching = (f"one sequence at a time, drafts: {speculator.describe()}" if speculator is not None
+                    else f"{max_concurrency} sequences at once")
+        c.err_console.print(f"serving {served} on http://{host}:{port}/v1 · {batching} · "
+                            f"KV {'pool ' if speculator is None else ''}{engine.kv.nbytes / 2**20:.0f} MiB"
                             + (" · API key required" if api_key else ""), highlight=False)
         try:
             # "info": uvicorn's access log, one line per request

@@ -69,22 +69,13 @@ class Session:
         ctx = self.cache.max_len
         if len(prompt_ids) >= ctx:
             raise PromptTooLong(len(prompt_ids), ctx, limit=self.llm.config.max_seq_len)
-        sampler = Sampler(sampling)
         out = OutputStream(self.llm.tokenizer, self.llm.eos_ids, stop, min(max_tokens, ctx - len(prompt_ids)),
                            len(prompt_ids), sampling.stop_loops)
         res = self.last = out.result
-        sp = self.speculator
-        if sp is not None and sp.drafter.tree and not hasattr(self.cache, "keep_path"):
-            raise BriskError(f"--draft {sp.drafter.name} drafts trees, which need a contiguous KV cache "
-                             "(single-stream generation)")
-        hidden_needed = sp is not None and sp.needs_hidden
-        logits = self.prefill(prompt_ids, return_hidden=hidden_needed)
-        logits, hidden = logits if hidden_needed else (logits, None)
+        tokens = self.tokens(prompt_ids, Sampler(sampling), out.budget)
         res.prefilled_tokens = self._prefilled
-        seen = torch.tensor(prompt_ids, device=self.llm.device) if sampling.repetition_penalty != 1.0 else None
-        if sp is not None:
-            res.spec = sp.new_stats()
-        tokens = self._tokens(sampler(logits, seen), sampler, seen, out.budget, (logits, hidden))
+        if self.speculator is not None:
+            res.spec = self.speculator.stats
         try:
             for token in tokens:
                 piece = out.push(token)
@@ -97,6 +88,23 @@ class Session:
             raise
         finally:
             tokens.close()
+
+    @torch.inference_mode()
+    def tokens(self, prompt_ids: list[int], sampler: Sampler, budget: int) -> Iterator[int]:
+        """Prefill prompt_ids (now), then the generated tokens one by one, for a caller that makes
+        its own text of them (stream(); brisk serve --draft) and stops asking within `budget`. The
+        speculator's counters restart (speculator.stats)."""
+        sp = self.speculator
+        if sp is not None and sp.drafter.tree and not hasattr(self.cache, "keep_path"):
+            raise BriskError(f"--draft {sp.drafter.name} drafts trees, which need a contiguous KV cache "
+                             "(single-stream generation)")
+        hidden_needed = sp is not None and sp.needs_hidden
+        logits = self.prefill(prompt_ids, return_hidden=hidden_needed)
+        logits, hidden = logits if hidden_needed else (logits, None)
+        seen = torch.tensor(prompt_ids, device=self.llm.device) if sampler.params.repetition_penalty != 1.0 else None
+        if sp is not None:
+            sp.new_stats()
+        return self._tokens(sampler(logits, seen), sampler, seen, budget, (logits, hidden))
 
     def _tokens(self, token: int, sampler: Sampler, seen: torch.Tensor | None, budget: int,
                 first: tuple) -> Iterator[int]:

@@ -13,11 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from brisk.core import GREEDY, LLM, Session
-from brisk.core.batching import Engine, EngineThread
+from brisk.core.batching import Engine, EngineThread, SerialEngine
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 from brisk.cli.openai_api import create_app  # noqa: E402
+
+from test_distill import heads_dir  # noqa: E402,F401 (fixture: heads trained on the tiny model in seconds)
 
 KEY = "sk-test"
 
@@ -31,8 +33,8 @@ def free_port() -> int:
 class Server:
     """uvicorn on a thread, on a free loopback port, around one engine thread."""
 
-    def __init__(self, llm, name="tiny", api_key=KEY, max_batch=8, step_delay=0.0):
-        self.runner = EngineThread(Engine(llm, max_batch=max_batch))
+    def __init__(self, llm, name="tiny", api_key=KEY, max_batch=8, step_delay=0.0, engine=None):
+        self.runner = EngineThread(engine or Engine(llm, max_batch=max_batch))
         self.submitted = []
         submit = self.runner.submit
 
@@ -308,3 +310,74 @@ def test_request_limits_refuse_one_request_and_serve_the_next(server, tiny):
         assert code == 400 and "stop" in out["error"]["message"], out
     r = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=4)
     assert r.choices[0].text == reference(tiny, tiny.prompt_ids("Hello", raw=True), 4).text
+
+
+# ---------------------------------------------------------------- --draft: one request at a time, speculative
+
+@pytest.mark.parametrize("draft", ["ngram", "lookahead", "heads"])
+def test_draft_server_answers_as_single_stream(tiny, draft, request):
+    """brisk serve --draft: concurrent clients queue and each gets plain greedy's answer, streamed or
+    not, through the speculative loop (trees for lookahead and heads)."""
+    from brisk.core.speculative import make_speculator
+
+    spec = make_speculator(tiny, f"heads:{request.getfixturevalue('heads_dir')}" if draft == "heads" else draft)
+    proposals = []
+    propose = spec.propose
+    spec.propose = lambda *a, **k: proposals.append(1) or propose(*a, **k)
+    s = Server(tiny, engine=SerialEngine(tiny, spec))
+    try:
+        prompts = [f"question {i}: {'why ' * (i % 3)}the sky the sky" for i in range(6)]
+        want = [reference(tiny, chat_ids(tiny, p), 20, stop=("sky",) if i == 5 else ()) for i, p in enumerate(prompts)]
+
+        def ask(i):
+            kw = dict(model="tiny", messages=[{"role": "user", "content": prompts[i]}], max_tokens=20, temperature=0,
+                      **({"stop": ["sky"]} if i == 5 else {}))
+            if i % 2:
+                return "".join(ch.choices[0].delta.content or "" for ch in
+                               s.client.chat.completions.create(**kw, stream=True))
+            return s.client.chat.completions.create(**kw).choices[0].message.content
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, range(len(prompts)), timeout=120))
+        assert got == [w.text for w in want]
+        assert len(proposals) >= sum(len(w.tokens) for w in want) // 4  # the speculative loop ran them
+        assert not s.runner.engine.has_work()
+    finally:
+        s.close()
+
+
+def test_draft_server_client_disconnect(tiny):
+    from brisk.core.speculative import make_speculator
+
+    engine = SerialEngine(tiny, make_speculator(tiny, "ngram"))
+    s = Server(tiny, engine=engine, step_delay=0.02)
+    try:
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        body = json.dumps({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "stream": True})
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        got = b""
+        while b"data:" not in got:
+            got += sock.recv(4096)
+        sock.close()
+        assert wait_for(lambda: s.submitted[0].finished, 10)
+        assert s.submitted[0].result.finish_reason == "cancelled"
+        assert wait_for(lambda: not engine.has_work(), 10)
+        r = s.client.completions.create(model="tiny", prompt="The quick brown", max_tokens=10, temperature=0)
+        assert r.choices[0].text == reference(tiny, tiny.tokenizer.encode("The quick brown"), 10).text
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--draft", "heads:/no/such/heads"], "heads"),
+    (["--draft", "ngram", "--kv-tokens", "4096"], "--kv-tokens"),
+    (["--draft-k", "3"], "--draft-k needs --draft"),
+])
+def test_serve_draft_arguments_fail_before_loading(tiny_llama_dir, args, words):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "from brisk.cli.main import run; run()", "serve", "no/such-model",
+                        "--port", str(free_port()), *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and words in r.stderr, r.stderr

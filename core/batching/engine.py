@@ -45,6 +45,18 @@ def default_kv_tokens(ctx: int) -> int:
     return max(2 * ctx, 16384)
 
 
+def new_sequence(llm, ctx: int, request: Request, on_event=None) -> Sequence:
+    """A request checked against the model's context and wrapped as a Sequence."""
+    n = len(request.prompt_ids)
+    if n == 0:
+        raise BriskError("the prompt is empty")
+    if n >= ctx:
+        raise PromptTooLong(n, ctx)
+    if request.max_tokens < 1:
+        raise InvalidValue("max_tokens", request.max_tokens, "must be >= 1")
+    return Sequence(request, llm.tokenizer, llm.eos_ids, ctx, on_event)
+
+
 class Engine:
     def __init__(self, llm, max_batch: int = 16, kv_tokens: int | None = None,
                  block_size: int = BLOCK_SIZE, step_tokens: int = STEP_TOKENS, prefix_sharing: bool = True):
@@ -72,14 +84,7 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def make_sequence(self, request: Request, on_event=None) -> Sequence:
         """Check a request and wrap it (no engine state is touched: any thread may call this)."""
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise BriskError("the prompt is empty")
-        if n >= self.ctx:
-            raise PromptTooLong(n, self.ctx)
-        if request.max_tokens < 1:
-            raise InvalidValue("max_tokens", request.max_tokens, "must be >= 1")
-        return Sequence(request, self.llm.tokenizer, self.llm.eos_ids, self.ctx, on_event)
+        return new_sequence(self.llm, self.ctx, request, on_event)
 
     def add(self, request: Request | Sequence) -> Sequence:
         seq = request if isinstance(request, Sequence) else self.make_sequence(request)
