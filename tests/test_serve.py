@@ -167,20 +167,23 @@ def test_raw_http_errors(server):
         openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="nope", max_retries=0).models.list()
 
 
+def ask_concurrently(client, prompts, stops=None, workers=8) -> list[str]:
+    """Each prompt's greedy chat answer (20 tokens at most), odd ones streamed, from `workers` clients."""
+    def ask(i):
+        kw = dict(model="tiny", messages=[{"role": "user", "content": prompts[i]}], max_tokens=20, temperature=0,
+                  **({"stop": stops[i]} if stops and stops[i] else {}))
+        if i % 2:
+            return "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(**kw, stream=True))
+        return client.chat.completions.create(**kw).choices[0].message.content
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(ask, range(len(prompts)), timeout=120))
+
+
 def test_concurrent_clients_get_complete_answers(server, tiny):
     prompts = [f"question {i}: {'why ' * (i % 4)}the sky" for i in range(12)]
     want = [reference(tiny, chat_ids(tiny, p), 20) for p in prompts]
-
-    def ask(i):
-        kw = dict(model="tiny", messages=[{"role": "user", "content": prompts[i]}], max_tokens=20, temperature=0)
-        if i % 2:
-            return "".join(ch.choices[0].delta.content or "" for ch in
-                           server.client.chat.completions.create(**kw, stream=True))
-        return server.client.chat.completions.create(**kw).choices[0].message.content
-
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(ask, range(len(prompts)), timeout=120))
-    assert got == [w.text for w in want]
+    assert ask_concurrently(server.client, prompts) == [w.text for w in want]
     engine = server.runner.engine
     assert engine.pool.n_free == engine.pool.n_blocks
 
@@ -327,19 +330,9 @@ def test_draft_server_answers_as_single_stream(tiny, draft, request):
     s = Server(tiny, engine=SerialEngine(tiny, spec))
     try:
         prompts = [f"question {i}: {'why ' * (i % 3)}the sky the sky" for i in range(6)]
-        want = [reference(tiny, chat_ids(tiny, p), 20, stop=("sky",) if i == 5 else ()) for i, p in enumerate(prompts)]
-
-        def ask(i):
-            kw = dict(model="tiny", messages=[{"role": "user", "content": prompts[i]}], max_tokens=20, temperature=0,
-                      **({"stop": ["sky"]} if i == 5 else {}))
-            if i % 2:
-                return "".join(ch.choices[0].delta.content or "" for ch in
-                               s.client.chat.completions.create(**kw, stream=True))
-            return s.client.chat.completions.create(**kw).choices[0].message.content
-
-        with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(ask, range(len(prompts)), timeout=120))
-        assert got == [w.text for w in want]
+        stops = [["sky"] if i == 5 else None for i in range(6)]
+        want = [reference(tiny, chat_ids(tiny, p), 20, stop=tuple(st or ())) for p, st in zip(prompts, stops)]
+        assert ask_concurrently(s.client, prompts, stops, workers=4) == [w.text for w in want]
         assert len(proposals) >= sum(len(w.tokens) for w in want) // 4  # the speculative loop ran them
         assert not s.runner.engine.has_work()
     finally:

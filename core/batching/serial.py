@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..generate import Session
-from .engine import EngineStats, new_sequence
+from .engine import Engine, EngineStats, new_sequence
 from .scheduler import Request, Sequence
 
 
@@ -47,11 +47,7 @@ class SerialEngine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def run(self, requests: list[Request]) -> list[Sequence]:
-        seqs = [self.add(r) for r in requests]
-        while self.has_work():
-            self.step()
-        return seqs
+    run = Engine.run  # batch mode: every request to the end
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, str, bool]]:
