@@ -1,5 +1,5 @@
-"""Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q4_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels for
-them read (kernels/q4k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
+"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q4_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels
+for them read (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
 group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size and rows past the last
 whole group stay where they were."""
 from __future__ import annotations
@@ -12,17 +12,34 @@ ROWS = 8
 BLOCK = 144  # Q4_K: bytes per super-block of 256 weights
 Q5_BLOCK = 176  # Q5_K's
 Q6_BLOCK = 210  # Q6_K's
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+Q4_0, Q4_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 8, 10, 11, 12, 13, 14
 # The 32-weight types, per block: (bytes, fp16 fields at its start, code bytes after them). Interleaved,
 # a group's block holds its codes in vectors of 64 bytes (_small), then each fp16 field of rows 0..7.
 SMALL = {Q8_0: (34, 1, 32), Q4_0: (18, 1, 16), Q4_1: (20, 2, 16)}
 
 
-TYPES = (Q4_K, Q5_K, Q6_K, *SMALL)  # the types with an interleaved layout (native.X8)
+def _moved(block: int, parts: list[tuple[int, int]]) -> list[int]:
+    """The byte order of a layout that only moves whole bytes (kernels/q3k_x8.h): parts (file offset,
+    bytes) in order, each of rows 0..7 in turn. Returns, per byte of a group's super-block, its place
+    in the group's 8 file blocks (row r's byte b: r * block + b)."""
+    order = []
+    for off, n in parts:
+        order += [r * block + off + i for r in range(ROWS) for i in range(n)]
+    assert sorted(order) == list(range(ROWS * block))
+    return order
+
+
+# Q3_K: 4 chunks (qs bytes 8p.., qs bytes 32 + 8p.., hmask bytes 8p..), the scale bytes as Q4_K's, d.
+# Q2_K: 4 chunks (qs bytes 8p.., 32 + 8p..), the 16 scale bytes 4 at a time, d, dmin.
+MOVED = {Q3_K: (110, _moved(110, [(o, 8) for p in range(4) for o in (32 + 8 * p, 64 + 8 * p, 8 * p)]
+                            + [(96, 4), (100, 4), (104, 4), (108, 2)])),
+         Q2_K: (84, _moved(84, [(o, 8) for p in range(4) for o in (16 + 8 * p, 48 + 8 * p)]
+                          + [(0, 4), (4, 4), (8, 4), (12, 4), (80, 2), (82, 2)]))}
+TYPES = (Q4_K, Q5_K, Q6_K, *SMALL, *MOVED)  # the types with an interleaved layout (native.X8)
 
 
 def packable(qtype: int, rows: int, cols: int) -> bool:
-    return rows >= ROWS and (qtype in (Q4_K, Q5_K, Q6_K) and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
+    return rows >= ROWS and (qtype in (Q4_K, Q5_K, Q6_K, *MOVED) and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
 
 
 CHUNK = 4096  # rows packed at a time: the temporaries (a strided view's reshape copies) stay small
@@ -48,6 +65,8 @@ def pack(blocks: torch.Tensor, qtype: int = Q4_K, out: torch.Tensor | None = Non
 
 
 def _pack_groups(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    if qtype in MOVED:
+        return _moved_bytes(blocks, qtype, pack=True)
     if qtype in SMALL:
         return _small(blocks, qtype, pack=True)
     if qtype == Q6_K:
@@ -57,6 +76,8 @@ def _pack_groups(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
     """The inverse of pack: the file's layout again (paths without the native kernels)."""
+    if qtype in MOVED:
+        return _moved_bytes(packed, qtype, pack=False)
     if qtype in SMALL:
         return _small(packed, qtype, pack=False)
     if qtype == Q6_K:
@@ -101,6 +122,23 @@ def _k_groups(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
         m[..., 1::2] ^= 0x80
         file_side[..., 2:4].copy_(m.reshape(G, ns, ROWS, 2))
         file_side[..., 4:16].copy_(head[..., 32:].reshape(G, ns, 3, ROWS, 4).transpose(2, 3).reshape(G, ns, ROWS, 12))
+    out[G * ROWS:] = src[G * ROWS:]
+    return out
+
+
+def _moved_bytes(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
+    """pack/unpack of the layouts that only move bytes (MOVED): one gather per group's super-block."""
+    bb, order = MOVED[qtype]
+    N, row_bytes = src.shape
+    G, ns = N // ROWS, row_bytes // bb
+    idx = torch.tensor(order)
+    out = torch.empty_like(src, memory_format=torch.contiguous_format)
+    file_side = (src if pack else out)[:G * ROWS].reshape(G, ROWS, ns, bb).transpose(1, 2)  # [group, super-block, row, byte]
+    x8 = (out if pack else src)[:G * ROWS].reshape(G, ns, ROWS * bb)
+    if pack:
+        x8.copy_(file_side.reshape(G, ns, ROWS * bb)[..., idx])
+    else:
+        file_side.copy_(x8[..., torch.argsort(idx)].view(G, ns, ROWS, bb))
     out[G * ROWS:] = src[G * ROWS:]
     return out
 

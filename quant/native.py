@@ -5,8 +5,8 @@ then runs torch's kernels, saying so once.
 One product for every weight format (GGUF's Q4_0..Q8_0 and K-quants, brisk's int4 groups and int8
 rows), read in place from the blocks. The integer-code types (INT_DOT_TYPES) multiply their codes
 with the activations quantized to 16 bits per block of 32, exact int32 sums scaled in float
-(kernels/int_dot.h), except the K-quants Q4_K, Q5_K, Q6_K (ACT8_TYPES), whose activations are 8-bit
-per super-block of 256 as llama.cpp's (kernels/int8_dot.h; BRISK_ACT8=0: 16-bit ones, per 256); the
+(kernels/int_dot.h), except the K-quants Q2_K..Q6_K (ACT8_TYPES), whose activations are 8-bit
+per super-block of 256 as llama.cpp's (kernels/int8_dot.h; BRISK_ACT8=0: 16-bit ones, per 256, or float32 for Q2_K/Q3_K); the
 others dequantize tiles of rows to float32 and multiply float32 activations (kernels/tiles.c). Either way a row's bits do not depend on
 how many rows share the call (batch-invariant), which keeps greedy speculative and batched decoding
 equal to plain decoding. The library is plain C (no Python or torch headers), so one build serves
@@ -45,13 +45,14 @@ F32 = 0  # GGUF's id for plain float32 rows: a float model's weights, read in pl
 F32_MAX_ROWS = 64
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
 # the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
-INT_DOT_TYPES = {2, 3, 6, 8, 12, 13, 14, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
-SUPER_TYPES = {12, 13, 14}  # of those, the ones whose activations are quantized per 256 (Q4_K, Q5_K, Q6_K), not per 32
+INT_DOT_TYPES = {2, 3, 6, 8, 10, 11, 12, 13, 14, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
+SUPER_TYPES = {10, 11, 12, 13, 14}  # of those, the ones whose activations are quantized per 256 (the K-quants), not per 32
 INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 # of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, 2.6x faster on
-# Q4_K than 16-bit ones); BRISK_ACT8=0 keeps them 16-bit
-ACT8_TYPES = {12, 13, 14}
-X8 = 8  # bk_weight's layout of Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 rows interleaved by 8 (kernels/q4k_x8.h, q8_x8.h): the kernels' fastest
+# Q4_K than 16-bit ones); BRISK_ACT8=0 keeps them 16-bit, except Q2_K and Q3_K (10, 11): they have no 16-bit
+# path and take float32 activations then
+ACT8_TYPES = {10, 11, 12, 13, 14}
+X8 = 8  # bk_weight's layout of K-quant, Q8_0, Q4_0 and Q4_1 rows interleaved by 8 (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h): the kernels' fastest
 ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
@@ -289,7 +290,7 @@ class NativeWeight:
     def __init__(self, kind: int, N: int, K: int, data: torch.Tensor, scales: torch.Tensor | None = None,
                  zeros: torch.Tensor | None = None, group: int = 0, row_scales: torch.Tensor | None = None,
                  layout: int = 0):
-        """layout: 0, the rows as the format stores them, or X8 (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 or Q4_1 rows interleaved by 8:
+        """layout: 0, the rows as the format stores them, or X8 (Q2_K..Q6_K, Q8_0, Q4_0 or Q4_1 rows interleaved by 8:
         quant/gguf_interleave.py)."""
         if layout not in (0, X8) or layout == X8 and kind not in gguf_interleave.TYPES:
             raise ValueError(f"layout {layout} for a weight of kind {kind}")

@@ -28,7 +28,8 @@ def shapes(name: str) -> list[int]:
     return [256, 512] if name.removesuffix(" x8").endswith("_K") else [96, 512]
 
 
-CASES = [(name, K) for name in TYPES + ["Q4_K x8", "Q5_K x8", "Q6_K x8", "Q8_0 x8", "Q4_0 x8", "Q4_1 x8"] for K in shapes(name)]
+CASES = [(name, K) for name in TYPES + ["Q2_K x8", "Q3_K x8", "Q4_K x8", "Q5_K x8", "Q6_K x8", "Q8_0 x8", "Q4_0 x8", "Q4_1 x8"]
+         for K in shapes(name)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,7 +64,7 @@ def blocks(name: str, K: int, source: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def weight(name: str, K: int, source: str = "random") -> tuple[native.NativeWeight, np.ndarray]:
-    """name "Q4_K x8" / "Q5_K x8" / "Q6_K x8" / "Q8_0 x8" / "Q4_0 x8" / "Q4_1 x8": rows interleaved by 8
+    """name "Q2_K x8" / "Q3_K x8" / "Q4_K x8" / "Q5_K x8" / "Q6_K x8" / "Q8_0 x8" / "Q4_0 x8" / "Q4_1 x8": rows interleaved by 8
     (gguf_interleave), as brisk loads those types (N = 37: four groups and a tail of 5 rows in the file's layout)."""
     x8 = name.endswith(" x8")
     name = name.removesuffix(" x8")
@@ -108,8 +109,8 @@ def test_matmul_is_close_and_batch_invariant(level, name, K):
     _close_and_batch_invariant(name, K)
 
 
-@pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES if n in ("Q4_K", "Q5_K", "Q6_K", "Q4_K x8",
-                                                                                 "Q5_K x8", "Q6_K x8")])
+@pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES if n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K x8",
+                                                                                 "Q3_K x8", "Q4_K x8", "Q5_K x8", "Q6_K x8")])
 def test_k_quants_both_activation_grids(level, act_bits, name, K):
     _close_and_batch_invariant(name, K)
 
@@ -143,6 +144,17 @@ def _extreme_block(name: str) -> np.ndarray:
     """One super-block whose codes times scales are the format's largest: every int32 sum of the
     256-grid kernels (int_dot.h) at its stated bound when the activations are all at full scale."""
     one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if name == "Q2_K":  # every code 3, scale 15, minimum 15; d = 1, dmin = -1: both terms at their largest, adding
+        b = np.full(84, 0xFF, np.uint8)
+        b[80:82] = one
+        b[82:84] = np.frombuffer(np.float16(-1.0).tobytes(), np.uint8)
+        return b
+    if name == "Q3_K":  # d = 1, every scale -32; weights 0..127 code 3 (q + 4 = 7, the largest unsigned), the rest -4
+        b = np.zeros(110, np.uint8)
+        b[0:32] = 0x0F  # hmask: the third bits of weights 0..127
+        b[32:64] = 0xFF  # qs: their low bits
+        b[108:110] = one
+        return b
     if name == "Q6_K":  # ql = qh = 0: code - 32 = -32, every scale -128: products of 4096
         b = np.zeros(210, np.uint8)
         b[192:208] = np.uint8(128)
@@ -165,8 +177,8 @@ def _q6k_top_codes() -> np.ndarray:
     return b
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q6_K top codes", "Q4_K x8", "Q5_K x8", "Q6_K x8",
-                                  "Q6_K top codes x8"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q6_K top codes", "Q2_K x8", "Q3_K x8",
+                                  "Q4_K x8", "Q5_K x8", "Q6_K x8", "Q6_K top codes x8"])
 def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
     K, rows = 512, 13  # x8: a group of 8 and 5 rows after it
     x8, name = name.endswith(" x8"), name.removesuffix(" x8")
@@ -174,7 +186,7 @@ def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
     block, name = (_q6k_top_codes(), "Q6_K") if top else (_extreme_block(name), name)
     raw = np.tile(block, (rows, K // 256))
     ref = torch.from_numpy(gguf.quants.dequantize(raw, T[name])).double()
-    assert ref.abs().max().item() == (31 * 128 if top else {"Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}[name])
+    assert ref.abs().max().item() == (31 * 128 if top else {"Q2_K": 60, "Q3_K": 128, "Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}[name])
     data = gguf_interleave.pack(torch.from_numpy(raw), int(T[name])) if x8 else torch.from_numpy(raw)
     w = native.NativeWeight(int(T[name]), rows, K, data, layout=native.X8 if x8 else 0)
     x = torch.ones(3, K)
@@ -185,7 +197,7 @@ def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["Q4_K x8", "Q5_K x8", "Q6_K x8", "Q8_0 x8", "Q4_1 x8"])
+@pytest.mark.parametrize("name", ["Q2_K x8", "Q3_K x8", "Q4_K x8", "Q5_K x8", "Q6_K x8", "Q8_0 x8", "Q4_1 x8"])
 def test_interleaved_rows_split_anywhere_across_threads(name):
     """Threads split a joined product's rows in chunks counted over all its weights: the second
     weight (after 37 rows) has its groups of 8 cut mid-group. Each row must still get its bits."""
@@ -201,7 +213,7 @@ def test_interleaved_rows_split_anywhere_across_threads(name):
     assert torch.equal(joined, torch.cat([a.matmul(x), b.matmul(x)], dim=1))
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"])
 def test_packing_in_chunks_and_into_a_given_buffer_is_the_same(name, monkeypatch):
     """Loads pack big matrices a few thousand rows at a time (bounded temporaries), into a buffer the
     loader allocates (huge pages): the bytes must be those of one pass."""

@@ -1,4 +1,4 @@
-/* Products of the K-quants (Q4_K, Q5_K, Q6_K) with 8-bit activations, as llama.cpp takes them.
+/* Products of the K-quants (Q2_K..Q6_K) with 8-bit activations, as llama.cpp takes them.
  *
  * Why beside int_dot.h's 16-bit path: a 1.1B Q4_K_M model decoded at 0.38x llama.cpp's speed on one
  * AMD EPYC core with 16-bit activations (2026-11-25): widening every 4-bit code to 16 bits and
@@ -7,7 +7,8 @@
  * activations (pairs summed to int16, maddubs), one multiply-add of those by the sub-block scales
  * (to int32, madd), 64 weights per instruction. The price is the activations' rounding: one scale
  * per 256 inputs, |q| <= 127 (llama.cpp's Q8_K grid); measured on Gemma 3 270M Q4_K_M as KL ~0.005
- * to the same file widened (bench/kept_kl.py). BRISK_ACT8=0 (native.set_act8) keeps the 16-bit path.
+ * to the same file widened (bench/kept_kl.py). BRISK_ACT8=0 (native.set_act8) keeps the 16-bit path
+ * (Q2_K, Q3_K: float32 tiles, tiles.c; they have no 16-bit one).
  *
  * The integers are exact and the float epilogue is written once (kq8_accumulate), so a row's result
  * is the same bits whether it is computed alone or among other activation rows. Included by tiles.c
@@ -31,7 +32,9 @@ BK_INLINE u8x64 halves_u8(unsigned a, unsigned b) {
 }
 
 /* the types that take 8-bit activations when they are on */
-BK_INLINE int bk_act8_type(int type) { return type == BK_Q4_K || type == BK_Q5_K || type == BK_Q6_K; }
+BK_INLINE int bk_act8_type(int type) {
+    return type == BK_Q2_K || type == BK_Q3_K || type == BK_Q4_K || type == BK_Q5_K || type == BK_Q6_K;
+}
 
 BK_INLINE u8x64 load_u8x64(const uint8_t *p) {
     u8x64 v;
@@ -93,8 +96,8 @@ BK_INLINE i8x64 load_i8x64(const int8_t *p) {
 /* One super-block of one weight row, ready for the multiply-adds: four vectors of 64 codes (unsigned
  * bytes) and, per vector, its sub-blocks' scales as int16 lanes (one per code pair). Q4_K/Q5_K:
  * vector v holds sub-blocks (2v', 2v'+2) or (2v'+1, 2v'+3) (the layout of their code bytes), and the
- * activations are stored in that order (quantize_x8's permuted copy); Q6_K: weights 64v..64v+63 in
- * order, with the code offset of 32 taken off after (the bias term). */
+ * activations are stored in that order (quantize_x8's permuted copy); Q2_K, Q3_K, Q6_K: weights
+ * 64v..64v+63 in order, with the code offset (Q3_K 4, Q6_K 32) taken off after (the bias term). */
 typedef struct {
     u8x64 c[4];
     i16x32 s[4];
@@ -122,7 +125,32 @@ BK_INLINE i16x32 six_halves(bk_u8x16 six, i16x16 sc, int a, int b) {
 #endif
 }
 
+/* [a | b] */
+BK_INLINE u8x64 cat_u8x32(u8x32 a, u8x32 b) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,
+                                   24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46,
+                                   47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
+}
+
 BK_INLINE void kq8_unpack(const uint8_t *blk, int type, i16x16 sc, bk_u8x16 six, kq8_block *o) {
+    if (type == BK_Q3_K || type == BK_Q2_K) { /* weights 128h + 32t + j: bits 2t of qs[32h + j]; Q3_K's bit 4h + t
+                                                 of hmask[j] on top (as q + 4) */
+        typedef uint16_t u16x16v __attribute__((vector_size(32)));
+        u8x32 hm = {0}, v[4];
+        if (type == BK_Q3_K) memcpy(&hm, blk, 32);
+        for (int h = 0; h < 2; h++) {
+            u8x32 q;
+            memcpy(&q, blk + (type == BK_Q3_K ? 32 : 16) + 32 * h, 32);
+            for (int t = 0; t < 4; t++) {
+                v[t] = (u8x32)(((u16x16v)q >> (2 * t)) & 0x0303);
+                if (type == BK_Q3_K) v[t] |= (u8x32)((hm & (uint8_t)(1u << (4 * h + t))) != 0) & 4;
+            }
+            o->c[2 * h] = cat_u8x32(v[0], v[1]), o->c[2 * h + 1] = cat_u8x32(v[2], v[3]);
+            o->s[2 * h] = h ? QUARTERS(sc, 8, 9, 10, 11) : QUARTERS(sc, 0, 1, 2, 3);
+            o->s[2 * h + 1] = h ? QUARTERS(sc, 12, 13, 14, 15) : QUARTERS(sc, 4, 5, 6, 7);
+        }
+        return;
+    }
     if (type == BK_Q6_K) {
         for (int h = 0; h < 2; h++) {
             u8x64 a = load_u8x64(blk + 64 * h);
@@ -160,25 +188,26 @@ BK_INLINE void kq8_unpack(const uint8_t *blk, int type, i16x16 sc, bk_u8x16 six,
 }
 
 /* The exact int32 lanes of one row's super-block times one activation row's (x: its 256 codes in the
- * type's order; xs: Q6_K's 16 sums of 16 codes) */
+ * type's order; xs: the 16 sums of 16 codes) */
 BK_INLINE vi16 kq8_dot(const kq8_block *b, int type, i16x16 sc, const int8_t *x, const int16_t *xs) {
     vi16 a = madd(maddubs(b->c[0], load_i8x64(x)), b->s[0]);
     for (int v = 1; v < 4; v++) a = madd_add(a, maddubs(b->c[v], load_i8x64(x + 64 * v)), b->s[v]);
-    if (type == BK_Q6_K) { /* codes are q + 32: take 32 sc_g (sum of group g's activations) off */
+    if (type == BK_Q6_K || type == BK_Q3_K) { /* codes are q + 32 (Q3_K: q + 4): take 32 sc_g (4 sc_g) off,
+                                                 the sum of group g's activations times its scale */
         i16x16 s;
         memcpy(&s, xs, 32);
         i16x32 sc2 = zext_i16(sc);
         i16x32 s2 = zext_i16(s);
-        a -= madd(sc2, s2) << 5;
+        a -= madd(sc2, s2) << (type == BK_Q6_K ? 5 : 2);
     }
     return a;
 }
 
-/* One row's super-block: its scales (sc: Q4_K/Q5_K six-bit scales then minimums, Q6_K its 16),
- * d and -dmin. */
+/* One row's super-block: its scales (sc: Q4_K/Q5_K six-bit scales then minimums, Q2_K/Q3_K/Q6_K
+ * their 16), d and -dmin. */
 typedef struct {
     i16x16 sc;
-    bk_u8x16 six;
+    bk_u8x16 six; /* Q4_K/Q5_K: the six-bit values; Q2_K: the scale bytes (minimum: high nibble) */
     v16 d, dmin; /* splat */
 } kq8_head;
 
@@ -191,6 +220,21 @@ BK_INLINE kq8_head kq8_read(const uint8_t *blk, int type) {
         h.sc = __builtin_convertvector(s, i16x16);
         h.six = (bk_u8x16){0};
         h.d = splat16(bk_fp16(blk + 208)), h.dmin = (v16){0};
+    } else if (type == BK_Q3_K) { /* scale i: nibble i / 8 of byte i % 8, bits 2 (i / 4).. of byte 8 + i % 4 on top;
+                                     4 bytes a lane (a loop of lane stores stays a loop in clang's AVX2 copy) */
+        typedef uint32_t u32x4 __attribute__((vector_size(16)));
+        u32x4 w = {0};
+        memcpy(&w, blk + 96, 12);
+        u32x4 lo = __builtin_shufflevector(w, w, 0, 1, 0, 1), hi = __builtin_shufflevector(w, w, 2, 2, 2, 2);
+        u32x4 v = ((lo >> (u32x4){0, 0, 4, 4}) & 0x0F0F0F0F) | ((hi >> (u32x4){0, 2, 4, 6}) & 0x03030303) << 4;
+        bk_u8x16 u = (bk_u8x16)v;
+        h.sc = __builtin_convertvector(u, i16x16) - 32;
+        h.six = (bk_u8x16){0};
+        h.d = splat16(bk_fp16(blk + 108)), h.dmin = (v16){0};
+    } else if (type == BK_Q2_K) {
+        memcpy(&h.six, blk, 16);
+        h.sc = __builtin_convertvector(h.six & 15, i16x16);
+        h.d = splat16(bk_fp16(blk + 80)), h.dmin = splat16(-bk_fp16(blk + 82));
     } else {
         h.six = q4k_six(blk);
         h.sc = __builtin_convertvector(h.six, i16x16);
@@ -210,12 +254,17 @@ BK_INLINE v16 kq8_accumulate(const kq8_block *b, int type, const kq8_head *h, co
     vi16 a = kq8_dot(b, type, h->sc, x, xs);
     /* written as multiply-adds so that no copy is left to -ffp-contract (see fma16) */
     v16 t = fma16(__builtin_convertvector(a, v16), h->d, (v16){0});
-    if (type != BK_Q6_K) { /* minimums x sums of 32, in int32 lanes 4..7 */
+    if (type == BK_Q4_K || type == BK_Q5_K) { /* minimums x sums of 32, in int32 lanes 4..7 */
         i16x16 m;
         memcpy(&m, xm, 32);
         i16x32 sc2 = zext_i16(h->sc);
         i16x32 m2 = zext_i16(m);
         t = fma16(__builtin_convertvector(madd(sc2, m2), v16), h->dmin, t);
+    } else if (type == BK_Q2_K) { /* minimums x sums of 16, in int32 lanes 0..7 */
+        i16x16 m;
+        memcpy(&m, xs, 32);
+        i16x32 mn = zext_i16(__builtin_convertvector(h->six >> 4, i16x16)), m2 = zext_i16(m);
+        t = fma16(__builtin_convertvector(madd(mn, m2), v16), h->dmin, t);
     }
     return fma16(t, s, f);
 }
@@ -225,8 +274,8 @@ BK_INLINE v16 kq8_accumulate(const kq8_block *b, int type, const kq8_head *h, co
  * 4 rows, each super-block unpacked once for all M (acc: M x TILE vectors). */
 BK_INLINE void int8_tile_rows(const bk_weight *w, int type, int n0, int n1, int M, const bk_xq *x, float *y,
                               int64_t ldy, v16 *acc) {
-    int K = w->K, ns = K / 256, bb = type == BK_Q4_K ? 144 : type == BK_Q5_K ? 176 : 210;
-    const int8_t *xq = type == BK_Q6_K ? x->q8 : x->q8p;
+    int K = w->K, ns = K / 256, bb = bk_block_bytes(type);
+    const int8_t *xq = type == BK_Q4_K || type == BK_Q5_K ? x->q8p : x->q8;
     if (M == 1) {
         for (int n = n0; n < n1; n++) {
             const uint8_t *row = w->data + (int64_t)n * w->row_bytes;

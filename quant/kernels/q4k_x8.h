@@ -196,13 +196,16 @@ BK_INLINE v16 q6x8_accumulate(const uint8_t *g, const q6x8_head *h, const int8_t
     return fma16(fma16(__builtin_convertvector(a, v16), h->d, (v16){0}), s, f);
 }
 
+#include "q3k_x8.h" /* Q3_K and Q2_K: the same recipe, with the helpers above */
+
 /* Rows n0..n1 of a BK_X8 weight times M rows of 8-bit activations, y[m * ldy + n]. A group partly
  * inside n0..n1 (a thread's chunk edge) is computed whole and only its rows inside stored. acc: M
  * vectors of scratch (M > 1). */
 BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
                        v16 *acc) {
     int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS;
-    int bytes = type == BK_Q6_K ? Q6X8_BYTES : type == BK_Q5_K ? Q5X8_BYTES : X8_BYTES;
+    int bytes = type == BK_Q6_K ? Q6X8_BYTES : type == BK_Q5_K ? Q5X8_BYTES : type == BK_Q3_K ? Q3X8_BYTES
+              : type == BK_Q2_K ? Q2X8_BYTES : X8_BYTES;
     int64_t group_bytes = (int64_t)ns * bytes;
     for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
         const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
@@ -211,7 +214,21 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
         for (int sb = 0; sb < ns; sb++) {
             const uint8_t *g = grp + (int64_t)sb * bytes;
             for (int o = 0; o < bytes; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
-            if (type == BK_Q6_K) {
+            if (type == BK_Q2_K) {
+                q2x8_head h;
+                q2x8_read(g + 512, &h);
+                for (int mi = 0; mi < M; mi++) {
+                    int64_t at = (int64_t)mi * ns + sb;
+                    f[mi] = q2x8_accumulate(g, &h, x->q8 + at * 256, x->xs8 + at * 16, splat16(x->s8[at]), f[mi]);
+                }
+            } else if (type == BK_Q3_K) {
+                q6x8_head h;
+                q3x8_read(g + 768, &h);
+                for (int mi = 0; mi < M; mi++) {
+                    int64_t at = (int64_t)mi * ns + sb;
+                    f[mi] = q3x8_accumulate(g, &h, x->q8 + at * 256, x->xs8 + at * 16, splat16(x->s8[at]), f[mi]);
+                }
+            } else if (type == BK_Q6_K) {
                 q6x8_head h;
                 q6x8_read(g, &h);
                 for (int mi = 0; mi < M; mi++) {

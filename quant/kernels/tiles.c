@@ -69,6 +69,8 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
             if (w->type == BK_Q4_K) dq_q4_k(x8_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q5_K) dq_q5_k(q5x8_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q6_K) dq_q6_k(q6x8_block(w, n, b, blk), y + b * bw - k0);
+            else if (w->type == BK_Q3_K) dq_q3_k(q3x8_block(w, n, b, blk), y + b * bw - k0);
+            else if (w->type == BK_Q2_K) dq_q2_k(q2x8_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q8_0) dq_q8_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q4_1) dq_q4_1(x8i16_block(w, n, b, blk), y + b * bw - k0);
             else dq_q4_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
@@ -214,6 +216,8 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
         case BK_Q4_K: x8_rows(w, BK_Q4_K, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q5_K: x8_rows(w, BK_Q5_K, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q6_K: x8_rows(w, BK_Q6_K, n0, n1, M, x, y, ldy, (v16 *)buf); break;
+        case BK_Q3_K: x8_rows(w, BK_Q3_K, n0, n1, M, x, y, ldy, (v16 *)buf); break;
+        case BK_Q2_K: x8_rows(w, BK_Q2_K, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q8_0: x8i16_rows(w, BK_Q8_0, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q4_1: x8i16_rows(w, BK_Q4_1, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         default: x8i16_rows(w, BK_Q4_0, n0, n1, M, x, y, ldy, (v16 *)buf);
@@ -226,6 +230,8 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
         case BK_Q4_K: int8_tile_rows(w, BK_Q4_K, n0, n1, M, x, y, ldy, acc); return;
         case BK_Q5_K: int8_tile_rows(w, BK_Q5_K, n0, n1, M, x, y, ldy, acc); return;
         case BK_Q6_K: int8_tile_rows(w, BK_Q6_K, n0, n1, M, x, y, ldy, acc); return;
+        case BK_Q3_K: int8_tile_rows(w, BK_Q3_K, n0, n1, M, x, y, ldy, acc); return;
+        case BK_Q2_K: int8_tile_rows(w, BK_Q2_K, n0, n1, M, x, y, ldy, acc); return;
         }
     }
     if (M == 1) { /* decode: the sums in registers (the same operations) */
