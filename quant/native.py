@@ -69,7 +69,9 @@ def _cache_dir() -> Path:
 # tiles.c and decoder.c once per instruction set (function names suffixed), dispatched at run time
 # by brisk_kernels.c
 PER_LEVEL = ("tiles", "decoder")
-X86_LEVELS = {"plain": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
+# plain x86-64 (SSE2 only: the last resort) at -O2: GCC 12 at -O3 took over 3 minutes and 1.4 GB to
+# compile tiles.c's 64-byte vector code lowered to SSE2 (Q3_K/Q2_K's kernels), 34 s at -O2 (2026-11-26)
+X86_LEVELS = {"plain": ["-O2"], "avx2": ["-mavx2", "-mfma", "-mf16c"],
               "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
                          "-mf16c", "-mprefer-vector-width=512"]}
 # gnu11, not c11: strict ISO C turns off contracting a * b + c into one fused multiply-add
