@@ -3,7 +3,7 @@ batch-1 decode of a Llama-3-8B-shaped model (random weights: decode speed does n
 values) in bf16/int8/int4/NF4 against that bandwidth and against HF transformers, prefill, batched
 decode over the paged cache, and speculative decoding.
 
-    python bench/gpu.py [--sections copy,kernels,decode,hf,prefill,batch,spec] [--json out.json]
+    python bench/gpu.py [--sections copy,kernels,decode,verify,hf,prefill,batch,spec] [--json out.json]
 
 Each section catches its own failure and goes on; the table at the end is what RESULTS.md records.
 """
@@ -33,6 +33,8 @@ LLAMA3_8B = dict(arch="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads
                  ffn_dim=14336, norm_eps=1e-5, max_seq_len=8192, rope_theta=500000.0,
                  rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+SMOLLM2_135M = dict(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                    ffn_dim=1536, norm_eps=1e-5, max_seq_len=8192, rope_theta=100000.0, tie_embeddings=True)
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]  # (N, K) of Llama-3-8B
 RESULTS: dict = {}
 
@@ -160,6 +162,43 @@ def kernels(sweep: bool):
 
 
 @section
+def small_m():
+    """int4 (g128) products with a few activation rows, as a verifying pass over T tokens has:
+    torch's tinygemm (what Int4Linear runs on CUDA) against the Triton tiled kernel over a sweep of
+    tiles, per Llama-3-8B shape; microseconds per product, weights cycled past the L2."""
+    G, rows = 128, []
+    configs = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw) for bn in (32, 64, 128) for bk in (128, 256) for nw in (4, 8)]
+    blocks = tm._gemm_blocks
+    for N, K in SHAPES[:4]:
+        q4 = _copies(lambda: (torch.randint(0, 255, (N, K // 2), device="cuda", dtype=torch.uint8),
+                              torch.rand(N, K // G, device="cuda").to(torch.bfloat16),
+                              torch.rand(N, K // G, device="cuda").to(torch.bfloat16)), N * K // 2, 1 << 28)
+        packed = [torch._convert_weight_to_int4pack(w[0], 8) for w in q4]
+        sz = torch.rand(K // G, N, 2, device="cuda").to(torch.bfloat16)
+        for M in (1, 2, 8, 16, 64):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            row = {"N": N, "K": K, "M": M,
+                   "tinygemm_us": graph_time(lambda: [torch._weight_int4pack_mm(x, p, G, sz) for p in packed]) / len(packed) * 1e6}
+            best = None
+            for cfg in configs if M > 1 else [None]:
+                if cfg is not None:
+                    tm._gemm_blocks = lambda m, c=cfg: dict(c, BLOCK_M=16 if m <= 16 else 64)
+                try:
+                    t = graph_time(lambda: [tm.int4_matmul(x, *w, G) for w in q4]) / len(q4) * 1e6
+                except Exception as e:
+                    log(f"  {cfg}: {type(e).__name__}")
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            tm._gemm_blocks = blocks
+            row["triton_us"], row["triton_cfg"] = best
+            rows.append(row)
+            log(json.dumps(row))
+        del q4, packed
+    RESULTS["small_m"] = rows
+
+
+@section
 def kernel_correctness():
     """The Triton kernels on the GPU against float64, fresh random inputs, every row count path."""
     errs = {}
@@ -198,8 +237,8 @@ def kernel_correctness():
 
 # ---------------------------------------------------------------- the 8B-shaped model
 
-def build_8b(dtype=torch.bfloat16) -> Transformer:
-    cfg = ModelConfig(**LLAMA3_8B)
+def build_8b(dtype=torch.bfloat16, shape: dict = LLAMA3_8B) -> Transformer:
+    cfg = ModelConfig(**shape)
     with torch.device("meta"):
         net = Transformer(cfg)
     net = net.to_empty(device="cuda").to(dtype)
@@ -293,6 +332,60 @@ def decode(state):
         torch.cuda.empty_cache()
     linear.USE_TINYGEMM = True
     RESULTS["decode_8b"] = rows
+
+
+@section
+def verify(state):
+    """What a speculative round's verifying pass over T tokens (the pending token and T - 1 drafts)
+    costs against a one-token decode step, both graph replays, and the same pass run eagerly (as
+    every round ran before the verifier had graphs): what a drafter must beat on this GPU."""
+    from brisk.core.cuda_graph import verify_pass
+
+    from brisk.quant import linear
+
+    out = {}
+    for name, shape, method in (("llama3-8b bf16", LLAMA3_8B, None), ("llama3-8b int4 g128", LLAMA3_8B, "int4"),
+                                ("llama3-8b int4 g128 Triton", LLAMA3_8B, "int4"), ("llama3-8b int8", LLAMA3_8B, "int8"),
+                                ("smollm2-135m bf16", SMOLLM2_135M, None)):
+        net = state.get("net") if shape is LLAMA3_8B else None
+        net = net or build_8b(shape=shape)
+        if shape is LLAMA3_8B:
+            state["net"] = net
+        linear.USE_TINYGEMM = "Triton" not in name
+        model = quantized_copy(net, method, 128) if method else net
+        linear.USE_TINYGEMM = True
+        with torch.inference_mode():
+            cache = ContiguousKV.for_model(model, 1024)
+            ids = torch.randint(0, model.cfg.vocab_size, (1, 256), device="cuda")
+            model(ids, 0, cache, logit_rows=LAST)
+            step = decode_step(model, cache)
+            graphed, eager = verify_pass(model, cache, fixed=True), verify_pass(model, cache, fixed=False)
+
+            def median_ms(fn, reps=30):
+                for _ in range(3):
+                    fn()
+                times = []
+                for _ in range(reps):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    fn()
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t)
+                return statistics.median(times) * 1e3
+
+            base = median_ms(lambda: int(step(5, 256).argmax()))
+            row = {"step_ms": base}
+            for T in (1, 2, 4, 8, 16, 32, 64):
+                toks = list(range(10, 10 + T))
+                g = median_ms(lambda: graphed(toks, 256, None, False)[0].argmax(-1).tolist())
+                e = median_ms(lambda: eager(toks, 256, None, False)[0].argmax(-1).tolist(), reps=10)
+                row[f"T{T}"] = {"graph_ms": g, "graph_x_step": g / base, "eager_ms": e, "eager_x_step": e / base}
+            out[name] = row
+            log(name, json.dumps(row))
+        del model, cache
+        gc.collect()
+        torch.cuda.empty_cache()
+    RESULTS["verify_pass"] = out
 
 
 @section
@@ -403,7 +496,8 @@ COPY_PROMPT = ("Repeat the following paragraph exactly, word for word.\n\n"
 def spec(state, paths: list[str]):
     """Speculative decoding on CUDA: the 8B-shaped model (random weights: nothing to draft from its
     near-uniform predictions, so this shows the cost of trying) and the real models (acceptance)."""
-    from brisk.core import GREEDY, LLM
+    from brisk.core import GREEDY, LLM, generate
+    from brisk.core.cuda_graph import verify_pass
     from brisk.core.generate import Session
     from brisk.core.speculative import make_speculator
 
@@ -426,9 +520,13 @@ def spec(state, paths: list[str]):
         cases.append((Path(path).name + " (bf16)", llm, llm.prompt_ids(COPY_PROMPT)))
     for name, llm, ids in cases:
         plain = run(llm, ids, None)
-        for draft in (None, "ngram", "ngram/4", "self:int4", "self:int4/4"):
-            r = plain if draft is None else run(llm, ids, draft)
-            row = {"tok_s": r.decode_tps, "same_as_plain": r.tokens == plain.tokens, "spec": r.spec}
+        for draft in (None, "ngram", "ngram/4", "self:int4", "self:int4/4", "lookahead", "lookahead/eager"):
+            if draft is not None and draft.endswith("/eager"):  # verifying passes as before they had graphs
+                generate.verify_pass = lambda model, cache: verify_pass(model, cache, fixed=False)
+            r = plain if draft is None else run(llm, ids, draft.removesuffix("/eager"))
+            generate.verify_pass = verify_pass
+            row = {"tok_s": r.decode_tps, "x_plain": r.decode_tps / plain.decode_tps,
+                   "same_as_plain": r.tokens == plain.tokens, "spec": r.spec}
             out[f"{name} {draft or 'plain'}"] = row
             log(name, draft or "plain", json.dumps(row))
     RESULTS["spec"] = out
@@ -478,7 +576,7 @@ def models(paths: list[str]):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="copy,correct,kernels,decode,hf,prefill,batch,spec")
+    ap.add_argument("--sections", default="copy,correct,kernels,decode,verify,hf,prefill,batch,spec")
     ap.add_argument("--sweep", action="store_true", help="try many GEMV launch shapes per matrix shape")
     ap.add_argument("--json", default=None)
     ap.add_argument("--models", default="", help="comma-separated model paths for the models section")
@@ -500,6 +598,10 @@ def main():
         kernels(a.sweep)
     if "decode" in todo:
         decode(state)
+    if "verify" in todo:
+        verify(state)
+    if "small_m" in todo:
+        small_m()
     if "prefill" in todo:
         prefill(state)
     if "batch" in todo:

@@ -1,4 +1,5 @@
-"""Batch-1 decode on CUDA as one graph replay per token.
+"""Batch-1 decode on CUDA as one graph replay per token, and speculative verifying passes as one
+graph replay per round.
 
 An eager decode step of a 32-layer model launches ~400 small kernels; on a fast GPU the launches,
 not the weights, then set the pace. Captured once in a CUDA graph, the step is one launch. A graph
@@ -7,23 +8,59 @@ position live in device tensors, K/V are written at that position by index, and 
 over a fixed number of cache slots, masked past the position. That number is a bucket (256, 512,
 1024, ... up to the cache's length), one graph each, captured on first use: a step reads the K/V of
 at most twice the slots that hold tokens.
+
+A verifying pass (the pending token and a round's drafts, a chain or a tree) is the same on more
+tokens: its T is padded to a power of two (the padding tokens see only themselves and write slots
+nobody reads before they are overwritten), its tree mask and positions are inputs, and the masks
+over the slots are computed inside the graph (kv.FixedTree).
 """
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
-from .kv import FixedKeys
+from .kv import FixedKeys, FixedTree
+from .kv.base import ancestor_mask
 
 FIRST_BUCKET = 256
+
+
+def graphs_enabled(device) -> bool:
+    return torch.device(device).type == "cuda" and os.environ.get("BRISK_CUDA_GRAPHS", "1") != "0"
+
+
+def key_bucket(end: int, max_len: int) -> int:
+    """The slots a fixed-shape step attends over to see `end` slots: 256, 512, ..., max_len."""
+    keys = FIRST_BUCKET
+    while keys < end:
+        keys *= 2
+    return min(keys, max_len)
+
+
+def capture(fn, pool=None):
+    """fn's work as a CUDA graph: (graph, fn's output, which each replay rewrites)."""
+    # Warm up on a side stream first (as torch's docs ask): lazy init, Triton compiles and cuBLAS
+    # workspaces must happen outside the capture. The warm-up runs the step on the current inputs,
+    # which the replay then runs again, writing the same K/V.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def decode_step(model, cache):
     """A function (token, pos) -> logits [V] that runs one decode step on `cache` (a ContiguousKV):
     graph replays on CUDA (unless BRISK_CUDA_GRAPHS=0), the eager model elsewhere."""
     device = cache.k[0].device
-    if device.type == "cuda" and os.environ.get("BRISK_CUDA_GRAPHS", "1") != "0":
+    if graphs_enabled(device):
         return GraphedDecoder(model, cache)
 
     def eager(token: int, pos: int) -> torch.Tensor:
@@ -43,14 +80,8 @@ class GraphedDecoder:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by all buckets' graphs
 
-    def bucket(self, pos: int) -> int:
-        keys = FIRST_BUCKET
-        while keys <= pos:
-            keys *= 2
-        return min(keys, self.cache.max_len)
-
     def __call__(self, token: int, pos: int) -> torch.Tensor:
-        keys = self.bucket(pos)
+        keys = key_bucket(pos + 1, self.cache.max_len)
         self.token.fill_(token)
         self.pos.fill_(pos)
         graph, logits = self.graphs.get(keys) or self._capture(keys)
@@ -61,18 +92,70 @@ class GraphedDecoder:
         return self.model(self.token, self.pos, FixedKeys(self.cache, keys))[0, -1]
 
     def _capture(self, keys: int):
-        # Warm up on a side stream first (as torch's docs ask): lazy init, Triton compiles and
-        # cuBLAS workspaces must happen outside the capture. The warm-up writes K/V at self.pos,
-        # which the replay then writes again with the same values.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(keys)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._step(keys)
+        graph, logits = capture(lambda: self._step(keys), self.pool)
         self.pool = graph.pool()
         self.graphs[keys] = graph, logits
         return graph, logits
+
+
+def verify_pass(model, cache, fixed: bool | None = None):
+    """A function (tokens, start, parents, hidden) -> (logits [T, V], final-norm hidden [T, dim]
+    or None) that runs a verifying pass over tokens (the pending token, then the drafts: a chain,
+    or a tree with parents as Draft.parents) at start on `cache`. On CUDA (unless
+    BRISK_CUDA_GRAPHS=0) a graph replay per pass; fixed=True runs those fixed shapes eagerly
+    (how the CPU tests check them)."""
+    device = cache.k[0].device
+    if fixed is None:
+        fixed = graphs_enabled(device)
+    if fixed:
+        return FixedVerifier(model, cache, graphs=graphs_enabled(device))
+
+    def eager(tokens: list[int], start: int, parents: list[int] | None, hidden: bool):
+        tree = ancestor_mask(parents, device) if parents is not None else None
+        out = model(torch.tensor([tokens], device=device), start, cache, tree=tree, return_hidden=hidden)
+        return (out[0][0], out[1][0]) if hidden else (out[0], None)
+    return eager
+
+
+class FixedVerifier:
+    """verify_pass's fixed shapes: T padded to a power of two, a graph per (T, key bucket,
+    hidden). The outputs are views of buffers that the next call overwrites."""
+
+    def __init__(self, model, cache, graphs: bool):
+        self.model, self.cache, self.graphs_on = model, cache, graphs
+        self.device = cache.k[0].device
+        self.inputs: dict[int, torch.Tensor] = {}  # per padded T: [slot0, tokens, positions, tree]
+        self.graphs: dict[tuple, tuple] = {}
+        self.pool = None
+
+    def __call__(self, tokens: list[int], start: int, parents: list[int] | None, hidden: bool):
+        T = len(tokens)
+        n = 1 << (T - 1).bit_length()
+        if start + n > self.cache.max_len:  # no room to pad: the eager pass
+            return verify_pass(self.model, self.cache, fixed=False)(tokens, start, parents, hidden)
+        tree = np.eye(n, dtype=bool)  # padding: each token sees itself only
+        tree[:T, :T] = np.tril(np.ones((T, T), dtype=bool)) if parents is None else ancestor_mask(parents).numpy()
+        packed = np.concatenate([[start], tokens, [0] * (n - T), start + tree.sum(1) - 1, tree.ravel()])
+        inp = self.inputs.get(n)
+        if inp is None:
+            inp = self.inputs[n] = torch.zeros(1 + 2 * n + n * n, dtype=torch.long, device=self.device)
+        inp.copy_(torch.from_numpy(packed.astype(np.int64)))  # one host-to-device copy per pass
+        keys = key_bucket(start + n, self.cache.max_len)
+        key = (n, keys, hidden)
+        if not self.graphs_on:
+            out = self._pass(inp, n, keys, hidden)
+        else:
+            if key not in self.graphs:
+                graph, out = capture(lambda: self._pass(inp, n, keys, hidden), self.pool)
+                self.pool = graph.pool()
+                self.graphs[key] = graph, out
+            graph, out = self.graphs[key]
+            graph.replay()
+        logits, h = out
+        return logits[:T], (h[:T] if hidden else None)
+
+    def _pass(self, inp: torch.Tensor, n: int, keys: int, hidden: bool):
+        slot0, tokens, pos = inp[:1], inp[1:1 + n], inp[1 + n:1 + 2 * n]
+        tree = inp[1 + 2 * n:].view(n, n).bool()
+        out = self.model(tokens[None], pos, FixedTree(self.cache, keys, slot0, pos, tree), return_hidden=hidden)
+        return (out[0][0], out[1][0]) if hidden else (out[0], None)

@@ -310,7 +310,8 @@ class HeadsDrafter(Drafter):
     def observe(self, draft, logits, hidden, path) -> None:
         """After a pass: hidden [1 + len(draft.tokens), dim] for [pending] + draft.tokens; the new
         pending token was chosen by the row of the last accepted node (`path`), or row 0."""
-        self.hidden = None if hidden is None else hidden[(path[-1] + 1) if path else 0].detach()
+        # a copy: on CUDA the pass's output is a graph's buffer, which the next pass rewrites
+        self.hidden = None if hidden is None else hidden[(path[-1] + 1) if path else 0].clone()
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor, tokens) -> torch.Tensor:

@@ -10,9 +10,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .cuda_graph import decode_step
+from .cuda_graph import decode_step, verify_pass
 from .errors import BriskError, PromptTooLong
-from .kv.base import ancestor_mask
 from .model import LAST
 from .output_stream import GenerationResult, OutputStream
 from .sampling import Sampler, SamplingParams, extend_seen
@@ -46,6 +45,7 @@ class Session:
         self.ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.last: GenerationResult | None = None
         self._step = None  # the one-token step on this cache (its CUDA graphs), made on first use
+        self._verify = None  # the verifying pass on this cache (its CUDA graphs), likewise
 
     def reset(self) -> None:
         self.ids = []
@@ -111,11 +111,11 @@ class Session:
         """The generated tokens, one by one. A token enters the cache only when the consumer asks
         for the next one, so the cache never holds the last token handed out (self.ids is what it
         holds). Each step verifies the speculator's drafts, if any, in the same pass that runs the
-        pending token; without drafts the step is a plain decode step (a graph replay on CUDA,
-        unless the drafter needs the hidden states). A tree draft is one pass with its ancestor
-        mask, after which the accepted path's K/V move to the slots a chain would have used.
+        pending token (a graph replay on CUDA); without drafts the step is a plain decode step
+        (likewise), unless the drafter needs the hidden states. A tree draft is one pass with its
+        ancestor mask, after which the accepted path's K/V move to the slots a chain would have used.
         first: the prefill's (logits, hidden) of the prompt's last token, for the drafter."""
-        sp, ids, model, cache, dev = self.speculator, self.ids, self.llm.model, self.cache, self.llm.device
+        sp, ids, cache = self.speculator, self.ids, self.cache
         step = self._decode_step()
         hidden_needed = sp is not None and sp.needs_hidden
         yield token
@@ -133,9 +133,8 @@ class Session:
                 drafts = draft.tokens
             start, tree, hidden = len(ids), bool(drafts) and draft.parents is not None, None
             if drafts or hidden_needed:
-                out = model(torch.tensor([[token] + drafts], device=dev), start, cache,
-                            tree=ancestor_mask(draft.parents, dev) if tree else None, return_hidden=hidden_needed)
-                logits, hidden = (out[0][0], out[1][0]) if hidden_needed else (out[0], None)
+                logits, hidden = self._verify_pass()([token] + drafts, start, draft.parents if tree else None,
+                                                     hidden_needed)
             else:
                 logits = step(token, start)[None]
             ids.append(token)
@@ -162,3 +161,9 @@ class Session:
         if self._step is None:
             self._step = decode_step(self.llm.model, self.cache)
         return self._step
+
+    def _verify_pass(self):
+        """The verifying pass's function for this session's cache (kept, as _decode_step's)."""
+        if self._verify is None:
+            self._verify = verify_pass(self.llm.model, self.cache)
+        return self._verify

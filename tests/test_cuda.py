@@ -95,3 +95,23 @@ def test_speculative_greedy_equals_plain_on_cuda(tiny_llama_dir, draft):
     s = Session(llm, speculator=make_speculator(llm, draft, 4))
     list(s.stream(ids, GREEDY, 40))
     assert s.last.tokens == plain
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen2_dir", "tiny_llama_dir"])
+def test_int8_embedding_folder_on_cuda(kind, request, tmp_path):
+    """`brisk quantize --embedding int8` folders (tied: the Q8_0 output layer the embedding reads;
+    untied: the embedding's own table) load on CUDA and compute the CPU's logits."""
+    from typer.testing import CliRunner
+
+    from brisk.cli.main import app
+
+    out = tmp_path / "q"
+    r = CliRunner().invoke(app, ["quantize", str(request.getfixturevalue(kind)), "-o", str(out), "--method", "int8",
+                                 "--samples", "0", "--embedding", "int8"])
+    assert r.exit_code == 0, r.output
+    ids = list(range(5, 60))
+    cpu = LLM.load(str(out), device="cpu", dtype="float32").logits(ids)
+    gpu = LLM.load(str(out), device="cuda", dtype="float32")
+    assert all(p.is_cuda for p in gpu.model.parameters())
+    assert rel(gpu.logits(ids).cpu(), cpu) < 2e-2
+    assert greedy(gpu, ids, 12) == greedy(LLM.load(str(out), device="cpu", dtype="float32"), ids, 12)

@@ -5,8 +5,8 @@ and returns the attention output; the model never knows which kind it has. A ste
 once with `begin(start, T, tree)` (positions, masks), then `attend` runs per layer:
 
 - ContiguousKV: one preallocated [batch, kv_heads, max_len, head_dim] run per layer; batch-1
-  generation and speculative verification (the CPU fast path). FixedKeys wraps it for steps of
-  fixed shapes (CUDA graphs).
+  generation and speculative verification (the CPU fast path). FixedKeys (decode steps) and
+  FixedTree (verifying steps) wrap it for steps of fixed shapes (CUDA graphs).
 - PagedKV / PagedStep: blocks of a shared pool, a block table per sequence; continuous batching
   and prefix sharing.
 - NoKV: stores nothing; calibration runs whole sequences once.
@@ -16,9 +16,9 @@ A tree of candidate tokens (tree speculation) is one step: its T tokens take the
 see (its ancestors and itself). Without a tree the tokens are a causal run.
 """
 from .base import KV, attention_masks, tree_positions
-from .contiguous import ContiguousKV, FixedKeys
+from .contiguous import ContiguousKV, FixedKeys, FixedTree
 from .none import NoKV
 from .paged import PagedKV, PagedStep, Row
 
-__all__ = ["KV", "ContiguousKV", "FixedKeys", "NoKV", "PagedKV", "PagedStep", "Row", "attention_masks",
+__all__ = ["KV", "ContiguousKV", "FixedKeys", "FixedTree", "NoKV", "PagedKV", "PagedStep", "Row", "attention_masks",
            "tree_positions"]

@@ -133,3 +133,40 @@ class FixedKeys(KV):
 
     def attend(self, layer, q, k, v, window, scale):
         return self.kv.attend(layer, q, k, v, window, scale)
+
+
+class FixedTree(KV):
+    """A ContiguousKV seen by a verifying step of fixed shapes (a captured CUDA graph): T tokens
+    written to slots slot0.., at positions `pos` [T], token i seeing every slot before slot0 (within
+    a sliding window of its position) and the step's token j iff tree[i, j]; attention spans `keys`
+    slots whatever slot0 is. slot0 [1], pos [T] and tree [T, T] are tensors the caller refills."""
+
+    def __init__(self, kv: ContiguousKV, keys: int, slot0: torch.Tensor, pos: torch.Tensor, tree: torch.Tensor):
+        self.kv, self.keys, self.slot0, self.pos, self.tree = kv, keys, slot0, pos, tree
+
+    def begin(self, start, T, tree=None):
+        # Made once per step from the tensors alone (no host values), so a graph replays it.
+        dev, n = self.pos.device, self.pos.shape[0]
+        slot = torch.arange(self.keys, device=dev)
+        rel = slot - self.slot0  # a key's index in the step, negative before it
+        inside = (rel >= 0) & (rel < n)
+        idx = rel.clamp(0, n - 1)
+        self.slots = self.slot0 + torch.arange(n, device=dev)
+        self.k_pos = torch.where(inside, self.pos[idx], slot)
+        self.full = torch.where(inside[None, :], self.tree[:, idx], (rel < 0)[None, :])
+        self._masks = {}
+
+    def _mask(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.full
+        if window not in self._masks:
+            self._masks[window] = self.full & (self.k_pos[None, :] > self.pos[:, None] - window)
+        return self._masks[window]
+
+    def attend(self, layer, q, k, v, window, scale):
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        kc.index_copy_(2, self.slots, k)
+        vc.index_copy_(2, self.slots, v)
+        y = F.scaled_dot_product_attention(q, kc[:, :, :self.keys], vc[:, :, :self.keys], attn_mask=self._mask(window),
+                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return y.transpose(1, 2)

@@ -1,0 +1,31 @@
+#!/bin/bash
+# One device-tool call's GPU checks (see bench/RESULTS.md): install brisk on the GPU image (its torch,
+# Triton and transformers; the wheels it lacks carried in .whl), the CUDA tests, the GPU bench's
+# sections named in $SECTIONS, then the native CPU kernels' tests on that machine's CPU.
+#   run: bash bench/gpu_check.sh        (carry .whl; logs and gpu.json land in $OUT)
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+    || { echo "install failed"; tail -5 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+lscpu | grep -E "Model name|^CPU\(s\)"; gcc --version | head -1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+echo "== CUDA tests"
+timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short ${TESTS:-tests/test_cuda.py \
+    tests/test_cuda_graph.py tests/test_fused.py tests/test_paged_attention_kernel.py tests/test_triton_matmul.py} \
+    >"$OUT/tests.log" 2>&1
+echo "pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR|Error" "$OUT/tests.log" | tail -25
+echo "== GPU bench: ${SECTIONS:-copy,verify,spec}"
+timeout "${BENCH_S:-240}" python3 bench/gpu.py --sections "${SECTIONS:-copy,verify,spec}" --json "$OUT/gpu.json" \
+    >"$OUT/bench.log" 2>&1
+echo "bench exit $?"; grep -E "^(==|[a-z0-9].*[{]|[{]\"N)" "$OUT/bench.log" | cut -c1-400 | tail -45
+if [ -n "${NATIVE_S:-}" ]; then
+    echo "== native kernels on this CPU"
+    timeout "$NATIVE_S" python3 -m pytest -q -p no:cacheprovider -x --tb=short tests/test_native_formats.py \
+        tests/test_gguf_k_quants.py >"$OUT/native.log" 2>&1
+    echo "pytest exit $?"; tail -5 "$OUT/native.log"
+fi
