@@ -1,7 +1,7 @@
 """How far the native kernels' kept-quantized path is from the same file widened to float32, per GGUF
 type: KL(widened || kept) per token, top-1 agreement and the logits' relative error on held-out text.
 
-    python bench/kept_kl.py [--tokens 1024] [--k-quant-act-bits 16]
+    python bench/kept_kl.py [--tokens 1024] [--k-quant-act-bits 16] [--models gemma3:Q3_K_M,gemma3:Q2_K]
 
 Both sides hold the same weights (the file's, dequantized exactly on the widened side), so what is
 measured is the kernels' arithmetic: 16-bit activations for the integer types, 8-bit ones for the
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_compare import build_random_llama, model_path  # noqa: E402
+from llama_compare import build_random_llama, model_label, model_path  # noqa: E402
 
 from brisk.core import LLM  # noqa: E402
 
@@ -50,12 +50,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--k-quant-act-bits", type=int, choices=(8, 16), default=8)
+    ap.add_argument("--models", default=None, help="only these files, as bench/llama_compare.py names them "
+                    "(smollm2, gemma3, gemma3:Q3_K_M: Gemma 3 requantized by llama.cpp to that file type, ...)")
     a = ap.parse_args()
     from brisk.quant import native
 
     native.set_act8(a.k_quant_act_bits == 8)
-    files = {"SmolLM2-135M Q4_1": model_path("smollm2"), "Gemma 3 270M Q4_K_M": model_path("gemma3")}
-    files |= {f"random 4x2048 llama {f}": p for f, p in build_random_llama(SMALL, FTYPES).items()}
+    if a.models:
+        files = {model_label(m): model_path(m) for m in a.models.split(",")}
+    else:
+        files = {"SmolLM2-135M Q4_1": model_path("smollm2"), "Gemma 3 270M Q4_K_M": model_path("gemma3")}
+        files |= {f"random 4x2048 llama {f}": p for f, p in build_random_llama(SMALL, FTYPES).items()}
     print("| file | kept as | tokens | KL mean | KL max | top-1 agreement | relative logit error |")
     print("|---|---|---|---|---|---|---|")
     for name, path in files.items():

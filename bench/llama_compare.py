@@ -57,7 +57,40 @@ def model_path(name: str) -> Path:
         return Path(g.assemble())
     if name == "llama1b":
         return build_llama1b()
-    raise SystemExit(f"unknown model {name!r}: use smollm2, gemma3, llama1b")
+    base, _, ftype = name.partition(":")
+    if base in ("gemma3", "smollm2") and ftype:
+        return requantized(model_path(base), ftype)
+    raise SystemExit(f"unknown model {name!r}: use smollm2, gemma3, gemma3:FTYPE (e.g. gemma3:Q3_K_M), llama1b")
+
+
+def model_label(name: str) -> str:
+    base, _, ftype = name.partition(":")
+    return f"{MODEL_LABELS[base].rpartition(' ')[0]} {ftype} (from {MODEL_LABELS[base].rpartition(' ')[2]})" if ftype \
+        else MODEL_LABELS[name]
+
+
+def requantized(path: Path, ftype: str) -> Path:
+    """A real model in another llama.cpp file type: `path` requantized by llama.cpp's quantizer
+    (its weights are then Q4_K_M's, rounded again: what matters here is that the file's types and
+    layout are a real model's, for the kernels' speed and their distance to the widened file)."""
+    import llama_cpp
+
+    out = BENCH_CACHE / f"{path.stem}-requant-{ftype}.gguf"
+    if out.exists():
+        return out
+    BENCH_CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), os.cpu_count() or 1
+    params.allow_requantize = True
+    try:
+        if llama_cpp.llama_model_quantize(str(path).encode(), str(tmp).encode(), params) != 0:
+            raise RuntimeError(f"llama_model_quantize to {ftype} failed")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 MODEL_LABELS = {"smollm2": "SmolLM2-135M Q4_1", "gemma3": "Gemma 3 270M Q4_K_M",
@@ -253,12 +286,12 @@ def bench_model(name: str, threads: list[int], n_tg: int, n_pp: int, reps: int) 
                 res[s.name, "pp"].append(s.prefill(long_ids))
         for k, label in (("tg", f"decode tg{n_tg}"), ("pp", f"prefill pp{n_pp}")):
             b, l = statistics.median(res["brisk", k]), statistics.median(res["llama.cpp", k])
-            rows.append((MODEL_LABELS[name], label, t, b, l))
+            rows.append((model_label(name), label, t, b, l))
             print(f"  {label} {t} thread(s): brisk {b:.1f}, llama.cpp {l:.1f} tok/s", file=sys.stderr, flush=True)
     for s in sides:
         s.close()
     gc.collect()
-    return rows, (MODEL_LABELS[name], path.stat().st_size, *brisk_rss(path))
+    return rows, (model_label(name), path.stat().st_size, *brisk_rss(path))
 
 
 def machine() -> str:

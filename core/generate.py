@@ -44,6 +44,7 @@ class Session:
         self.cache = llm.new_cache()
         self.ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.last: GenerationResult | None = None
+        self.prefilled = 0  # the tokens the last prefill ran (the rest of its prompt was in the cache)
         self._step = None  # the one-token step on this cache (its CUDA graphs), made on first use
         self._verify = None  # the verifying pass on this cache (its CUDA graphs), likewise
 
@@ -57,7 +58,7 @@ class Session:
         keep = min(common_prefix(self.ids, prompt_ids), len(prompt_ids) - 1)
         out = prefill(self.llm.model, self.cache, prompt_ids, keep, self.llm.device, return_hidden)
         self.ids = list(prompt_ids)
-        self._prefilled = len(prompt_ids) - keep
+        self.prefilled = len(prompt_ids) - keep
         return out
 
     @torch.inference_mode()
@@ -73,7 +74,7 @@ class Session:
                            len(prompt_ids), sampling.stop_loops)
         res = self.last = out.result
         tokens = self.tokens(prompt_ids, Sampler(sampling), out.budget)
-        res.prefilled_tokens = self._prefilled
+        res.prefilled_tokens = self.prefilled
         if self.speculator is not None:
             res.spec = self.speculator.stats
         try:

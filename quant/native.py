@@ -45,7 +45,7 @@ F32 = 0  # GGUF's id for plain float32 rows: a float model's weights, read in pl
 F32_MAX_ROWS = 64
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
 # the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
-INT_DOT_TYPES = {2, 3, 6, 8, 10, 11, 12, 13, 14, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
+INT_DOT_TYPES = {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
 SUPER_TYPES = {10, 11, 12, 13, 14}  # of those, the ones whose activations are quantized per 256 (the K-quants), not per 32
 INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 # of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, 2.6x faster on

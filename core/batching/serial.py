@@ -59,7 +59,7 @@ class SerialEngine:
             seq = self.waiting.pop(0)
             self.running = [seq]
             self._tokens = self.session.tokens(seq.request.prompt_ids, seq.sampler, seq.out.budget)
-            self.stats.prefilled_tokens += self.session._prefilled
+            self.stats.prefilled_tokens += self.session.prefilled
         seq = self.running[0]
         token = next(self._tokens)
         piece = seq.out.push(token)

@@ -1,5 +1,5 @@
 /* Products with the activations as 16-bit integers, for the types whose blocks are small integer
- * codes with scales (Q4_0, Q4_1, Q5_0, Q8_0, brisk's int8 rows; Q4_K, Q5_K, Q6_K): the codes times
+ * codes with scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, brisk's int8 rows; Q4_K, Q5_K, Q6_K): the codes times
  * the activations' codes summed exactly in int32 (one multiply-add instruction per 32 pairs), then
  * scaled in float. About half the instructions of dequantizing to float32 first.
  *
@@ -46,7 +46,7 @@ typedef struct {
 } bk_xq;
 
 BK_INLINE int bk_int_type(int type) {
-    return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q5_0 || type == BK_Q8_0 || type == BK_Q4_K || type == BK_Q5_K ||
+    return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q5_0 || type == BK_Q5_1 || type == BK_Q8_0 || type == BK_Q4_K || type == BK_Q5_K ||
            type == BK_Q6_K || type == BK_I8R;
 }
 
@@ -60,7 +60,7 @@ BK_INLINE int bk_int_weight(const bk_weight *w) {
 BK_INLINE int bk_super_type(int type) { return type == BK_Q4_K || type == BK_Q5_K || type == BK_Q6_K; }
 
 /* the types with a per-block minimum (weight = d code + m) */
-#define HAS_MIN(type) ((type) == BK_Q4_1 || (type) == BK_Q4_K || (type) == BK_I4G)
+#define HAS_MIN(type) ((type) == BK_Q4_1 || (type) == BK_Q5_1 || (type) == BK_Q4_K || (type) == BK_I4G)
 
 /* lane l = a[2l] b[2l] + a[2l+1] b[2l+1], exact in int32 */
 BK_INLINE vi16 madd(i16x32 a, i16x32 b) {
@@ -168,14 +168,17 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
         *m = 0.0f;
         return __builtin_convertvector(c, i16x32);
     }
-    if (type == BK_Q5_0) { /* Q4_0's nibbles plus a fifth bit per weight (bit j of qh) */
-        p += b * 22;
+    if (type == BK_Q5_0 || type == BK_Q5_1) { /* Q4_0's / Q4_1's nibbles plus a fifth bit per weight (bit j of qh) */
+        const int one = type == BK_Q5_1; /* Q5_1: d, m, qh, codes; codes 0..31, no offset */
+        p += b * (one ? 24 : 22);
         uint32_t qh;
-        memcpy(&qh, p + 2, 4);
+        memcpy(&qh, p + (one ? 4 : 2), 4);
         *d = bk_fp16(p);
-        *m = 0.0f;
-        i16x32 q = nibbles(p + 6);
+        *m = one ? bk_fp16(p + 2) : 0.0f;
+        i16x32 q = nibbles(p + (one ? 8 : 6));
 #if defined(__AVX512BW__) /* qh as a lane mask: (q | 16 fifth bit) - 16 is q - 16 where the bit is clear */
+        if (one)
+            return (i16x32)_mm512_mask_add_epi16((__m512i)q, _cvtu32_mask32(qh), (__m512i)q, _mm512_set1_epi16(16));
         return (i16x32)_mm512_mask_sub_epi16((__m512i)q, _cvtu32_mask32(~qh), (__m512i)q, _mm512_set1_epi16(16));
 #else
         uint16_t lo = (uint16_t)qh, hi = (uint16_t)(qh >> 16);
@@ -185,7 +188,8 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
                             1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
         u16x32 h = {lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo,
                     hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi};
-        return (q | ((i16x32)((h & bit) != 0) & 16)) - 16;
+        q |= (i16x32)((h & bit) != 0) & 16;
+        return one ? q : q - 16;
 #endif
     }
     if (type == BK_I4G) { /* weight = (code - 8) s + z = s code + (z - 8 s), s and z per group */

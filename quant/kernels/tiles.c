@@ -244,6 +244,7 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
         case BK_Q4_K: ONE(BK_Q4_K);
         case BK_Q5_K: ONE(BK_Q5_K);
         case BK_Q5_0: ONE(BK_Q5_0);
+        case BK_Q5_1: ONE(BK_Q5_1);
         case BK_Q6_K: ONE(BK_Q6_K);
         case BK_I8R: ONE(BK_I8R);
         case BK_I4G: ONE(BK_I4G);
@@ -260,6 +261,7 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
     case BK_Q4_K: MANY(BK_Q4_K);
     case BK_Q5_K: MANY(BK_Q5_K);
     case BK_Q5_0: MANY(BK_Q5_0);
+    case BK_Q5_1: MANY(BK_Q5_1);
     case BK_Q6_K: MANY(BK_Q6_K);
     case BK_I8R: MANY(BK_I8R);
     case BK_I4G: MANY(BK_I4G);
