@@ -54,6 +54,11 @@ INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 ACT8_TYPES = {10, 11, 12, 13, 14}
 X8 = 8  # bk_weight's layout of K-quant, Q8_0, Q4_0 and Q4_1 rows interleaved by 8 (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h): the kernels' fastest
 ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
+# BRISK_ACT8_SPLIT=1e-3: an 8-bit activation row that rounds coarsely (relative squared error above it,
+# brisk_kernels.c split_err: the MLP's down projection's heavy-tailed input) also runs its remainder.
+# K-quant KL to the widened file ~3x lower (Gemma 3 Q2_K 0.046 -> 0.008), prefill 17-19% slower, so off
+# by default (bench/RESULTS.md)
+ACT8_SPLIT = float(os.environ.get("BRISK_ACT8_SPLIT", "0"))
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
@@ -232,6 +237,8 @@ def library():
     lib.bk_int_dot(int(INT_DOT))
     lib.bk_act8.argtypes, lib.bk_act8.restype = [i], None
     lib.bk_act8(int(ACT8))
+    lib.bk_act8_split.argtypes, lib.bk_act8_split.restype = [ctypes.c_float], None
+    lib.bk_act8_split(ACT8_SPLIT)
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
     if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):
         warnings.warn("brisk's native kernels for this CPU (AVX2) were built with GCC, whose code for them runs "
@@ -254,6 +261,14 @@ def set_act8(on: bool) -> None:
     ACT8 = on
     if available():
         library().bk_act8(int(on))
+
+
+def set_act8_split(err: float) -> None:
+    """The rounding error above which an 8-bit activation row also runs its remainder (0: never)."""
+    global ACT8_SPLIT
+    ACT8_SPLIT = err
+    if available():
+        library().bk_act8_split(err)
 
 
 def set_threads(n: int) -> None:

@@ -224,3 +224,39 @@ def test_packing_in_chunks_and_into_a_given_buffer_is_the_same(name, monkeypatch
     assert gguf_interleave.pack(torch.from_numpy(raw), int(T[name]), out=out) is out
     assert torch.equal(out, whole)
     assert torch.equal(gguf_interleave.unpack(out, int(T[name])), torch.from_numpy(raw))
+
+
+@pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES
+                                    if n.removesuffix(" x8") in {native.GGUF_TYPES[t] for t in native.ACT8_TYPES}])
+def test_heavy_tailed_rows_run_their_remainder(level, name, K):
+    """BRISK_ACT8_SPLIT: a heavy-tailed row (an outlier in every 256, as a down projection's input)
+    also runs the remainder of its 8-bit rounding: its product lands within the remainder's grid,
+    ~254x finer, where the 8-bit grid alone is far off; Gaussian rows do not split (the bits they
+    give without it), and every row's bits are its own in any batch."""
+    w, ref = weight(name, K)
+    wd = torch.from_numpy(ref).double()
+    g = torch.Generator().manual_seed(K + 1)
+    heavy = torch.randn(3, K, generator=g) * 0.05
+    heavy[:, ::256] = 20.0
+    x = torch.stack([heavy[0], torch.randn(K, generator=g), heavy[1], heavy[2], torch.randn(K, generator=g)])
+    is_heavy = [True, False, True, True, False]
+    try:
+        native.set_act8_split(0.0)
+        plain = w.matmul(x)
+        native.set_act8_split(1e-3)
+        split = w.matmul(x)
+        alone = [w.matmul(x[i:i + 1])[0] for i in range(len(x))]
+    finally:
+        native.set_act8_split(0.0)
+    want = x.double() @ wd.T
+    kind = int(T[name.removesuffix(" x8")])
+    bound8 = activation_bound(x, wd, kind)
+    scale = x.double().abs() @ wd.abs().T
+    for i, h in enumerate(is_heavy):
+        assert torch.equal(alone[i], split[i]), f"row {i} differs alone"
+        if not h:
+            assert torch.equal(split[i], plain[i]), f"Gaussian row {i} was split"
+            continue
+        err = (split[i].double() - want[i]).abs()
+        assert (err <= 1e-5 * scale[i] + 1.001 * bound8[i] / 254 + 1e-30).all(), f"row {i}: {(err / bound8[i]).max()}"
+        assert err.max() < (plain[i].double() - want[i]).abs().max() / 20

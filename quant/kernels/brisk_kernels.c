@@ -19,6 +19,7 @@
  * The kernels (tiles.c) are compiled once per instruction set (plain, AVX2+FMA, AVX-512) and picked
  * at run time; this file holds the dispatch, the thread pool and the entry points.
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -223,6 +224,21 @@ static int act8 = 1;
 
 void bk_act8(int on) { act8 = on; }
 
+/* A row whose 8-bit activations round coarsely goes through the products twice: as itself and as
+ * its rounding's remainder, each on the 8-bit grid, and the two results are added. The remainder's
+ * own grid is about 254 times finer, so the row ends about as close as 16-bit activations would put
+ * it, for one more activation row in the same pass over the weights. Coarse: the rounding's squared
+ * error above split_err times the row's squared norm without each block's largest input (which sets
+ * the grid and would hide the rest). A Gaussian row stays near 7e-5 (a 256-block's maximum is ~3.5
+ * sigma); the MLP's down projection takes the gated activation, heavy-tailed, where one outlier per
+ * 256 leaves the rest a few levels (1e-2), and it carried nearly all the K-quants' KL to the widened
+ * file (bench/RESULTS.md). The choice is the row's own, so a row's bits never depend on its batch.
+ * 0 (the default: prefill, compute-bound, pays for the extra rows) never; 1e-3 is the measured
+ * setting (BRISK_ACT8_SPLIT). */
+static float split_err = 0.0f;
+
+void bk_act8_split(float err) { split_err = err; }
+
 static _Thread_local float *tile_buf;
 static _Thread_local size_t tile_cap;
 
@@ -271,7 +287,42 @@ static int shape_ok(const bk_weight *w) {
 /* y [M, N1 + N2 + ...] = x [M, K] times each of the nw weights' transposes, outputs side by side (q/k/v
  * or gate/up in one call, without joining their tensors), rows split across the threads.
  * Returns 0, or -1 for a type or shape it does not take (y untouched). */
+static int matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level, int may_split);
+
+/* The rows of x [M, K] that split (split_err above), their remainders after quantize_x8's rounding
+ * (codes q, scales s per 256) appended after x's rows in x2; the count. */
+static int split_rows(const float *x, int M, int K, const int8_t *q, const float *s, float *x2, int *split) {
+    int extra = 0;
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (int64_t)m * K;
+        const int8_t *qr = q + (int64_t)m * K;
+        double err = 0.0, rest = 0.0;
+        for (int k0 = 0; k0 < K; k0 += 256) {
+            float amax = 0.0f;
+            for (int k = k0; k < k0 + 256; k++) {
+                float r = xr[k] - (float)qr[k] * s[((int64_t)m * K + k) / 256];
+                err += (double)r * r;
+                rest += (double)xr[k] * xr[k];
+                amax = fabsf(xr[k]) > amax ? fabsf(xr[k]) : amax;
+            }
+            rest -= (double)amax * amax;
+        }
+        split[m] = err > split_err * rest;
+        if (!split[m]) continue;
+        float *out = x2 + (int64_t)(M + extra++) * K;
+        for (int k = 0; k < K; k++) out[k] = xr[k] - (float)qr[k] * s[((int64_t)m * K + k) / 256];
+    }
+    return extra;
+}
+
+static _Thread_local float *split_buf;
+static _Thread_local size_t split_cap;
+
 int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level) {
+    return matmul_many(ws, nw, M, x, y, level, 1);
+}
+
+static int matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level, int may_split) {
     if (nw < 1 || nw > MAX_JOINED) return -1;
     level = clamp_level(level);
     matmul_job j = {ws, nw, M, {0}, x, {0}, y, level};
@@ -297,6 +348,26 @@ int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y,
             int16_t *xs = (int16_t *)(s + supers_n), *xm = xs + 16 * supers_n;
             KERNELS[level].quantize_x8(x, M, ws[0].K, q, qp, s, xs, xm);
             j.xq.q8 = q, j.xq.q8p = qp, j.xq.s8 = s, j.xq.xs8 = xs, j.xq.xm8 = xm;
+            if (may_split && split_err > 0.0f && !ints && !supers) { /* every weight here takes 8-bit ones */
+                int K = ws[0].K, N = j.starts[nw];
+                /* x2: M rows + up to M remainders; y2: their products; split: M flags (as floats' room) */
+                float *x2 = scratch(&split_buf, &split_cap, (size_t)2 * M * K + (size_t)2 * M * N + M);
+                if (!x2) return -2;
+                float *y2 = x2 + (size_t)2 * M * K;
+                int *split = (int *)(y2 + (size_t)2 * M * N);
+                int extra = split_rows(x, M, K, q, s, x2, split);
+                if (extra) {
+                    memcpy(x2, x, sizeof(float) * M * K);
+                    int rc = matmul_many(ws, nw, M + extra, x2, y2, level, 0);
+                    if (rc) return rc;
+                    for (int m = 0, e = 0; m < M; m++) {
+                        const float *hi = y2 + (int64_t)m * N, *lo = split[m] ? y2 + (int64_t)(M + e++) * N : NULL;
+                        float *out = y + (int64_t)m * N;
+                        for (int n = 0; n < N; n++) out[n] = lo ? hi[n] + lo[n] : hi[n];
+                    }
+                    return 0;
+                }
+            }
         }
         if (ints) {
             float *s = b + n / 2, *sum = s + blocks;
