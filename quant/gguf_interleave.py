@@ -1,4 +1,4 @@
-"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q4_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels
+"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels
 for them read (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
 group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size and rows past the last
 whole group stay where they were."""
@@ -12,10 +12,12 @@ ROWS = 8
 BLOCK = 144  # Q4_K: bytes per super-block of 256 weights
 Q5_BLOCK = 176  # Q5_K's
 Q6_BLOCK = 210  # Q6_K's
-Q4_0, Q4_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 8, 10, 11, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
 # The 32-weight types, per block: (bytes, fp16 fields at its start, code bytes after them). Interleaved,
-# a group's block holds its codes in vectors of 64 bytes (_small), then each fp16 field of rows 0..7.
-SMALL = {Q8_0: (34, 1, 32), Q4_0: (18, 1, 16), Q4_1: (20, 2, 16)}
+# a group's block holds its codes in vectors of 64 bytes (_small), Q5_0/Q5_1 then their fifth bits as
+# 8 lane masks (_q5_masks), then each fp16 field of rows 0..7.
+SMALL = {Q8_0: (34, 1, 32), Q4_0: (18, 1, 16), Q4_1: (20, 2, 16), Q5_0: (22, 1, 16), Q5_1: (24, 2, 16)}
+FIFTH = (Q5_0, Q5_1)  # their file blocks: the fp16 fields, qh (4 bytes: bit w, weight w's fifth bit), codes
 
 
 def _moved(block: int, parts: list[tuple[int, int]]) -> list[int]:
@@ -172,10 +174,15 @@ def _small(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
     2 to a lane, Q4_0/Q4_1: 4, _q4_lanes), then the fp16 fields (d; Q4_1 also m) of rows 0..7."""
     bb, fields, nc = SMALL[qtype]
     N, row_bytes = src.shape
-    G, nb, head = N // ROWS, row_bytes // bb, 2 * fields
+    fifth = 4 if qtype in FIFTH else 0  # qh's bytes, between the fields and the codes
+    G, nb, head = N // ROWS, row_bytes // bb, 2 * fields + fifth
     out = torch.empty_like(src, memory_format=torch.contiguous_format)
     file_side = (out if not pack else src)[:G * ROWS].reshape(G, ROWS, nb, bb).transpose(1, 2)  # [group, block, row, byte]
     x8 = (out if pack else src)[:G * ROWS].view(G, nb, ROWS * bb)
+    if fifth:
+        masks = x8[..., ROWS * nc:ROWS * (nc + fifth)]
+        qh = file_side[..., head - fifth:head]
+        (masks.copy_(_q5_masks(qh)) if pack else qh.copy_(_q5_qh(masks)))
     if nc == 16:  # 4-bit codes: in 16-bit lanes (_q4_lanes)
         lanes = x8[..., :ROWS * nc]
         if pack:
@@ -190,7 +197,7 @@ def _small(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
         else:
             rows.copy_(codes.permute(0, 1, 5, 3, 2, 4))
     for f in range(fields):
-        at = x8[..., ROWS * (nc + 2 * f):ROWS * (nc + 2 * f + 2)].view(G, nb, ROWS, 2)
+        at = x8[..., ROWS * (nc + fifth + 2 * f):ROWS * (nc + fifth + 2 * f + 2)].view(G, nb, ROWS, 2)
         (at.copy_(file_side[..., 2 * f:2 * f + 2]) if pack else file_side[..., 2 * f:2 * f + 2].copy_(at))
     out[G * ROWS:] = src[G * ROWS:]
     return out
@@ -207,6 +214,26 @@ def _q4_lanes(file_codes: torch.Tensor) -> torch.Tensor:
     # nibble k = 2 (c % 2) + h: the lane's low byte holds k = 0, 1, its high byte k = 2, 3 (uint8 all along)
     low, high = (codes[:, :, :, cb, 0] | codes[:, :, :, cb, 1] << 4 for cb in (0, 1))
     return torch.stack([low, high], -1).reshape(G, nb, 128)
+
+
+def _q5_masks(qh: torch.Tensor) -> torch.Tensor:
+    """A group's Q5_0/Q5_1 qh bytes [G, blocks, 8 rows, 4] -> [G, blocks, 32]: for each of the kernel's 8
+    code vectors j = 2c + h (as _q4_lanes), a little-endian uint32 whose bit 8r + i is the fifth bit of
+    weight 8c + i of row 4h + r (kernels/q8_x8.h adds 16 under it)."""
+    G, nb = qh.shape[:2]
+    bits = torch.stack([qh >> k & 1 for k in range(8)], -1).view(G, nb, 2, 4, 4, 8)  # [h, r, c, i]: row 4h + r, weight 8c + i
+    lanes = bits.permute(0, 1, 4, 2, 3, 5).reshape(G, nb, 8, 4, 8)  # [j = 2c + h, byte r, bit i]
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    return (lanes * weights).sum(-1, dtype=torch.uint8).reshape(G, nb, 32)
+
+
+def _q5_qh(masks: torch.Tensor) -> torch.Tensor:
+    """The inverse of _q5_masks."""
+    G, nb = masks.shape[:2]
+    bits = torch.stack([masks.view(G, nb, 8, 4) >> i & 1 for i in range(8)], -1)  # [j, r, i]
+    bits = bits.view(G, nb, 4, 2, 4, 8).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 8, 4, 8)  # [row, byte w // 8, bit]
+    weights = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8)
+    return (bits * weights).sum(-1, dtype=torch.uint8)
 
 
 def _q4_bytes(lanes: torch.Tensor) -> torch.Tensor:

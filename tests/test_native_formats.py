@@ -28,7 +28,8 @@ def shapes(name: str) -> list[int]:
     return [256, 512] if name.removesuffix(" x8").endswith("_K") else [96, 512]
 
 
-CASES = [(name, K) for name in TYPES + ["Q2_K x8", "Q3_K x8", "Q4_K x8", "Q5_K x8", "Q6_K x8", "Q8_0 x8", "Q4_0 x8", "Q4_1 x8"]
+CASES = [(name, K) for name in TYPES + ["Q2_K x8", "Q3_K x8", "Q4_K x8", "Q5_K x8", "Q6_K x8", "Q8_0 x8", "Q4_0 x8", "Q4_1 x8",
+                                        "Q5_0 x8", "Q5_1 x8"]
          for K in shapes(name)]
 
 
@@ -64,7 +65,7 @@ def blocks(name: str, K: int, source: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def weight(name: str, K: int, source: str = "random") -> tuple[native.NativeWeight, np.ndarray]:
-    """name "Q2_K x8" / "Q3_K x8" / "Q4_K x8" / "Q5_K x8" / "Q6_K x8" / "Q8_0 x8" / "Q4_0 x8" / "Q4_1 x8": rows interleaved by 8
+    """name "Q2_K x8" ... "Q4_1 x8", "Q5_0 x8", "Q5_1 x8": rows interleaved by 8
     (gguf_interleave), as brisk loads those types (N = 37: four groups and a tail of 5 rows in the file's layout)."""
     x8 = name.endswith(" x8")
     name = name.removesuffix(" x8")
@@ -197,7 +198,8 @@ def test_extreme_super_blocks_do_not_overflow(level, act_bits, name):
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["Q2_K x8", "Q3_K x8", "Q4_K x8", "Q5_K x8", "Q6_K x8", "Q8_0 x8", "Q4_1 x8"])
+@pytest.mark.parametrize("name", ["Q2_K x8", "Q3_K x8", "Q4_K x8", "Q5_K x8", "Q6_K x8", "Q8_0 x8", "Q4_1 x8", "Q5_0 x8",
+                                  "Q5_1 x8"])
 def test_interleaved_rows_split_anywhere_across_threads(name):
     """Threads split a joined product's rows in chunks counted over all its weights: the second
     weight (after 37 rows) has its groups of 8 cut mid-group. Each row must still get its bits."""
@@ -213,7 +215,7 @@ def test_interleaved_rows_split_anywhere_across_threads(name):
     assert torch.equal(joined, torch.cat([a.matmul(x), b.matmul(x)], dim=1))
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_packing_in_chunks_and_into_a_given_buffer_is_the_same(name, monkeypatch):
     """Loads pack big matrices a few thousand rows at a time (bounded temporaries), into a buffer the
     loader allocates (huge pages): the bytes must be those of one pass."""

@@ -152,6 +152,22 @@ BK_INLINE i16x32 bytes_i16(const uint8_t *p) {
 #endif
 }
 
+/* Codes 0..15 plus 16 in the lanes whose bit of mask is set (Q5_0/Q5_1's fifth bits, lane l: bit l). */
+BK_INLINE i16x32 fifth_bits(i16x32 q, uint32_t mask) {
+#if defined(__AVX512BW__)
+    return (i16x32)_mm512_mask_add_epi16((__m512i)q, _cvtu32_mask32(mask), (__m512i)q, _mm512_set1_epi16(16));
+#else
+    /* a test against one bit per lane, not a shift by a lane's count: AVX2 has no 16-bit variable
+     * shift (that form ran Q5_0 at half the AVX-512 copy's speed) */
+    uint16_t lo = (uint16_t)mask, hi = (uint16_t)(mask >> 16);
+    const u16x32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+                        1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+    u16x32 h = {lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo,
+                hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi};
+    return q | ((i16x32)((h & bit) != 0) & 16);
+#endif
+}
+
 /* Block b of row n as 32 integer codes (weight j = d code_j + m), its d and m. */
 BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d, float *m) {
     const uint8_t *p = w->data + (int64_t)n * w->row_bytes;
@@ -176,21 +192,12 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
         *d = bk_fp16(p);
         *m = one ? bk_fp16(p + 2) : 0.0f;
         i16x32 q = nibbles(p + (one ? 8 : 6));
-#if defined(__AVX512BW__) /* qh as a lane mask: (q | 16 fifth bit) - 16 is q - 16 where the bit is clear */
-        if (one)
-            return (i16x32)_mm512_mask_add_epi16((__m512i)q, _cvtu32_mask32(qh), (__m512i)q, _mm512_set1_epi16(16));
-        return (i16x32)_mm512_mask_sub_epi16((__m512i)q, _cvtu32_mask32(~qh), (__m512i)q, _mm512_set1_epi16(16));
-#else
-        uint16_t lo = (uint16_t)qh, hi = (uint16_t)(qh >> 16);
-        /* a test against one bit per lane, not a shift by a lane's count: AVX2 has no 16-bit
-         * variable shift (that form ran Q5_0 at half the AVX-512 copy's speed) */
-        const u16x32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
-                            1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
-        u16x32 h = {lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo,
-                    hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi, hi};
-        q |= (i16x32)((h & bit) != 0) & 16;
-        return one ? q : q - 16;
+#if defined(__AVX512BW__) /* Q5_0: qh as a lane mask, q - 16 where the bit is clear (one instruction) */
+        if (!one)
+            return (i16x32)_mm512_mask_sub_epi16((__m512i)q, _cvtu32_mask32(~qh), (__m512i)q, _mm512_set1_epi16(16));
 #endif
+        q = fifth_bits(q, qh);
+        return one ? q : q - 16;
     }
     if (type == BK_I4G) { /* weight = (code - 8) s + z = s code + (z - 8 s), s and z per group */
         int g = b * QK / w->group, groups = w->K / w->group;

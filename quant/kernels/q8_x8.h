@@ -1,4 +1,4 @@
-/* Q8_0, Q4_0 and Q4_1 with their rows interleaved 8 at a time (layout BK_X8), times 16-bit
+/* Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 with their rows interleaved 8 at a time (layout BK_X8), times 16-bit
  * activations (int_dot.h's grid: one scale per 32 inputs).
  *
  * Why: Gemma 3 270M's tied 262144 x 640 Q8_0 table is most of a decode step, and the file layout's
@@ -16,7 +16,9 @@
  *           int16 (no byte widening on the one shuffle port).
  *           Q4_0/Q4_1: 2 vectors of 32 uint16 lanes, 4 codes to a lane: nibble k of lane 8r + i of
  *           vector V is weight 8c + i of row 4h + r, where 2c + h = 4V + k (q4x8_read)
- *   then d of rows 0..7 (fp16), and for Q4_1 m of rows 0..7 (fp16)
+ *           Q5_0/Q5_1: Q4_0's nibbles, then 8 uint32 lane masks (bit 8r + i of mask j: the fifth bit of
+ *           the code at lane 8r + i of code vector j), added as 16 (gguf_interleave._q5_masks)
+ *   then d of rows 0..7 (fp16), and for Q4_1/Q5_1 m of rows 0..7 (fp16)
  * Rows past the last whole group follow in the file's layout, at the file's offsets.
  *
  * The int32 sums are exact and the float epilogue is one function for one activation row or many:
@@ -26,7 +28,12 @@
 
 #include "q4k_x8.h"
 
-BK_INLINE int x8i16_bytes(int type) { return type == BK_Q8_0 ? 272 : type == BK_Q4_1 ? 160 : 144; } /* a group's block */
+BK_INLINE int x8i16_bytes(int type) { /* a group's block */
+    return type == BK_Q8_0 ? 272 : type == BK_Q4_1 ? 160 : type == BK_Q5_0 ? 176 : type == BK_Q5_1 ? 192 : 144;
+}
+
+#define X8_FIFTH(type) ((type) == BK_Q5_0 || (type) == BK_Q5_1)
+#define X8_MIN(type) ((type) == BK_Q4_1 || (type) == BK_Q5_1)
 
 /* 8 int16 activations in every 128-bit lane */
 BK_INLINE i16x32 bcast16x8(const int16_t *p) {
@@ -65,15 +72,21 @@ BK_INLINE void q8x8_read(const uint8_t *g, q8x8_block_t *b) {
 BK_INLINE void q4x8_read(const uint8_t *g, int type, q8x8_block_t *b, v16 *m0, v16 *m1) {
     u16x32 v[2];
     memcpy(v, g, 128);
+    const int fields = 128 + (X8_FIFTH(type) ? 32 : 0);
     for (int j = 0; j < 8; j++) {
         i16x32 q = (i16x32)((v[j >> 2] >> (4 * (j & 3))) & 15);
-        b->w[j] = type == BK_Q4_0 ? q - 8 : q;
+        if (X8_FIFTH(type)) { /* Q5_0 / Q5_1: + 16 under vector j's lane mask (the fifth bits) */
+            uint32_t mk;
+            memcpy(&mk, g + 128 + 4 * j, 4);
+            q = fifth_bits(q, mk);
+        }
+        b->w[j] = type == BK_Q4_0 ? q - 8 : type == BK_Q5_0 ? q - 16 : q;
     }
-    bk_v8 d = half8(g + 128);
+    bk_v8 d = half8(g + fields);
     b->d0 = __builtin_shufflevector(d, d, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     b->d1 = __builtin_shufflevector(d, d, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
-    if (type == BK_Q4_1) {
-        bk_v8 m = half8(g + 144), z = {0};
+    if (X8_MIN(type)) {
+        bk_v8 m = half8(g + fields + 16), z = {0};
         *m0 = __builtin_shufflevector(m, z, 0, 8, 8, 8, 1, 8, 8, 8, 2, 8, 8, 8, 3, 8, 8, 8);
         *m1 = __builtin_shufflevector(m, z, 4, 8, 8, 8, 5, 8, 8, 8, 6, 8, 8, 8, 7, 8, 8, 8);
     }
@@ -117,7 +130,7 @@ BK_INLINE void x8i16_rows(const bk_weight *w, int type, int n0, int n1, int M, c
             for (int mi = 0; mi < M; mi++) {
                 int64_t at = (int64_t)mi * nb + b;
                 q8x8_accumulate(&blk, x->q + at * QK, x->s[at], &f[2 * mi], &f[2 * mi + 1]);
-                if (type == BK_Q4_1) { /* + m s sum(codes), at lane 4r' of row r' */
+                if (X8_MIN(type)) { /* + m s sum(codes), at lane 4r' of row r' */
                     v16 sum = splat16(x->sum[at]);
                     f[2 * mi] = fma16(m0, sum, f[2 * mi]), f[2 * mi + 1] = fma16(m1, sum, f[2 * mi + 1]);
                 }
@@ -135,20 +148,29 @@ BK_INLINE void x8i16_rows(const bk_weight *w, int type, int n0, int n1, int M, c
     }
 }
 
-/* Row n's block b back in the file's bytes (Q8_0 34, Q4_0 18, Q4_1 20) */
+/* Row n's block b back in the file's bytes (Q8_0 34, Q4_0 18, Q4_1 20, Q5_0 22, Q5_1 24) */
 BK_INLINE const uint8_t *x8i16_block(const bk_weight *w, int n, int b, uint8_t *out) {
     int type = w->type, nb = w->K / QK, whole = w->N / X8_ROWS * X8_ROWS, bytes = x8i16_bytes(type);
-    int fields = type == BK_Q4_1 ? 2 : 1, codes = type == BK_Q8_0 ? 32 : 16;
+    int fields = X8_MIN(type) ? 2 : 1, codes = type == BK_Q8_0 ? 32 : 16, fifth = X8_FIFTH(type) ? 4 : 0;
     if (n >= whole) return w->data + (int64_t)n * w->row_bytes + (int64_t)b * (bytes / X8_ROWS);
     const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * nb + b) * bytes;
     int r = n % X8_ROWS;
-    for (int f = 0; f < fields; f++) memcpy(out + 2 * f, g + 8 * codes + 16 * f + 2 * r, 2);
+    for (int f = 0; f < fields; f++) memcpy(out + 2 * f, g + 8 * (codes + fifth) + 16 * f + 2 * r, 2);
     if (type == BK_Q8_0) {
         for (int c = 0; c < 4; c++)
             for (int i = 0; i < 8; i++) out[2 + 8 * c + i] = g[64 * c + 2 * (8 * (r % 4) + i) + r / 4];
         return out;
     }
-    uint8_t *q = out + 2 * fields; /* weight w: byte w % 16, high nibble from 16 on */
+    if (fifth) { /* qh: bit w = weight w's fifth bit, from bit 8 (r % 4) + i of vector 2c + r / 4's mask (w = 8c + i) */
+        uint32_t qh = 0;
+        for (int c = 0; c < 4; c++) {
+            uint32_t mk;
+            memcpy(&mk, g + 128 + 4 * (2 * c + r / 4), 4);
+            qh |= (mk >> (8 * (r % 4)) & 255u) << (8 * c);
+        }
+        memcpy(out + 2 * fields, &qh, 4);
+    }
+    uint8_t *q = out + 2 * fields + fifth; /* weight w: byte w % 16, high nibble from 16 on */
     memset(q, 0, 16);
     for (int c = 0; c < 4; c++)
         for (int i = 0; i < 8; i++) {

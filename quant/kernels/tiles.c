@@ -73,6 +73,8 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
             else if (w->type == BK_Q2_K) dq_q2_k(q2x8_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q8_0) dq_q8_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q4_1) dq_q4_1(x8i16_block(w, n, b, blk), y + b * bw - k0);
+            else if (w->type == BK_Q5_0) dq_q5_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
+            else if (w->type == BK_Q5_1) dq_q5_1(x8i16_block(w, n, b, blk), y + b * bw - k0);
             else dq_q4_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
         }
         return;
@@ -220,6 +222,8 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
         case BK_Q2_K: x8_rows(w, BK_Q2_K, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q8_0: x8i16_rows(w, BK_Q8_0, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q4_1: x8i16_rows(w, BK_Q4_1, n0, n1, M, x, y, ldy, (v16 *)buf); break;
+        case BK_Q5_0: x8i16_rows(w, BK_Q5_0, n0, n1, M, x, y, ldy, (v16 *)buf); break;
+        case BK_Q5_1: x8i16_rows(w, BK_Q5_1, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         default: x8i16_rows(w, BK_Q4_0, n0, n1, M, x, y, ldy, (v16 *)buf);
         }
         return;
