@@ -124,6 +124,7 @@ class FixedVerifier:
     def __init__(self, model, cache, graphs: bool):
         self.model, self.cache, self.graphs_on = model, cache, graphs
         self.device = cache.k[0].device
+        self.eager = verify_pass(model, cache, fixed=False)  # where padding would run past the cache
         self.inputs: dict[int, torch.Tensor] = {}  # per padded T: [slot0, tokens, positions, tree]
         self.graphs: dict[tuple, tuple] = {}
         self.pool = None
@@ -132,7 +133,7 @@ class FixedVerifier:
         T = len(tokens)
         n = 1 << (T - 1).bit_length()
         if start + n > self.cache.max_len:  # no room to pad: the eager pass
-            return verify_pass(self.model, self.cache, fixed=False)(tokens, start, parents, hidden)
+            return self.eager(tokens, start, parents, hidden)
         tree = np.eye(n, dtype=bool)  # padding: each token sees itself only
         tree[:T, :T] = np.tril(np.ones((T, T), dtype=bool)) if parents is None else ancestor_mask(parents).numpy()
         packed = np.concatenate([[start], tokens, [0] * (n - T), start + tree.sum(1) - 1, tree.ravel()])

@@ -21,7 +21,7 @@ typedef struct {
     int64_t row_bytes;
     const uint16_t *scales, *zeros; /* BK_I4G: bf16 [N, K / group] */
     const float *row_scales;        /* BK_I8R: [N] */
-    int layout;                     /* 0: rows as the format stores them; BK_X8: Q2_K..Q6_K, Q8_0, Q4_0 or Q4_1 rows interleaved by 8 (q4k_x8.h, q8_x8.h) */
+    int layout;                     /* 0: rows as the format stores them; BK_X8: Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 rows interleaved by 8 (q4k_x8.h, q3k_x8.h, q8_x8.h) */
 } bk_weight;
 
 #define BK_X8 8

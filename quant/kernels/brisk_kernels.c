@@ -4,9 +4,9 @@
  * the platform's C compiler in about a second. Three kinds of products, by weight type:
  *  - float activations (tiles.c): a tile of 4 rows dequantized to float32 into a small buffer
  *    (gguf_types.h knows the formats), then float32 sums: the widened model's floats up to summation
- *    order (Q5_1, float32 rows, int4 groups of other sizes);
+ *    order (float32 rows, int4 groups of other sizes);
  *  - 16-bit activations (int_dot.h): exact int32 sums of codes times activations rounded to 2^-16 of
- *    their block's largest, scaled in float (Q4_0, Q4_1, Q5_0, Q8_0, int8 rows, int4 groups of 32k);
+ *    their block's largest, scaled in float (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, int8 rows, int4 groups of 32k);
  *    8-bit ones per block cost SmolLM2-135M KL 0.02 to its float self and flipped its greedy answer;
  *  - 8-bit activations (int8_dot.h, and the interleaved q4k_x8.h / q3k_x8.h) for the K-quants, llama.cpp's grid: KL ~0.008 on Gemma 3 270M
  *    Q4_K_M, and the 16-bit path left a 1.1B Q4_K_M model at 0.38x llama.cpp's decode speed.
@@ -284,9 +284,6 @@ static int shape_ok(const bk_weight *w) {
     return bw && w->K % bw == 0;
 }
 
-/* y [M, N1 + N2 + ...] = x [M, K] times each of the nw weights' transposes, outputs side by side (q/k/v
- * or gate/up in one call, without joining their tensors), rows split across the threads.
- * Returns 0, or -1 for a type or shape it does not take (y untouched). */
 static int matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level, int may_split);
 
 /* The rows of x [M, K] that split (split_err above), their remainders after quantize_x8's rounding
@@ -296,11 +293,12 @@ static int split_rows(const float *x, int M, int K, const int8_t *q, const float
     for (int m = 0; m < M; m++) {
         const float *xr = x + (int64_t)m * K;
         const int8_t *qr = q + (int64_t)m * K;
+        float *out = x2 + (int64_t)(M + extra) * K; /* the remainder, kept if the row splits */
         double err = 0.0, rest = 0.0;
         for (int k0 = 0; k0 < K; k0 += 256) {
-            float amax = 0.0f;
+            float amax = 0.0f, sc = s[((int64_t)m * K + k0) / 256];
             for (int k = k0; k < k0 + 256; k++) {
-                float r = xr[k] - (float)qr[k] * s[((int64_t)m * K + k) / 256];
+                float r = out[k] = xr[k] - (float)qr[k] * sc;
                 err += (double)r * r;
                 rest += (double)xr[k] * xr[k];
                 amax = fabsf(xr[k]) > amax ? fabsf(xr[k]) : amax;
@@ -308,9 +306,7 @@ static int split_rows(const float *x, int M, int K, const int8_t *q, const float
             rest -= (double)amax * amax;
         }
         split[m] = err > split_err * rest;
-        if (!split[m]) continue;
-        float *out = x2 + (int64_t)(M + extra++) * K;
-        for (int k = 0; k < K; k++) out[k] = xr[k] - (float)qr[k] * s[((int64_t)m * K + k) / 256];
+        extra += split[m];
     }
     return extra;
 }
@@ -318,10 +314,14 @@ static int split_rows(const float *x, int M, int K, const int8_t *q, const float
 static _Thread_local float *split_buf;
 static _Thread_local size_t split_cap;
 
+/* y [M, N1 + N2 + ...] = x [M, K] times each of the nw weights' transposes, outputs side by side (q/k/v
+ * or gate/up in one call, without joining their tensors), rows split across the threads.
+ * Returns 0, or -1 for a type or shape it does not take (y untouched). */
 int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level) {
     return matmul_many(ws, nw, M, x, y, level, 1);
 }
 
+/* may_split: whether coarse rows may run their remainder (not for the call that runs them) */
 static int matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level, int may_split) {
     if (nw < 1 || nw > MAX_JOINED) return -1;
     level = clamp_level(level);
