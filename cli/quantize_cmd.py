@@ -38,6 +38,11 @@ def quantize(
                                             "to it): 16bit (default), or int8: 8-bit codes with a scale per 32 (GGUF Q8_0's grid), "
                                             "about half its bytes (SmolLM2: -27 MB). Such folders load in brisk only, not "
                                             "transformers or vLLM."),
+    dynamic: Optional[list[str]] = typer.Option(None, "--dynamic", metavar="REGEX=BITS",
+                                                help="gptq: other bits for the layers whose name (model.layers.N.mlp.down_proj) "
+                                                "the regex matches from its start, e.g. '.*down_proj=8'; repeatable, the first "
+                                                "match applies. 8-bit layers are symmetric (GGUF Q8_0's grid: brisk's CPU "
+                                                "kernels run them). Written as GPTQModel's dynamic config, which vLLM reads too."),
     threads: Optional[int] = c.ThreadsOpt,
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),
@@ -56,7 +61,8 @@ def quantize(
         set_cpu_threads(threads)
         opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                             damp=damp, double_quant=double_quant, calib=str(calib) if calib else None,
-                            samples=samples, seq_len=seq_len, embedding=embedding)
+                            samples=samples, seq_len=seq_len, embedding=embedding,
+                            dynamic=tuple(dynamic) if dynamic else None)
         progress = _Progress(enabled=not as_json)
         c.run_resumable_job(lambda: quantize_model(model, out, opts, force=force, report=progress),
                             progress, out, as_json, _print_summary)
@@ -116,8 +122,12 @@ def _print_summary(s) -> None:
     table = Table(title=title, title_justify="left")
     for col in ("layer", "bits", f"{s.error_kind} err (mean)", "max", "seconds"):
         table.add_column(col, justify="right")
-    for st in s.layers:
-        table.add_row(str(st.index), str(o["bits"]), f"{st.mean_error:.3e}", f"{st.max_error:.3e}",
+    from ..core.quantize.options import LINEAR_NAMES, QuantOptions
+
+    opts = QuantOptions(method=s.method, **o)
+    for st in s.layers:  # with --dynamic, the bits its linears got (4/8)
+        bits = sorted({opts.bits_for(f"model.layers.{st.index}.{n}") for n in LINEAR_NAMES})
+        table.add_row(str(st.index), "/".join(map(str, bits)), f"{st.mean_error:.3e}", f"{st.max_error:.3e}",
                       f"{st.seconds:.1f}" + (" (earlier run)" if st.resumed else ""))
     console.print(table)
     mb = lambda n: f"{n / 2**20:,.1f} MB"  # noqa: E731

@@ -70,7 +70,7 @@ def _fake_quant(w: torch.Tensor, bits: int, gs: int) -> torch.Tensor:
 
 
 def search_scales(x: torch.Tensor, weights: list[torch.Tensor], bits: int = 4, group_size: int = 128,
-                  n_grid: int = 20, n_tokens: int = 4096) -> torch.Tensor:
+                  n_grid: int = 20, n_tokens: int = 4096, folded=None) -> torch.Tensor:
     """The per-input-channel scale s [K] (float32) that minimizes the output error of the layers
     reading x [n, K] when their weights are quantized as W * s (and the input as x / s); the
     error is measured on at most n_tokens rows of x, evenly spaced (mean |x| uses all of them).
@@ -78,6 +78,11 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], bits: int = 4, g
     Candidates are s = mean|x|^a / mean|w|^(1-a) for a in 0, 1/n_grid, .., (n_grid-1)/n_grid
     (mean|w| of weights normalized per group), normalized to a geometric middle of 1; a = 0 with
     the weights' own normalization is close to plain rounding, so the search rarely does worse.
+
+    folded(s), where given: (s as it will be stored, the factor [K] by which the op before the
+    layers will scale each input channel once s is folded into it and rounded to the checkpoint's
+    dtype); the error is then measured on x times that factor, so scales the checkpoint cannot
+    hold lose the search.
     """
     x = x.detach().reshape(-1, x.shape[-1]).float()
     W = torch.cat([w.detach().float() for w in weights])  # layers sharing x: one output space
@@ -93,8 +98,12 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], bits: int = 4, g
         a = i / n_grid
         s = (x_mean.pow(a) / w_mean.pow(1 - a).clamp(min=1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
+        xs = x
+        if folded is not None:
+            s, factor = folded(s)
+            xs = x * factor
         wq = _fake_quant(W * s, bits, gs) / s
-        err = float((x @ wq.T - ref).pow(2).mean())
+        err = float((xs @ wq.T - ref).pow(2).mean())
         if err < best:
             best, best_s = err, s
     return best_s

@@ -10,9 +10,14 @@ Per quantized linear layer `prefix` (N = out_features, K = in_features, G groups
                                        the last group short when group_size does not divide K
     w[n, k] = (q[n, k] - z[g_idx[k], n]) * scales[g_idx[k], n]
 config.json carries quantization_config = {"quant_method": "gptq", "bits", "group_size" (-1: one
-group per row), "desc_act", "sym", "checkpoint_format", ...}.
+group per row), "desc_act", "sym", "checkpoint_format", ...}, and optionally GPTQModel's "dynamic":
+{regex: overrides} for layers that differ (e.g. {".*mlp\\.down_proj": {"bits": 8}}), the first regex
+that matches a layer's name from its start applies, one prefixed "-:" leaves the layer float (vLLM
+reads it the same way).
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -24,7 +29,8 @@ FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values with this layout
 
 
 def quantization_config(bits: int = 4, group_size: int = 128, sym: bool = True, desc_act: bool = False,
-                        damp: float = 0.01, checkpoint_format: str = "gptq") -> dict:
+                        damp: float = 0.01, checkpoint_format: str = "gptq",
+                        dynamic: dict[str, dict] | None = None) -> dict:
     """The quantization_config that GPTQModel/transformers write in config.json for this layout.
 
     checkpoint_format "gptq" (v1) is what every reader takes (vLLM reads "gptq_v2" as v1); but
@@ -35,7 +41,33 @@ def quantization_config(bits: int = 4, group_size: int = 128, sym: bool = True, 
     return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
             "damp_percent": damp, "true_sequential": True, "static_groups": False, "lm_head": False,
             "checkpoint_format": checkpoint_format, "format": checkpoint_format, "pack_dtype": "int32",
-            "meta": {"quantizer": ["brisk"]}}
+            "meta": {"quantizer": ["brisk"]}, **({"dynamic": dynamic} if dynamic else {})}
+
+
+OVERRIDABLE = ("bits", "group_size", "sym", "desc_act")
+
+
+def layer_config(qcfg: dict, name: str) -> dict | None:
+    """The settings of layer `name` (bits, group_size, sym, desc_act): the config's, with the first
+    matching "dynamic" entry's overrides; None for a layer a "-:" entry leaves float."""
+    base = {"bits": qcfg.get("bits", 4), "group_size": qcfg.get("group_size", -1), "sym": qcfg.get("sym", True),
+            "desc_act": qcfg.get("desc_act", False)}
+    dynamic = qcfg.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise FormatError(f"GPTQ dynamic must map regexes to settings, got {type(dynamic).__name__}")
+    for pattern, over in dynamic.items():
+        negative = pattern.startswith("-:")
+        try:
+            hit = re.match(pattern[2:] if negative else pattern.removeprefix("+:"), name)
+        except re.error as e:
+            raise FormatError(f"GPTQ dynamic pattern {pattern!r} is not a regex: {e}") from None
+        if hit and negative:
+            return None
+        if hit:
+            if not isinstance(over, dict):
+                raise FormatError(f"GPTQ dynamic {pattern!r} must map to settings, got {over!r}")
+            return {**base, **{k: v for k, v in over.items() if k in OVERRIDABLE}}
+    return base
 
 
 def pack_layer(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
@@ -75,16 +107,20 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
     fmt = str(qcfg.get("checkpoint_format", qcfg.get("format", "gptq"))).lower()
     if fmt not in FORMATS:
         raise FormatError(f"GPTQ checkpoint_format {fmt!r} is not supported (brisk reads {', '.join(FORMATS)})")
-    bits = int(qcfg.get("bits", 4))
-    if bits not in packing.BITS:
-        raise FormatError(f"{bits}-bit GPTQ is not supported (brisk reads {packing.BITS})")
+    layer = layer_config(qcfg, prefix)
+    if layer is None:
+        raise FormatError(f"{prefix} is stored quantized, but the config's dynamic leaves it float")
+    bits = layer["bits"]
+    if bits not in packing.BITS or not isinstance(layer["group_size"], int):
+        raise FormatError(f"{prefix}: {bits!r}-bit GPTQ in groups of {layer['group_size']!r} is not supported "
+                          f"(brisk reads {packing.BITS} bits)")
     qweight = tensors.pop(f"{prefix}.qweight")
     qzeros = tensors.pop(f"{prefix}.qzeros")
     scales = tensors.pop(f"{prefix}.scales")
     g_idx = tensors.pop(f"{prefix}.g_idx", None)
     K, N = qweight.shape[0] * 32 // bits, qweight.shape[1]
     G = scales.shape[0]
-    gs = int(qcfg.get("group_size", -1))
+    gs = layer["group_size"]
     gs = K if gs <= 0 else gs
     if qweight.dtype != torch.int32 or qzeros.shape != (G, N * bits // 32) or scales.shape[1] != N \
             or G != -(-K // gs):
@@ -109,6 +145,9 @@ class GPTQLinear(ZeroPointLinear):
         self.register_buffer("scales", scales)
         self.register_buffer("g_idx", g_idx.to(torch.int32))
         self._build_kernel()
+
+    def _pack_codes(self, q):
+        return packing.pack(q, self.bits).T.contiguous()
 
     def codes(self):
         q = self._kernel_codes() if self.qweight is None else unpack_qweight(self.qweight, self.bits)

@@ -24,6 +24,11 @@ for one token, 20-35x slower for a 16-128 token prefill.
 On CUDA the same codes, scales and zeros (bf16) run through the Triton int4 kernel
 (triton_matmul.py) in Int4Linear's layout, act-order permutation included.
 
+8-bit layers on a symmetric grid (every zero point 128: GPTQ's sym) in groups of a multiple of 32
+are GGUF Q8_0 blocks exactly: code q - 128 as int8, the group's fp16 scale repeated per 32. On the
+CPU they run the native Q8_0 kernels (rows interleaved by 8), so a GPTQ checkpoint mixing 4 and 8
+bits (GPTQModel's dynamic) keeps every layer on the native path.
+
 Anything else (other bit widths, no triton, shapes the kernels reject) dequantizes and runs
 F.linear (QuantLinear's fallback, with its one-time warning): slower, the checkpoint's weights exactly.
 """
@@ -31,10 +36,11 @@ from __future__ import annotations
 
 import torch
 
-from . import native, triton_matmul
+from . import gguf_interleave, native, triton_matmul
 from .linear import QuantLinear, pack_int4, unpack_int4, unpack_int4_kernel
 
-KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes, largest first
+KERNEL_GROUPS = (256, 128, 64, 32)
+Q8_0 = gguf_interleave.Q8_0  # the group sizes torch's CPU int4 kernel takes, largest first
 
 
 class ZeroPointLinear(QuantLinear):
@@ -56,6 +62,8 @@ class ZeroPointLinear(QuantLinear):
         """Derive an int4 kernel's data from the codes when a kernel can run this layer: torch's
         packed CPU kernel for a layer on the CPU, the Triton kernel (triton_matmul) on CUDA."""
         self.use_kernel = False
+        if self.bits == 8:
+            return self._build_q8()
         if self.bits != 4 or self.out_features % 16:
             return
         q, z, s, g = self.codes()
@@ -87,6 +95,25 @@ class ZeroPointLinear(QuantLinear):
         else:
             self._int4_layout(q, s.T.contiguous(), ((8 - z) * s).T.contiguous())
 
+    def _build_q8(self) -> None:
+        """Symmetric 8-bit groups as Q8_0 blocks for the native kernels (see the module's docstring)."""
+        if self.scales.device.type != "cpu" or self.exact or not native.available() or self.in_features % 32:
+            return
+        q, z, s, g = self.codes()
+        if not bool((z == 128).all()) or not bool((g[1:] >= g[:-1]).all()):
+            return  # asymmetric codes leave int8; act-order would need the activations permuted
+        if bool((torch.bincount(g, minlength=s.shape[0]) % 32 != 0).any()):
+            return
+        N, K = self.out_features, self.in_features
+        blocks = torch.empty(N, K // 32, 34, dtype=torch.uint8)
+        blocks[..., :2] = s[g[::32]].T.to(torch.float16).contiguous().view(torch.uint8).view(N, K // 32, 2)
+        blocks[..., 2:] = (q - 128).to(torch.int8).view(torch.uint8).view(N, K // 32, 32)
+        blocks = blocks.view(N, -1)
+        self._q8_layout = native.X8 if gguf_interleave.packable(Q8_0, N, K) else 0
+        self.register_buffer("_q8", gguf_interleave.pack(blocks, Q8_0) if self._q8_layout else blocks, persistent=False)
+        self.use_kernel = True
+        self.qweight = None
+
     def _int4_layout(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """Int4Linear's layout (pack_int4 codes [N, K/2], scales and zeros [N, K/kg]): the native
         kernels' on the CPU, the Triton kernel's on CUDA."""
@@ -99,14 +126,18 @@ class ZeroPointLinear(QuantLinear):
     def native(self) -> bool:
         """Whether the native kernels run this layer as it is (no act-order column permutation, which
         only _matmul applies): what NativeDecoder and the thread-pool choice look for."""
+        if getattr(self, "_q8", None) is not None:
+            return self._q8.device.type == "cpu" and native.available()
         return (getattr(self, "_q4", None) is not None and self._q4.device.type == "cpu"
                 and getattr(self, "_perm", None) is None and native.usable(self.in_features, self.kernel_group))
 
     def _native(self) -> native.NativeWeight:
         nw = self.__dict__.get("_native_weight")
-        if nw is None or nw.tensors[0] is not self._q4:
+        q8 = getattr(self, "_q8", None)
+        if nw is None or nw.tensors[0] is not (self._q4 if q8 is None else q8):
             nw = self.__dict__["_native_weight"] = native.NativeWeight(
-                native.I4G, self.out_features, self.in_features, self._q4, self._s4, self._z4, self.kernel_group)
+                native.I4G, self.out_features, self.in_features, self._q4, self._s4, self._z4, self.kernel_group) \
+                if q8 is None else native.NativeWeight(Q8_0, self.out_features, self.in_features, q8, layout=self._q8_layout)
         return nw
 
     def _apply(self, fn, recurse=True):
@@ -117,10 +148,25 @@ class ZeroPointLinear(QuantLinear):
             q = unpack_int4_kernel(self._packed, self.out_features, self.in_features)
             sz = self._scales_zeros.float()
             self._int4_layout(q, sz[..., 0].T.contiguous(), sz[..., 1].T.contiguous())
+        if getattr(self, "_q8", None) is not None and self._q8.device.type != "cpu":
+            # no 8-bit kernel off the CPU: the checkpoint's packing again, for the fallback
+            device, self.use_kernel = self._q8.device, False
+            q = self._kernel_codes().cpu()
+            self._q8 = None
+            self.qweight = self._pack_codes(q).to(device)
         return out
+
+    def _pack_codes(self, q: torch.Tensor) -> torch.Tensor:
+        """Codes [N, K] in the checkpoint's `qweight` packing (the subclass's format)."""
+        raise NotImplementedError
 
     def _kernel_codes(self) -> torch.Tensor:
         """The codes q [N, K] (input columns in the checkpoint's order), from the kernel's copy."""
+        if getattr(self, "_q8", None) is not None:  # Q8_0 blocks: the codes are bytes 2..33 of each, minus 128
+            blocks = self._q8.cpu()
+            blocks = gguf_interleave.unpack(blocks, Q8_0) if self._q8_layout else blocks
+            codes = blocks.view(self.out_features, -1, 34)[..., 2:].contiguous().view(torch.int8)
+            return (codes.reshape(self.out_features, -1).to(torch.int32) + 128).to(self.scales.device)
         if getattr(self, "_packed", None) is not None:
             q = unpack_int4_kernel(self._packed, self.out_features, self.in_features).cpu().to(torch.int32)
         else:
@@ -134,6 +180,8 @@ class ZeroPointLinear(QuantLinear):
         # head would dequantize its whole weight per call for it.
         if not self.use_kernel:
             return None
+        if getattr(self, "_q8", None) is not None:
+            return self._native().matmul(x) if x.device.type == "cpu" and native.available() else None
         if getattr(self, "_perm", None) is not None:
             x = x.index_select(1, self._perm)  # the act-order permutation of the kernel's columns
         if x.device.type == "cpu" and getattr(self, "_q4", None) is not None and native.usable(self.in_features, self.kernel_group):

@@ -111,3 +111,43 @@ def test_brisk_awq_checkpoints_load_in_gptqmodel(monkeypatch, tiny_llama_dir, tm
     out = write_quantized(tiny_llama_dir, tmp_path / "q", quantize, awq_format.quantization_config(4, group_size))
     ref = tool_reference(out, tiny_llama_dir)
     check_logits(LLM.load(str(out), device="cpu", dtype="float32").logits(ref["input_ids"].tolist()), ref, True)
+
+
+def test_scales_folded_into_a_gemma_norm_survive_bfloat16():
+    """A norm stored as w for offset + w (Gemma's 1 + w) takes AWQ's scales as (1 + w) / s - 1: in
+    bfloat16 that loses most of a small (1 + w) / s. The search's `folded` rescales each candidate
+    (any constant gives the same weight error) so the folded scales keep the norm's own size, and
+    reports the rounding left, which the search then measures."""
+    from brisk.core.model import RMSNorm
+    from brisk.core.quantize.recipes import _offset_norm_fold
+
+    torch.manual_seed(0)
+    norm = RMSNorm(256, 1e-6, offset=1.0)
+    g = torch.rand(256) * 1.5 + 0.5
+    norm.weight.data = g - 1
+    s = 60 * torch.exp(0.5 * torch.randn(256))  # salient inputs scaled up: (1 + w) / s near 0.02
+    s2, factor = _offset_norm_fold(norm, torch.bfloat16)(s)
+    assert torch.allclose(s2 / s, (s2 / s)[:1].expand(256))  # the same scales, up to one constant
+    stored = (g / s2 - 1).bfloat16().float() + 1
+    assert torch.allclose(factor, stored * s2 / g)
+    naive = ((g / s - 1).bfloat16().float() + 1) * s / g
+    assert (factor - 1).abs().median() < 2 ** -9 < 0.1 * (naive - 1).abs().median()
+    assert _offset_norm_fold(RMSNorm(256, 1e-6), torch.bfloat16) is None  # Llama's norm rounds relatively
+
+
+def test_search_scales_measures_what_the_checkpoint_holds():
+    """With `folded`, a candidate is judged on the inputs the folded op will give: a rounding that
+    wrecks every scaled candidate leaves the search at the unscaled one (a = 0)."""
+    torch.manual_seed(1)
+    x = torch.randn(512, 128) * torch.exp(torch.randn(128))  # uneven channels: AWQ scales them
+    w = torch.randn(64, 128) * 0.05
+    plain = awq.search_scales(x, [w], 4, 32)
+    wn = w.abs().reshape(64, 4, 32)
+    a0 = 1 / (wn / wn.amax(-1, keepdim=True)).reshape(64, 128).mean(0).clamp(min=1e-4)
+    a0 = a0 / (a0.max() * a0.min()).sqrt()
+    assert not torch.allclose(plain, a0)  # unconstrained, it scales the inputs
+
+    def wrecked(s):  # any scaling away from a = 0 costs each channel 30% of its input
+        return s, torch.where(torch.isclose(s, a0, rtol=1e-5), 1.0, 0.7)
+
+    assert torch.allclose(awq.search_scales(x, [w], 4, 32, folded=wrecked), a0)

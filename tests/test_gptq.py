@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from brisk.quant import gptq_format, packing
+from brisk.quant.errors import FormatError
 from brisk.quant.gptq import GPTQ, rtn
 from brisk.quant.gptq_format import GPTQLinear, load_linear, pack_layer, unpack_layer
 from brisk.quant.zero_point_linear import ZeroPointLinear
@@ -106,8 +107,61 @@ def test_gptq_linear_matches_the_formula(monkeypatch, bits, group_size, act_orde
             assert (y.double() - r).norm() / r.norm() < 1e-2
 
 
+@pytest.mark.parametrize("N,K,group_size", [(96, 256, 128), (20, 256, 32), (44, 320, 128), (64, 256, -1)])
+def test_gptq_8bit_sym_runs_on_q8_0_blocks(N, K, group_size):
+    """Symmetric 8-bit GPTQ (every zero 128) is GGUF Q8_0 exactly: the native kernels run it, codes
+    0 and 255 (-128, 127) included, a row's bits the same alone or in a batch; asymmetric stays on
+    the fallback."""
+    from brisk.quant import native
+
+    if not native.available():
+        pytest.skip("no native kernels")
+    torch.manual_seed(N + K)
+    gs = K if group_size == -1 else group_size
+    G = -(-K // gs)
+    q = torch.randint(0, 256, (N, K), dtype=torch.int32)
+    q[0, :3] = torch.tensor([0, 255, 128])
+    scales = (torch.rand(G, N) * 0.02).half().float()
+    g_idx = torch.arange(K) // gs
+    for zeros, kernel in ((torch.full((G, N), 128, dtype=torch.int32), True),
+                          (torch.randint(1, 256, (G, N), dtype=torch.int32), False)):
+        t = {f"l.{k}": v for k, v in pack_layer(q, zeros, scales, g_idx, 8).items()}
+        layer = load_linear(t, "l", gptq_format.quantization_config(8, group_size), None)
+        assert layer.use_kernel == kernel and layer.native == kernel and (layer.qweight is None) == kernel
+        w = reference_weight(q, zeros, scales, g_idx)
+        assert torch.equal(layer.dequantize(), w)  # read back from the blocks
+        x = torch.randn(7, K)
+        y, r = layer(x), x.double() @ w.double().T
+        assert (y.double() - r).norm() / r.norm() < (2e-4 if kernel else 1e-6)
+        if kernel:
+            for i in (0, 3, 6):
+                assert torch.equal(layer(x[i:i + 1])[0], y[i])
+
+
 def test_missing_layer_is_left_float():
     assert load_linear({"x.weight": torch.zeros(2, 2)}, "x", gptq_format.quantization_config(), None) is None
+
+
+def test_dynamic_overrides_read_as_gptqmodel_and_vllm_read_them():
+    """GPTQModel's dynamic: the first regex matching the name from its start gives its overrides,
+    "+:" is the same as none, "-:" leaves the layer float."""
+    qcfg = gptq_format.quantization_config(4, 128, dynamic={r"-:.*\.0\.mlp\.": {}, r"+:.*mlp\.down_proj": {"bits": 8},
+                                                            r".*down_proj": {"bits": 2}, r"layers\.": {"bits": 3},
+                                                            r".*v_proj": {"group_size": 32, "sym": False}})
+    at = lambda name: gptq_format.layer_config(qcfg, name)  # noqa: E731
+    assert at("model.layers.0.mlp.down_proj") is None
+    assert at("model.layers.1.mlp.down_proj") == {"bits": 8, "group_size": 128, "sym": True, "desc_act": False}
+    assert at("model.layers.1.self_attn.q_proj")["bits"] == 4  # "layers\." does not match from the start
+    assert at("model.layers.1.self_attn.v_proj") == {"bits": 4, "group_size": 32, "sym": False, "desc_act": False}
+    w = torch.randn(64, 128)
+    g = GPTQ(w)
+    g.add_batch(torch.randn(64, 128))
+    t = {f"model.layers.0.mlp.down_proj.{k}": v for k, v in g.quantize(4, 128).tensors().items()}
+    with pytest.raises(FormatError, match="leaves it float"):
+        gptq_format.load_linear(t, "model.layers.0.mlp.down_proj", qcfg, None)
+    for bad in ({"(x": {"bits": 8}}, {"x": 8}, ["x"]):
+        with pytest.raises(FormatError):
+            gptq_format.layer_config({**qcfg, "dynamic": bad}, "x.y")
 
 
 def test_unsupported_format_is_a_clear_error():
@@ -183,7 +237,8 @@ def test_gptqmodel_checkpoints_load(monkeypatch, name, exact):
     monkeypatch.setattr(ZeroPointLinear, "exact", exact)
     logits, ref, llm = fixture_logits(name)
     layer = llm.model.model.layers[0].self_attn.q_proj
-    assert isinstance(layer, GPTQLinear) and layer.use_kernel == (layer.bits == 4)
+    # 8-bit sym: Q8_0 blocks on the native kernels (16-bit activations), not in exact mode
+    assert isinstance(layer, GPTQLinear) and layer.use_kernel == (layer.bits == 4 or layer.bits == 8 and not exact)
     check_logits(logits, ref, exact or not layer.use_kernel)
 
 
@@ -207,6 +262,24 @@ def test_brisk_checkpoints_load_in_gptqmodel(monkeypatch, tiny_llama_dir, tmp_pa
     out = write_quantized(tiny_llama_dir, tmp_path / "q", quantize, qcfg)
     ref = tool_reference(out, tiny_llama_dir)
     check_logits(LLM.load(str(out), device="cpu", dtype="float32").logits(ref["input_ids"].tolist()), ref, True)
+
+
+def test_brisk_dynamic_checkpoint_loads_in_gptqmodel(monkeypatch, tiny_llama_dir, tmp_path):
+    """A `brisk quantize --dynamic` folder (4-bit, some layers 8-bit, GPTQModel's dynamic config):
+    GPTQModel reads each layer at its own bits, as brisk does."""
+    pytest.importorskip("gptqmodel", reason="GPTQModel is not installed (pip install gptqmodel==7.6.0)")
+    monkeypatch.setattr(ZeroPointLinear, "exact", True)
+    from brisk.core.llm import LLM
+    from brisk.core.quantize import QuantOptions, quantize_model
+
+    out = tmp_path / "q"
+    quantize_model(str(tiny_llama_dir), out, QuantOptions("gptq", group_size=32, samples=4, seq_len=64,
+                                                          dynamic=(r".*down_proj=8", r".*\.1\.self_attn\.v_proj=8")))
+    llm = LLM.load(str(out), device="cpu", dtype="float32")
+    assert [llm.model.get_submodule(f"model.layers.{i}.{n}").bits for i in (0, 1) for n in ("mlp.down_proj", "self_attn.v_proj")] \
+        == [8, 4, 8, 8]
+    ref = tool_reference(out, tiny_llama_dir)
+    check_logits(llm.logits(ref["input_ids"].tolist()), ref, True)
 
 
 # ---------------------------------------------------------------- the whole model's output (issue 15)

@@ -111,6 +111,10 @@ def test_calib_file_formats(tmp_path):
     (["--method", "gptq", "--calib", "/nonexistent/calib.txt"], ["no such file"]),
     (["--method", "gptq", "--seq-len", "1000"], ["exceeds"]),
     (["--method", "gptq", "--embedding", "int4"], ["--embedding", "16bit or int8"]),
+    (["--method", "gptq", "--dynamic", "down_proj"], ["--dynamic", "REGEX=BITS"]),
+    (["--method", "gptq", "--dynamic", ".*down_proj=5"], ["--dynamic", "2, 3, 4, 8"]),
+    (["--method", "gptq", "--dynamic", "(down=8"], ["--dynamic", "not a regex"]),
+    (["--method", "awq", "--dynamic", ".*down_proj=8"], ["--dynamic", "gptq only"]),
 ])
 def test_bad_arguments(tiny_llama_dir, tmp_path, args, words):
     out = tmp_path / "out"
@@ -260,6 +264,38 @@ def test_output_loads_back_close_to_float(tiny_llama_dir, tmp_path, method, extr
             # GPTQ clips ranges (grid search) and spreads errors: more weight error, less output error
             assert rel < {4: 0.2, 3: 0.45, 8: 0.02}[summary["options"]["bits"]], (name, rel)
         assert torch.equal(q.model.get_submodule(name).dequantize(torch.float32), deq)
+
+
+def test_gptq_dynamic_bits_per_layer(tiny_llama_dir, tmp_path):
+    """--dynamic: the layers a regex matches get its bits (first match wins), written as GPTQModel's
+    dynamic config; they load back at those bits, the rest at --bits."""
+    from safetensors.torch import load_file
+
+    from brisk.core.llm import LLM
+
+    out = tmp_path / "out"
+    r = quantize(tiny_llama_dir, out, "--method", "gptq", "--group-size", "32", "--asym", *CALIB, "--dynamic", r".*\.1\.mlp\.down_proj=4",
+                 "--dynamic", r".*down_proj=8", "--dynamic", r"model\.layers\.0\.self_attn\.v_proj=3")
+    assert r.exit_code == 0, r.output
+    assert "4/8" in r.stdout and "3/4/8" in r.stdout  # the summary's bits per layer
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    # 8-bit layers symmetric whatever --sym says: Q8_0 blocks for the native kernels
+    assert qcfg["bits"] == 4 and qcfg["dynamic"] == {r".*\.1\.mlp\.down_proj": {"bits": 4}, ".*down_proj": {"bits": 8, "sym": True},
+                                                     r"model\.layers\.0\.self_attn\.v_proj": {"bits": 3}}
+    tensors = load_file(str(out / "model.safetensors"))
+    q = LLM.load(str(out), device="cpu", dtype="float32")
+    base = float_llm(tiny_llama_dir)
+    expect = {"model.layers.0.mlp.down_proj": 8, "model.layers.1.mlp.down_proj": 4, "model.layers.0.self_attn.v_proj": 3,
+              "model.layers.1.self_attn.v_proj": 4, "model.layers.0.mlp.up_proj": 4}
+    for name, bits in expect.items():
+        layer = q.model.get_submodule(name)
+        assert layer.bits == bits and tensors[f"{name}.qweight"].shape[0] == layer.in_features * bits // 32, name
+        assert layer.native == (bits in (4, 8)), name  # (3-bit: the fallback)
+        w = base.model.get_submodule(name).weight
+        rel = ((layer.dequantize(torch.float32) - w).norm() / w.norm()).item()
+        assert rel < {3: 0.45, 4: 0.2, 8: 0.02}[bits], (name, rel)
+    kl, _ = kl_top1(base, q, base.tokenizer.encode(TEXT))
+    assert 0 < kl < 2e-4
 
 
 @pytest.fixture(scope="module")

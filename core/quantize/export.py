@@ -21,7 +21,9 @@ def choose_format(opts: QuantOptions, dtype: torch.dtype):
         from ...quant import gptq_format as fmt
 
         return fmt, fmt.quantization_config(bits=opts.bits, group_size=opts.group_size, sym=opts.sym,
-                                            desc_act=opts.act_order, damp=opts.damp)
+                                            desc_act=opts.act_order, damp=opts.damp,
+                                            dynamic={p: {"bits": b, **({"sym": True} if b == 8 else {})}
+                                                     for p, b in opts.dynamic or ()})
     if opts.method == "awq":
         from ...quant import awq_format as fmt
 

@@ -4,6 +4,7 @@ does not fail an hour in."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -37,6 +38,19 @@ class QuantOptions:
     samples: int | None = None  # 0: no calibration (round-to-nearest; nf4, fp4, int8 only)
     seq_len: int | None = None
     embedding: str | None = None  # "16bit" (default) or "int8" (quant/embedding_format.py)
+    # gptq: ("REGEX=BITS", ...) as given; checked(): ((regex, bits), ...), GPTQModel's "dynamic"
+    dynamic: tuple | None = None
+
+    def bits_for(self, name: str) -> int:
+        """The bits of the layer called `name` (model.layers.N.mlp.down_proj): the first --dynamic
+        regex matching it from its start, else --bits."""
+        return next((b for p, b in self.dynamic or () if re.match(p, name)), self.bits)
+
+    def sym_for(self, name: str) -> bool:
+        """--sym, except that --dynamic's 8-bit layers are always symmetric: every zero 128 makes
+        them GGUF Q8_0 blocks, which the native kernels run (8 bits leave no room for a zero's gain)."""
+        return True if self.dynamic and self.bits_for(name) == 8 and any(re.match(p, name) for p, _ in self.dynamic) \
+            else self.sym
 
     @property
     def calibrated(self) -> bool:
@@ -49,7 +63,7 @@ class QuantOptions:
         m = self.method
         if m not in METHODS:
             raise InvalidValue("method", m, "", template=f"unknown {{option}} {m!r}; use one of {', '.join(METHODS)}")
-        _only(m, ("gptq",), act_order=self.act_order, damp=self.damp)
+        _only(m, ("gptq",), act_order=self.act_order, damp=self.damp, dynamic=self.dynamic or None)
         _only(m, ("nf4", "fp4"), double_quant=self.double_quant)
         o = replace(self, embedding=self.embedding or "16bit")
         if o.embedding not in EMBEDDINGS:
@@ -73,6 +87,7 @@ class QuantOptions:
                 raise InvalidValue("bits", o.bits, "", template=f"gptq holds {', '.join(map(str, GPTQ_BITS))}-bit weights, not {o.bits}")
             if o.group_size is not None and o.group_size not in (-1, *GROUP_SIZES):
                 raise InvalidValue("group_size", o.group_size, "", template=f"gptq {{option}} must be -1, 32, 64 or 128, not {o.group_size}")
+            o = replace(o, dynamic=tuple(_dynamic_entry(e) for e in o.dynamic) or None if o.dynamic else None)
             if not 0 < o.damp < 1:
                 raise InvalidValue("damp", o.damp, "", template=f"{{option}} must be between 0 and 1 (a fraction of the Hessian's mean diagonal), not {o.damp}")
         elif m == "awq":
@@ -100,6 +115,23 @@ class QuantOptions:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "method"}
 
 
+def _dynamic_entry(entry) -> tuple[str, int]:
+    """"REGEX=BITS" -> (regex, bits); a --dynamic that is not one names itself."""
+    if isinstance(entry, tuple):
+        return entry
+    pattern, sep, bits = str(entry).rpartition("=")
+    template = f"{{option}} takes REGEX=BITS (e.g. '.*mlp\\.down_proj=8'), not {entry!r}"
+    if not sep or not pattern or not bits.strip().isdigit():
+        raise InvalidValue("dynamic", entry, "", template=template)
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise InvalidValue("dynamic", entry, "", template=f"{{option}} {pattern!r} is not a regex ({e})") from None
+    if int(bits) not in GPTQ_BITS:
+        raise InvalidValue("dynamic", entry, "", template=f"{{option}} {entry!r}: gptq holds {', '.join(map(str, GPTQ_BITS))}-bit weights")
+    return pattern, int(bits)
+
+
 def _only(method: str, allowed: tuple[str, ...], **flags) -> None:
     for name, value in flags.items():
         if value is not None and method not in allowed:
@@ -122,6 +154,10 @@ def check_input(model: str | None, out: Path):
                              "brisk quantize starts from a float or GGUF model")
         return from_hf_config(json.loads((path / "config.json").read_text()))
     return None
+
+
+LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
 
 
 def shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -151,11 +187,12 @@ def check_shapes(opts: QuantOptions, cfg) -> QuantOptions:
         if g != -1 and k % g:
             raise InvalidValue("group_size", g, "", template=f"{{option}} {g} does not divide {name}'s in_features ({k}); "
                                f"try {' or '.join(str(x) for x in AUTO_GROUPS if k % x == 0) or '-1'}")
-        per_int = 32 if opts.bits == 3 else 32 // opts.bits  # values packed per int32 (3-bit: 32 in 3 words)
-        along = (k, n) if opts.method == "gptq" else (n,)  # gptq packs qweight along K, qzeros along N; awq along N
-        if any(d % per_int for d in along):
-            raise BriskError(f"{name} ({n}x{k}) cannot be packed {opts.bits}-bit in the {opts.method} layout "
-                             f"(needs multiples of {per_int})")
+        for bits in {opts.bits_for(f"model.layers.{i}.{name}") for i in range(cfg.n_layers)}:
+            per_int = 32 if bits == 3 else 32 // bits  # values packed per int32 (3-bit: 32 in 3 words)
+            along = (k, n) if opts.method == "gptq" else (n,)  # gptq packs qweight along K, qzeros along N; awq along N
+            if any(d % per_int for d in along):
+                raise BriskError(f"{name} ({n}x{k}) cannot be packed {bits}-bit in the {opts.method} layout "
+                                 f"(needs multiples of {per_int})")
     return opts
 
 
@@ -173,10 +210,11 @@ def float_dtype(ckpt) -> torch.dtype:
 def estimate_bytes(cfg, opts: QuantOptions) -> int:
     """About the size of the output folder (for the disk check)."""
     per_layer = 0
-    for n, k in shapes(cfg).values():
+    for name, (n, k) in shapes(cfg).items():
         if opts.method in GROUPED:
             groups = 1 if opts.group_size == -1 else k // opts.group_size
-            per_layer += n * k * opts.bits // 8 + groups * n * (2 + opts.bits / 8) + 4 * k
+            bits = max(opts.bits_for(f"model.layers.{i}.{name}") for i in range(cfg.n_layers))
+            per_layer += n * k * bits // 8 + groups * n * (2 + bits / 8) + 4 * k
         elif opts.method == "int8":
             per_layer += n * k + 4 * n
         else:

@@ -155,9 +155,9 @@ def _quantize_blocks(net, ids, opts, fmt, qcfg, dtype, partial, done, report, su
             for _, p in blocks.named_float_params(block):
                 blocks.round_(p, dtype)
             if opts.method == "gptq":
-                tensors, errors = recipes.gptq_block(block, x, rope, kv, opts)
+                tensors, errors = recipes.gptq_block(block, x, rope, kv, opts, prefix)
             elif opts.method == "awq":
-                tensors, errors = recipes.awq_block(block, x, rope, kv, opts)
+                tensors, errors = recipes.awq_block(block, x, rope, kv, opts, dtype)
             elif x is not None:
                 tensors, errors = recipes.bnb_calibrated_block(block, x, rope, kv, opts, fmt, qcfg, dtype)
             else:
