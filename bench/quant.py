@@ -31,9 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "bench" / "heldout.txt"
-def methods(group: int) -> dict[str, list[str]]:
+def methods(group: int, n_layers: int = 18) -> dict[str, list[str]]:
     """label -> brisk quantize flags. 4-bit groups of 128 where the model's widths allow it
     (Gemma 3); SmolLM2's 576-wide layers take 64."""
+    outer = "|".join(map(str, (0, 1, n_layers - 2, n_layers - 1)))  # the first and last two blocks
     return {f"gptq-4bit-g{group}": ["--method", "gptq", "--bits", "4", "--group-size", str(group)],
             f"awq-4bit-g{group}": ["--method", "awq", "--bits", "4", "--group-size", str(group)],
             "nf4": ["--method", "nf4"], "int8": ["--method", "int8"],
@@ -45,14 +46,21 @@ def methods(group: int) -> dict[str, list[str]]:
                                                       "--embedding", "int8"],
             "int8 --embedding int8": ["--method", "int8", "--embedding", "int8"],
             # sized against llama.cpp's Q4_K_M file (Gemma 3: 253 MB): 4-bit g32 asymmetric with the 8-bit
-            # table, more calibration, and (as Q4_K_M gives attn_v and some ffn_down 6 bits) v_proj and
-            # the outer and every third down_proj 8-bit (GPTQModel's dynamic config)
+            # table and more calibration; then, as Q4_K_M gives attn_v and some ffn_down more bits, v_proj
+            # and the first and last two layers' down_proj 8-bit (GPTQModel's dynamic config)
             "gptq-4bit-g32-asym --embedding int8 --samples 128": [
                 "--method", "gptq", "--group-size", "32", "--asym", "--embedding", "int8", "--samples", "128"],
-            "gptq-4bit-g64-asym+8bit-v/down --embedding int8 --samples 128": [
-                "--method", "gptq", "--group-size", "64", "--asym", "--embedding", "int8", "--samples", "128",
-                "--dynamic", r".*v_proj=8", "--dynamic", r"model\.layers\.(0|1|4|7|10|13|16|17)\.mlp\.down_proj=8"],
+            "gptq-4bit-g32-asym+8bit-v/outer-down --embedding int8 --samples 128": [
+                "--method", "gptq", "--group-size", "32", "--asym", "--embedding", "int8", "--samples", "128",
+                "--dynamic", r".*v_proj=8", "--dynamic", rf"model\.layers\.({outer})\.mlp\.down_proj=8"],
             "awq-4bit-g32 --embedding int8": ["--method", "awq", "--group-size", "32", "--embedding", "int8"]}
+
+
+def _block_count(path: Path) -> int:
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    return int(r.fields[f"{r.fields['general.architecture'].contents()}.block_count"].contents())
 
 
 def brisk(*args) -> dict:
@@ -256,7 +264,7 @@ def main():
                 rows.append(("GGUF as stored", None, evaluate(path, path), *decode(path)))
             rows.append((f"rtn-int4-g{group} sym (GPTQ's yardstick)", None, rtn_int4(path, group, True), None, None, None))
             rows.append((f"rtn-int4-g{group} asym (AWQ's yardstick)", None, rtn_int4(path, group, False), None, None, None))
-        chosen = methods(group)
+        chosen = methods(group, _block_count(path))
         if args.methods:
             wanted = args.methods.split(",")
             if unknown := [m for m in wanted if m not in chosen]:

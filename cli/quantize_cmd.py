@@ -43,6 +43,9 @@ def quantize(
                                                 "the regex matches from its start, e.g. '.*down_proj=8'; repeatable, the first "
                                                 "match applies. 8-bit layers are symmetric (GGUF Q8_0's grid: brisk's CPU "
                                                 "kernels run them). Written as GPTQModel's dynamic config, which vLLM reads too."),
+    compensate: Optional[bool] = typer.Option(None, "--compensate/--no-compensate",
+                                              help="awq: after AWQ's scales, GPTQ's error compensation on the "
+                                              "scaled weights (same AWQ GEMM layout)."),
     threads: Optional[int] = c.ThreadsOpt,
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),
@@ -62,7 +65,7 @@ def quantize(
         opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                             damp=damp, double_quant=double_quant, calib=str(calib) if calib else None,
                             samples=samples, seq_len=seq_len, embedding=embedding,
-                            dynamic=tuple(dynamic) if dynamic else None)
+                            dynamic=tuple(dynamic) if dynamic else None, compensate=compensate)
         progress = _Progress(enabled=not as_json)
         c.run_resumable_job(lambda: quantize_model(model, out, opts, force=force, report=progress),
                             progress, out, as_json, _print_summary)

@@ -115,6 +115,7 @@ def test_calib_file_formats(tmp_path):
     (["--method", "gptq", "--dynamic", ".*down_proj=5"], ["--dynamic", "2, 3, 4, 8"]),
     (["--method", "gptq", "--dynamic", "(down=8"], ["--dynamic", "not a regex"]),
     (["--method", "awq", "--dynamic", ".*down_proj=8"], ["--dynamic", "gptq only"]),
+    (["--method", "gptq", "--compensate"], ["--compensate", "awq only"]),
 ])
 def test_bad_arguments(tiny_llama_dir, tmp_path, args, words):
     out = tmp_path / "out"
@@ -223,7 +224,7 @@ def test_other_arguments_start_over(tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize("method, extra, max_kl", [  # about 4x the KL measured when written
     ("gptq", [], 2e-4), ("gptq", ["--bits", "8", "--act-order", "--asym"], 1e-6),
-    ("gptq", ["--bits", "3", "--group-size", "32"], 1e-3), ("awq", [], 2e-4),
+    ("gptq", ["--bits", "3", "--group-size", "32"], 1e-3), ("awq", [], 2e-4), ("awq", ["--compensate"], 2e-4),
     ("nf4", [], 4e-4), ("fp4", ["--double-quant"], 8e-4), ("int8", [], 2e-6),
     ("nf4", ["--samples", "0"], 4e-4), ("int8", ["--samples", "0"], 2e-6),  # round-to-nearest
 ])

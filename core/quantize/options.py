@@ -40,6 +40,7 @@ class QuantOptions:
     embedding: str | None = None  # "16bit" (default) or "int8" (quant/embedding_format.py)
     # gptq: ("REGEX=BITS", ...) as given; checked(): ((regex, bits), ...), GPTQModel's "dynamic"
     dynamic: tuple | None = None
+    compensate: bool | None = None  # awq: GPTQ's error compensation after AWQ's scales
 
     def bits_for(self, name: str) -> int:
         """The bits of the layer called `name` (model.layers.N.mlp.down_proj): the first --dynamic
@@ -65,6 +66,7 @@ class QuantOptions:
             raise InvalidValue("method", m, "", template=f"unknown {{option}} {m!r}; use one of {', '.join(METHODS)}")
         _only(m, ("gptq",), act_order=self.act_order, damp=self.damp, dynamic=self.dynamic or None)
         _only(m, ("nf4", "fp4"), double_quant=self.double_quant)
+        _only(m, ("awq",), compensate=self.compensate)
         o = replace(self, embedding=self.embedding or "16bit")
         if o.embedding not in EMBEDDINGS:
             raise InvalidValue("embedding", o.embedding, "", template=f"{{option}} must be {' or '.join(EMBEDDINGS)}, not {o.embedding!r}")
@@ -97,7 +99,7 @@ class QuantOptions:
                 raise InvalidValue("sym", o.sym, "", template="awq stores a zero point per group (asymmetric); {option} does not apply")
             if o.group_size is not None and o.group_size not in GROUP_SIZES:
                 raise InvalidValue("group_size", o.group_size, "", template=f"awq {{option}} must be 32, 64 or 128, not {o.group_size}")
-            o = replace(o, bits=4, sym=False)
+            o = replace(o, bits=4, sym=False, compensate=bool(o.compensate))
         else:
             bits = 8 if m == "int8" else 4
             if o.bits not in (None, bits):

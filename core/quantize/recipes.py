@@ -94,6 +94,8 @@ def awq_block(block, x, rope, kv, opts, dtype=torch.float32):
     for (prev, names), s in zip(groups, scales):  # all searched first, on the float block, as AutoAWQ does
         fold_scales(block, prev, names, s)
         inputs[AWQ_FEED[names[0]]] = inputs[AWQ_FEED[names[0]]] / s
+    if opts.compensate:
+        return _true_sequential(block, x, rope, kv, _awq_gptq(opts))
     tensors, errors = {}, {}
     for n, lin in lins.items():
         xs, w = inputs[AWQ_FEED[n]], lin.weight
@@ -102,6 +104,20 @@ def awq_block(block, x, rope, kv, opts, dtype=torch.float32):
         tensors.update({f"{n}.{k}": v for k, v in res.tensors().items()})
         errors[n] = float(res.error)
     return tensors, errors
+
+
+def _awq_gptq(opts):
+    """quantize_one for _true_sequential: GPTQ on the scaled weights (AWQ's grid: asymmetric, groups
+    in order), written in the AWQ GEMM layout. AWQ's paper combines the two; the scales take the
+    salient channels' error down, the compensation the rest."""
+    from ...quant import awq_format
+
+    def one(g, name):
+        res = g.quantize(bits=opts.bits, group_size=opts.group_size, sym=False, act_order=False, damp=0.01,
+                         search=True, group_order=True)
+        return awq_format.pack_layer(res.q, res.zeros, res.scales), res.dequantized, res.error
+
+    return one
 
 
 def _offset_norm_fold(prev: nn.Module, dtype: torch.dtype):

@@ -86,17 +86,34 @@ BK_INLINE vi16 q3x8_part(vi16 a, const uint8_t *g, const int8_t *x, const q6x8_h
     return a;
 }
 
+/* the codes are q + 4: take 4 sum_j scale_j x_j off */
+BK_INLINE v16 q3x8_finish(vi16 a, const q6x8_head *h, const int16_t *xs, v16 s, v16 f) {
+    a -= x8_offset_sums(h->scq, xs) << 2;
+    return fma16(fma16(__builtin_convertvector(a, v16), h->d, (v16){0}), s, f);
+}
+
 /* f += a group's Q3_K super-block times one activation row (x: its 256 codes in order; xs: its 16
  * sums of 16 codes; s: its scale). Lanes 2r, 2r + 1 of f are row r's. */
 BK_INLINE v16 q3x8_accumulate(const uint8_t *g, const q6x8_head *h, const int8_t *x, const int16_t *xs, v16 s, v16 f) {
     vi16 a = {0}; /* chunks 0 and 1 (weights 32t + 0..15 of each 128), then 2 and 3 (16..31) */
     a = q3x8_part(a, g, x, h, 0, 0), a = q3x8_part(a, g, x, h, 0, 1);
     a = q3x8_part(a, g, x, h, 1, 0), a = q3x8_part(a, g, x, h, 1, 1);
-    /* the codes are q + 4: take 4 sum_j scale_j x_j off */
-    vi16 c = madd(h->scq[0], (i16x32)bcast8((const int8_t *)xs));
-    for (int q = 1; q < 4; q++) c = madd_add(c, h->scq[q], (i16x32)bcast8((const int8_t *)(xs + 4 * q)));
-    a -= c << 2;
-    return fma16(fma16(__builtin_convertvector(a, v16), h->d, (v16){0}), s, f);
+    return q3x8_finish(a, h, xs, s, f);
+}
+
+/* the codes of x8_codes (q4k_x8.h): sub-block 8k + 2t + q from chunks 2q, 2q + 1 */
+BK_INLINE void q3x8_decode(const uint8_t *g, x8_codes *o) {
+    for (int q = 0; q < 2; q++) {
+        const uint8_t *p = g + 384 * q;
+        u8x64 H0 = load_u8x64(p + 128), H1 = load_u8x64(p + 320);
+        for (int k = 0; k < 2; k++) {
+            u8x64 L0 = load_u8x64(p + 64 * k), L1 = load_u8x64(p + 192 + 64 * k);
+            for (int t = 0; t < 4; t++) {
+                int j = 8 * k + 2 * t + q;
+                o->c[2 * j] = q3_codes(L0, H0, t, 4 * k + t), o->c[2 * j + 1] = q3_codes(L1, H1, t, 4 * k + t);
+            }
+        }
+    }
 }
 
 /* Row n's super-block sb back in the file's 110 bytes */
@@ -136,6 +153,15 @@ BK_INLINE void q2x8_read(const uint8_t *hd, q2x8_head *h) { /* hd: g + 512 */
     h->nm = __builtin_shufflevector(m, m, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
 }
 
+/* minimums x sums of 16, then the float epilogue */
+BK_INLINE v16 q2x8_finish(vi16 a, const q2x8_head *h, const int16_t *xs, v16 s, v16 f) {
+    vi16 mn = madd(h->m[0], (i16x32)bcast8((const int8_t *)xs));
+    for (int q = 1; q < 4; q++) mn = madd_add(mn, h->m[q], (i16x32)bcast8((const int8_t *)(xs + 4 * q)));
+    v16 t = fma16(__builtin_convertvector(a, v16), h->d, (v16){0});
+    t = fma16(__builtin_convertvector(mn, v16), h->nm, t);
+    return fma16(t, s, f);
+}
+
 /* f += a group's Q2_K super-block times one activation row (as q3x8_accumulate) */
 BK_INLINE v16 q2x8_accumulate(const uint8_t *g, const q2x8_head *h, const int8_t *x, const int16_t *xs, v16 s, v16 f) {
     vi16 a = {0};
@@ -150,11 +176,19 @@ BK_INLINE v16 q2x8_accumulate(const uint8_t *g, const q2x8_head *h, const int8_t
             }
         }
     }
-    vi16 mn = madd(h->m[0], (i16x32)bcast8((const int8_t *)xs)); /* minimums x sums of 16 */
-    for (int q = 1; q < 4; q++) mn = madd_add(mn, h->m[q], (i16x32)bcast8((const int8_t *)(xs + 4 * q)));
-    v16 t = fma16(__builtin_convertvector(a, v16), h->d, (v16){0});
-    t = fma16(__builtin_convertvector(mn, v16), h->nm, t);
-    return fma16(t, s, f);
+    return q2x8_finish(a, h, xs, s, f);
+}
+
+/* the codes of x8_codes: sub-block 8k + 2t + q */
+BK_INLINE void q2x8_decode(const uint8_t *g, x8_codes *o) {
+    for (int q = 0; q < 2; q++)
+        for (int k = 0; k < 2; k++) {
+            u8x64 L0 = load_u8x64(g + 256 * q + 64 * k), L1 = load_u8x64(g + 256 * q + 128 + 64 * k);
+            for (int t = 0; t < 4; t++) {
+                int j = 8 * k + 2 * t + q;
+                o->c[2 * j] = low2(L0, t), o->c[2 * j + 1] = low2(L1, t);
+            }
+        }
 }
 
 /* Row n's super-block sb back in the file's 84 bytes */

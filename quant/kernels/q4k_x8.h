@@ -179,21 +179,61 @@ BK_INLINE void q6x8_read(const uint8_t *g, q6x8_head *h) {
 
 /* f += a group's Q6_K super-block times one activation row (x: its 256 codes in order; xs: its 16
  * sums of 16 codes; s: its scale). Lanes 2r, 2r + 1 of f are row r's. */
+/* Q6_K's codes for sub-blocks p and 8 + p (chunk p): lo's two vectors, then hi's */
+#define Q6X8_CODES(g, p, alo, blo, ahi, bhi)                                                                          \
+    u8x64 A = load_u8x64((g) + 192 * (p)), B = load_u8x64((g) + 192 * (p) + 64), Q = load_u8x64((g) + 192 * (p) + 128); \
+    u8x64 alo = (A & 15) | (u8x64)(((u16x32v)Q << 4) & 0x3030), ahi = high_nibbles(A) | (u8x64)(((u16x32v)Q << 2) & 0x3030); \
+    u8x64 blo = (B & 15) | (Q & 0x30), bhi = high_nibbles(B) | (u8x64)(((u16x32v)Q >> 2) & 0x3030)
+
+/* sum_j scale_j x_j (x_j: sub-block j's activation sum, xs): Q6_K's and Q3_K's code offsets' share,
+ * in units of the offset (32, 4) */
+BK_INLINE vi16 x8_offset_sums(const i16x32 *scq, const int16_t *xs) {
+    vi16 c = madd(scq[0], (i16x32)bcast8((const int8_t *)xs));
+    for (int q = 1; q < 4; q++) c = madd_add(c, scq[q], (i16x32)bcast8((const int8_t *)(xs + 4 * q)));
+    return c;
+}
+
+/* the codes are q + 32: take 32 sum_j scale_j x_j (x_j: sub-block j's activation sum) off */
+BK_INLINE v16 q6x8_finish(vi16 a, const q6x8_head *h, const int16_t *xs, v16 s, v16 f) {
+    a -= x8_offset_sums(h->scq, xs) << 5;
+    return fma16(fma16(__builtin_convertvector(a, v16), h->d, (v16){0}), s, f);
+}
+
 BK_INLINE v16 q6x8_accumulate(const uint8_t *g, const q6x8_head *h, const int8_t *x, const int16_t *xs, v16 s, v16 f) {
     vi16 a = {0};
     for (int p = 0; p < 8; p++) { /* sub-blocks p and 8 + p */
-        u8x64 A = load_u8x64(g + 192 * p), B = load_u8x64(g + 192 * p + 64), Q = load_u8x64(g + 192 * p + 128);
-        u8x64 alo = (A & 15) | (u8x64)(((u16x32v)Q << 4) & 0x3030), ahi = high_nibbles(A) | (u8x64)(((u16x32v)Q << 2) & 0x3030);
-        u8x64 blo = (B & 15) | (Q & 0x30), bhi = high_nibbles(B) | (u8x64)(((u16x32v)Q >> 2) & 0x3030);
+        Q6X8_CODES(g, p, alo, blo, ahi, bhi);
         i16x32 lo = maddubs(alo, bcast8(x + 16 * p)) + maddubs(blo, bcast8(x + 16 * p + 8));
         i16x32 hi = maddubs(ahi, bcast8(x + 128 + 16 * p)) + maddubs(bhi, bcast8(x + 136 + 16 * p));
         a = madd_add(madd_add(a, lo, h->sc[p]), hi, h->sc[8 + p]);
     }
-    /* the codes are q + 32: take 32 sum_j scale_j x_j (x_j: sub-block j's activation sum) off */
-    vi16 c = madd(h->scq[0], (i16x32)bcast8((const int8_t *)xs));
-    for (int q = 1; q < 4; q++) c = madd_add(c, h->scq[q], (i16x32)bcast8((const int8_t *)(xs + 4 * q)));
-    a -= c << 5;
-    return fma16(fma16(__builtin_convertvector(a, v16), h->d, (v16){0}), s, f);
+    return q6x8_finish(a, h, xs, s, f);
+}
+
+/* A group's super-block's codes decoded once for all of a pass's activation rows (prefill, several
+ * rows): Q6_K's, Q3_K's and Q2_K's sub-block j is two code vectors against activations 16j..16j+7
+ * and 16j+8..16j+15, so one loop serves all three. Their codes take 2-4 instructions per vector to
+ * unpack; redone for every activation row, that was as much work as the products (Q3_K x8 ran
+ * ~110 GFLOP/s over many rows against Q4_K's ~150, whose nibbles unpack in one). */
+typedef struct {
+    u8x64 c[32]; /* c[2j], c[2j + 1]: sub-block j's codes */
+} x8_codes;
+
+BK_INLINE void q6x8_decode(const uint8_t *g, x8_codes *o) {
+    for (int p = 0; p < 8; p++) {
+        Q6X8_CODES(g, p, alo, blo, ahi, bhi);
+        o->c[2 * p] = alo, o->c[2 * p + 1] = blo, o->c[16 + 2 * p] = ahi, o->c[17 + 2 * p] = bhi;
+    }
+}
+
+/* the 16 sub-blocks' products with one activation row, each times its scale (sc[j]: int16 lanes 4r..4r+3
+ * hold row r's), summed: the same integers as the accumulate functions (their int16 sums are the same
+ * pairs, and int32 sums are the same in any order) */
+BK_INLINE vi16 x8_codes_dot(const x8_codes *o, const int8_t *x, const i16x32 *sc) {
+    vi16 a = {0};
+    for (int j = 0; j < 16; j++)
+        a = madd_add(a, maddubs(o->c[2 * j], bcast8(x + 16 * j)) + maddubs(o->c[2 * j + 1], bcast8(x + 16 * j + 8)), sc[j]);
+    return a;
 }
 
 #include "q3k_x8.h" /* Q3_K and Q2_K: the same recipe, with the helpers above */
@@ -207,6 +247,7 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
     int bytes = type == BK_Q6_K ? Q6X8_BYTES : type == BK_Q5_K ? Q5X8_BYTES : type == BK_Q3_K ? Q3X8_BYTES
               : type == BK_Q2_K ? Q2X8_BYTES : X8_BYTES;
     int64_t group_bytes = (int64_t)ns * bytes;
+    x8_codes codes[1]; /* (M > 1) a super-block's decoded codes, reused by every activation row */
     for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
         const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
         v16 f1 = {0}, *f = M == 1 ? &f1 : acc;
@@ -217,24 +258,32 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
             if (type == BK_Q2_K) {
                 q2x8_head h;
                 q2x8_read(g + 512, &h);
-                for (int mi = 0; mi < M; mi++) {
-                    int64_t at = (int64_t)mi * ns + sb;
-                    f[mi] = q2x8_accumulate(g, &h, x->q8 + at * 256, x->xs8 + at * 16, splat16(x->s8[at]), f[mi]);
-                }
-            } else if (type == BK_Q3_K) {
+                if (M > 1) {
+                    q2x8_decode(g, codes);
+                    for (int mi = 0; mi < M; mi++) {
+                        int64_t at = (int64_t)mi * ns + sb;
+                        f[mi] = q2x8_finish(x8_codes_dot(codes, x->q8 + at * 256, h.sc), &h, x->xs8 + at * 16,
+                                            splat16(x->s8[at]), f[mi]);
+                    }
+                } else
+                    f[0] = q2x8_accumulate(g, &h, x->q8 + sb * 256, x->xs8 + sb * 16, splat16(x->s8[sb]), f[0]);
+            } else if (type == BK_Q3_K || type == BK_Q6_K) {
                 q6x8_head h;
-                q3x8_read(g + 768, &h);
-                for (int mi = 0; mi < M; mi++) {
-                    int64_t at = (int64_t)mi * ns + sb;
-                    f[mi] = q3x8_accumulate(g, &h, x->q8 + at * 256, x->xs8 + at * 16, splat16(x->s8[at]), f[mi]);
-                }
-            } else if (type == BK_Q6_K) {
-                q6x8_head h;
-                q6x8_read(g, &h);
-                for (int mi = 0; mi < M; mi++) {
-                    int64_t at = (int64_t)mi * ns + sb;
-                    f[mi] = q6x8_accumulate(g, &h, x->q8 + at * 256, x->xs8 + at * 16, splat16(x->s8[at]), f[mi]);
-                }
+                if (type == BK_Q3_K) q3x8_read(g + 768, &h);
+                else q6x8_read(g, &h);
+                if (M > 1) {
+                    if (type == BK_Q3_K) q3x8_decode(g, codes);
+                    else q6x8_decode(g, codes);
+                    for (int mi = 0; mi < M; mi++) {
+                        int64_t at = (int64_t)mi * ns + sb;
+                        vi16 a = x8_codes_dot(codes, x->q8 + at * 256, h.sc);
+                        f[mi] = type == BK_Q3_K ? q3x8_finish(a, &h, x->xs8 + at * 16, splat16(x->s8[at]), f[mi])
+                                                : q6x8_finish(a, &h, x->xs8 + at * 16, splat16(x->s8[at]), f[mi]);
+                    }
+                } else if (type == BK_Q3_K)
+                    f[0] = q3x8_accumulate(g, &h, x->q8 + sb * 256, x->xs8 + sb * 16, splat16(x->s8[sb]), f[0]);
+                else
+                    f[0] = q6x8_accumulate(g, &h, x->q8 + sb * 256, x->xs8 + sb * 16, splat16(x->s8[sb]), f[0]);
             } else if (type == BK_Q5_K) {
                 x8_head h;
                 x8_read(g + Q5X8_HEAD, &h);
