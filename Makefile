@@ -59,9 +59,15 @@ bench-llama: install-test
 	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/llama_compare.py --record
 
-# quantization quality and speed per format (brisk quantize + eval + bench; tens of minutes)
+# quantization quality and speed per format (brisk quantize + eval + bench; tens of minutes), then
+# Gemma 3 moved off every quantization grid (its function kept), brisk's 4-bit rows sized against
+# llama.cpp's Q4_K_M beside llama.cpp's own types
 bench-quant: install-test
+	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/quant.py
+	$(PY) bench/quant.py --models gemma --offgrid --methods "$(OFFGRID_ROWS)"
+
+OFFGRID_ROWS = gptq-4bit-g32-asym --embedding int8 --samples 128,gptq-4bit-g32-asym+8bit-v/outer-down --embedding int8 --samples 128,awq-4bit-g32 --embedding int8
 
 # the long fuzz run over mutated model files (tests/fuzz/harness.py; make test runs a slice of it):
 # counts per category and mutator, and the id of every case that is not clean, to replay with

@@ -45,7 +45,8 @@ def quantize(
                                                 "kernels run them). Written as GPTQModel's dynamic config, which vLLM reads too."),
     compensate: Optional[bool] = typer.Option(None, "--compensate/--no-compensate",
                                               help="awq: after AWQ's scales, GPTQ's error compensation on the "
-                                              "scaled weights (same AWQ GEMM layout)."),
+                                              "scaled weights, in the same AWQ GEMM layout (default on; --no-compensate: "
+                                              "AutoAWQ's clip search and rounding)."),
     threads: Optional[int] = c.ThreadsOpt,
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),

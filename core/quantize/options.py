@@ -40,7 +40,7 @@ class QuantOptions:
     embedding: str | None = None  # "16bit" (default) or "int8" (quant/embedding_format.py)
     # gptq: ("REGEX=BITS", ...) as given; checked(): ((regex, bits), ...), GPTQModel's "dynamic"
     dynamic: tuple | None = None
-    compensate: bool | None = None  # awq: GPTQ's error compensation after AWQ's scales
+    compensate: bool | None = None  # awq: GPTQ's error compensation after AWQ's scales (default on)
 
     def bits_for(self, name: str) -> int:
         """The bits of the layer called `name` (model.layers.N.mlp.down_proj): the first --dynamic
@@ -99,7 +99,7 @@ class QuantOptions:
                 raise InvalidValue("sym", o.sym, "", template="awq stores a zero point per group (asymmetric); {option} does not apply")
             if o.group_size is not None and o.group_size not in GROUP_SIZES:
                 raise InvalidValue("group_size", o.group_size, "", template=f"awq {{option}} must be 32, 64 or 128, not {o.group_size}")
-            o = replace(o, bits=4, sym=False, compensate=bool(o.compensate))
+            o = replace(o, bits=4, sym=False, compensate=True if o.compensate is None else o.compensate)
         else:
             bits = 8 if m == "int8" else 4
             if o.bits not in (None, bits):

@@ -137,18 +137,21 @@ BK_INLINE v16 x8_accumulate(const uint8_t *g, const x8_head *h, const int8_t *x,
     return x8_finish(a, h, xm, s, f);
 }
 
+/* Q5_K's code vector t of chunk p (c: 320 bytes), low and high nibbles with their fifth bits from the
+ * chunk's last vector. 16-bit shifts of at most 4 bring no bit into bit 4 from the other byte; one
+ * lane type, so the and-ors fuse (vpternlog). */
+#define Q5X8_CODES(p, t, l5, h5)                                                                             \
+    u16x32v vw = (u16x32v)load_u8x64((p) + 64 * (t)), qw = (u16x32v)load_u8x64((p) + 256);                   \
+    u8x64 l5 = (u8x64)((vw & 0x0F0F) | ((qw << (4 - (t))) & 0x1010)), h5 = (u8x64)(((vw >> 4) & 0x0F0F) | ((qw >> (t)) & 0x1010))
+
 /* The same for Q5_K: each code vector's nibbles with their fifth bits from the chunk's last vector */
 BK_INLINE v16 q5x8_accumulate(const uint8_t *g, const x8_head *h, const int8_t *x, const int16_t *xm, v16 s, v16 f) {
     vi16 a = {0};
     for (int c = 0; c < 4; c++) {
         const uint8_t *p = g + 320 * c;
-        u8x64 q = load_u8x64(p + 256);
         i16x32 lo = {0}, hi = {0};
-        for (int t = 0; t < 4; t++) { /* 16-bit shifts of at most 4 bring no bit into bit 4 from the other byte */
-            u8x64 v = load_u8x64(p + 64 * t);
-            u16x32v vw = (u16x32v)v, qw = (u16x32v)q; /* one lane type: the and-ors fuse (vpternlog) */
-            u8x64 l5 = (u8x64)((vw & 0x0F0F) | ((qw << (4 - t)) & 0x1010));
-            u8x64 h5 = (u8x64)(((vw >> 4) & 0x0F0F) | ((qw >> t) & 0x1010));
+        for (int t = 0; t < 4; t++) {
+            Q5X8_CODES(p, t, l5, h5);
             lo += maddubs(l5, bcast8(x + 64 * c + 8 * t));
             hi += maddubs(h5, bcast8(x + 64 * c + 32 + 8 * t));
         }
@@ -211,10 +214,11 @@ BK_INLINE v16 q6x8_accumulate(const uint8_t *g, const q6x8_head *h, const int8_t
 }
 
 /* A group's super-block's codes decoded once for all of a pass's activation rows (prefill, several
- * rows): Q6_K's, Q3_K's and Q2_K's sub-block j is two code vectors against activations 16j..16j+7
- * and 16j+8..16j+15, so one loop serves all three. Their codes take 2-4 instructions per vector to
- * unpack; redone for every activation row, that was as much work as the products (Q3_K x8 ran
- * ~110 GFLOP/s over many rows against Q4_K's ~150, whose nibbles unpack in one). */
+ * rows). Their codes take 2-4 instructions per vector to unpack; redone for every activation row, that
+ * was as much work as the products. One AMD EPYC core, 16 rows, GB/s of weights (2026-11-26): Q6_K
+ * 2.7 -> 4.7, Q5_K 2.8 -> 4.7, Q3_K 1.7 -> 2.5, Q2_K 1.8 -> 2.0, Q4_K 3.4 -> 3.9 (from 8 rows).
+ * Q6_K's, Q3_K's and Q2_K's sub-block j is two code vectors against activations 16j..16j+7 and
+ * 16j+8..16j+15 (x8_codes_dot); Q4_K's and Q5_K's keep x8_accumulate's order (x8_codes_dot_k). */
 typedef struct {
     u8x64 c[32]; /* c[2j], c[2j + 1]: sub-block j's codes */
 } x8_codes;
@@ -233,6 +237,39 @@ BK_INLINE vi16 x8_codes_dot(const x8_codes *o, const int8_t *x, const i16x32 *sc
     vi16 a = {0};
     for (int j = 0; j < 16; j++)
         a = madd_add(a, maddubs(o->c[2 * j], bcast8(x + 16 * j)) + maddubs(o->c[2 * j + 1], bcast8(x + 16 * j + 8)), sc[j]);
+    return a;
+}
+
+/* Q5_K's codes in x8_accumulate's order: c[8c + t] the low nibbles of chunk c's vector t (sub-block
+ * 2c, activations 64c + 8t..), c[8c + 4 + t] the high ones (2c + 1, 64c + 32 + 8t..) */
+BK_INLINE void q5x8_decode(const uint8_t *g, x8_codes *o) {
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < 4; t++) {
+            Q5X8_CODES(g + 320 * c, t, l5, h5);
+            o->c[8 * c + t] = l5, o->c[8 * c + 4 + t] = h5;
+        }
+}
+
+/* the same for Q4_K's nibbles */
+BK_INLINE void q4x8_decode(const uint8_t *g, x8_codes *o) {
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < 4; t++) {
+            u8x64 v = load_u8x64(g + 64 * (4 * c + t));
+            o->c[8 * c + t] = v & 15, o->c[8 * c + 4 + t] = high_nibbles(v);
+        }
+}
+
+/* x8_accumulate's sums over q5x8_decode's codes: the same int16 sums in the same order */
+BK_INLINE vi16 x8_codes_dot_k(const x8_codes *o, const int8_t *x, const x8_head *h) {
+    vi16 a = {0};
+    for (int c = 0; c < 4; c++) {
+        i16x32 lo = {0}, hi = {0};
+        for (int t = 0; t < 4; t++) {
+            lo += maddubs(o->c[8 * c + t], bcast8(x + 64 * c + 8 * t));
+            hi += maddubs(o->c[8 * c + 4 + t], bcast8(x + 64 * c + 32 + 8 * t));
+        }
+        a = madd_add(madd_add(a, lo, h->s[2 * c]), hi, h->s[2 * c + 1]);
+    }
     return a;
 }
 
@@ -284,20 +321,26 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
                     f[0] = q3x8_accumulate(g, &h, x->q8 + sb * 256, x->xs8 + sb * 16, splat16(x->s8[sb]), f[0]);
                 else
                     f[0] = q6x8_accumulate(g, &h, x->q8 + sb * 256, x->xs8 + sb * 16, splat16(x->s8[sb]), f[0]);
-            } else if (type == BK_Q5_K) {
+            } else { /* Q4_K, Q5_K */
+                const int q5 = type == BK_Q5_K;
                 x8_head h;
-                x8_read(g + Q5X8_HEAD, &h);
-                for (int mi = 0; mi < M; mi++) {
-                    int64_t at = (int64_t)mi * ns + sb;
-                    f[mi] = q5x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), f[mi]);
-                }
-            } else {
-                x8_head h;
-                x8_read(g + 1024, &h);
-                for (int mi = 0; mi < M; mi++) {
-                    int64_t at = (int64_t)mi * ns + sb;
-                    f[mi] = x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), f[mi]);
-                }
+                x8_read(g + (q5 ? Q5X8_HEAD : 1024), &h);
+                if (M >= (q5 ? 2 : 8)) { /* (Q4_K's nibbles unpack in one instruction: decoding them once pays
+                                          * from ~8 rows, 3.4 -> 3.9 GB/s at 16, and cost 6% at 4) */
+                    if (q5) q5x8_decode(g, codes);
+                    else q4x8_decode(g, codes);
+                    for (int mi = 0; mi < M; mi++) {
+                        int64_t at = (int64_t)mi * ns + sb;
+                        f[mi] = x8_finish(x8_codes_dot_k(codes, x->q8 + at * 256, &h), &h, x->xm8 + at * 16 + 8,
+                                          splat16(x->s8[at]), f[mi]);
+                    }
+                } else if (q5)
+                    f[0] = q5x8_accumulate(g, &h, x->q8 + sb * 256, x->xm8 + sb * 16 + 8, splat16(x->s8[sb]), f[0]);
+                else
+                    for (int mi = 0; mi < M; mi++) { /* (Q4_K: up to 7 rows) */
+                        int64_t at = (int64_t)mi * ns + sb;
+                        f[mi] = x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), f[mi]);
+                    }
             }
         }
         for (int mi = 0; mi < M; mi++)
