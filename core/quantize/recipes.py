@@ -79,8 +79,9 @@ AWQ_FEED = {"self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_at
 
 def awq_block(block, x, rope, kv, opts, dtype=torch.float32):
     """AutoAWQ's recipe: scales searched on the float block's inputs for each group of linears that
-    share an input, folded into the op before them; then a clip search per linear (not q/k, whose
-    products go through softmax) on the scaled inputs; then min/max quantization."""
+    share an input, folded into the op before them. Then, with opts.compensate (the default), GPTQ on
+    the scaled weights (_awq_gptq); without, AutoAWQ's own: a clip search per linear (not q/k, whose
+    products go through softmax) on the scaled inputs, then min/max quantization."""
     from ...quant import awq
 
     lins = linears(block)
