@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import gguf_blocks
+
 CONFIG_KEY = "brisk_embedding"
 QWEIGHT, SCALES = "model.embed_tokens.qweight", "model.embed_tokens.scales"
 GROUP = 32  # Q8_0's block
@@ -64,7 +66,4 @@ def q8_0_blocks(tensors: dict[str, torch.Tensor], entry, vocab: int, dim: int) -
                                    f"{str(s.dtype).removeprefix('torch.')} {list(s.shape)}")
     if "model.embed_tokens.weight" in tensors:
         raise EmbeddingFormatError("the folder holds both a 16-bit and an 8-bit embedding table")
-    blocks = np.empty((vocab, dim // GROUP, 2 + GROUP), dtype=np.uint8)
-    blocks[..., :2] = s.contiguous().numpy().view(np.uint8).reshape(vocab, -1, 2)
-    blocks[..., 2:] = q.contiguous().numpy().view(np.uint8).reshape(vocab, -1, GROUP)
-    return blocks.reshape(vocab, -1)
+    return gguf_blocks.q8_0_rows(q, s).numpy()

@@ -44,6 +44,22 @@ def _blocks(raw: np.ndarray, rows: int, cols: int, qtype: int) -> np.ndarray:
     return raw.reshape(rows, cols // n, nbytes)
 
 
+def q8_0_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] and float16 scales [N, K / 32] -> GGUF Q8_0 rows, uint8 [N, K / 32 * 34]: each
+    block its scale, then its 32 codes."""
+    N, K = codes.shape
+    blocks = torch.empty(N, K // 32, 34, dtype=torch.uint8)
+    blocks[..., :2] = scales.to(torch.float16).contiguous().view(torch.uint8).view(N, K // 32, 2)
+    blocks[..., 2:] = codes.to(torch.int8).contiguous().view(torch.uint8).view(N, K // 32, 32)
+    return blocks.view(N, -1)
+
+
+def q8_0_codes(rows: torch.Tensor) -> torch.Tensor:
+    """The int8 codes [N, K] of Q8_0 rows (the inverse of q8_0_rows' first half)."""
+    N = rows.shape[0]
+    return rows.view(N, -1, 34)[..., 2:].contiguous().view(torch.int8).view(N, -1)
+
+
 def _fp16(blocks: np.ndarray, at: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gguf_interleave, native, triton_matmul
+from . import gguf_blocks, gguf_interleave, native, triton_matmul
 from .linear import QuantLinear, pack_int4, unpack_int4, unpack_int4_kernel
 
 KERNEL_GROUPS = (256, 128, 64, 32)
@@ -105,10 +105,7 @@ class ZeroPointLinear(QuantLinear):
         if bool((torch.bincount(g, minlength=s.shape[0]) % 32 != 0).any()):
             return
         N, K = self.out_features, self.in_features
-        blocks = torch.empty(N, K // 32, 34, dtype=torch.uint8)
-        blocks[..., :2] = s[g[::32]].T.to(torch.float16).contiguous().view(torch.uint8).view(N, K // 32, 2)
-        blocks[..., 2:] = (q - 128).to(torch.int8).view(torch.uint8).view(N, K // 32, 32)
-        blocks = blocks.view(N, -1)
+        blocks = gguf_blocks.q8_0_rows(q - 128, s[g[::32]].T)
         self._q8_layout = native.X8 if gguf_interleave.packable(Q8_0, N, K) else 0
         self.register_buffer("_q8", gguf_interleave.pack(blocks, Q8_0) if self._q8_layout else blocks, persistent=False)
         self.use_kernel = True
@@ -165,8 +162,7 @@ class ZeroPointLinear(QuantLinear):
         if getattr(self, "_q8", None) is not None:  # Q8_0 blocks: the codes are bytes 2..33 of each, minus 128
             blocks = self._q8.cpu()
             blocks = gguf_interleave.unpack(blocks, Q8_0) if self._q8_layout else blocks
-            codes = blocks.view(self.out_features, -1, 34)[..., 2:].contiguous().view(torch.int8)
-            return (codes.reshape(self.out_features, -1).to(torch.int32) + 128).to(self.scales.device)
+            return (gguf_blocks.q8_0_codes(blocks).to(torch.int32) + 128).to(self.scales.device)
         if getattr(self, "_packed", None) is not None:
             q = unpack_int4_kernel(self._packed, self.out_features, self.in_features).cpu().to(torch.int32)
         else:

@@ -42,16 +42,19 @@ class QuantOptions:
     dynamic: tuple | None = None
     compensate: bool | None = None  # awq: GPTQ's error compensation after AWQ's scales (default on)
 
+    def _dynamic_bits(self, name: str) -> int | None:
+        """The bits of the first --dynamic regex matching `name` from its start, None if none does."""
+        return next((b for p, b in self.dynamic or () if re.match(p, name)), None)
+
     def bits_for(self, name: str) -> int:
-        """The bits of the layer called `name` (model.layers.N.mlp.down_proj): the first --dynamic
-        regex matching it from its start, else --bits."""
-        return next((b for p, b in self.dynamic or () if re.match(p, name)), self.bits)
+        """The bits of the layer called `name` (model.layers.N.mlp.down_proj): --dynamic's, else --bits."""
+        bits = self._dynamic_bits(name)
+        return self.bits if bits is None else bits
 
     def sym_for(self, name: str) -> bool:
         """--sym, except that --dynamic's 8-bit layers are always symmetric: every zero 128 makes
         them GGUF Q8_0 blocks, which the native kernels run (8 bits leave no room for a zero's gain)."""
-        return True if self.dynamic and self.bits_for(name) == 8 and any(re.match(p, name) for p, _ in self.dynamic) \
-            else self.sym
+        return True if self._dynamic_bits(name) == 8 else self.sym
 
     @property
     def calibrated(self) -> bool:
