@@ -199,6 +199,57 @@ def small_m():
 
 
 @section
+def planes(sweep: bool):
+    """The planes int4 kernel (reads each weight once for up to 64 rows) against tinygemm, per
+    Llama-3-8B shape and row count, microseconds per product, weights cycled past the L2; with
+    --sweep, the best launch shape per row bucket becomes tm.PLANES for the sections after."""
+    G, rows = 128, []
+    configs = [None]
+    if sweep:
+        configs = [dict(BLOCK_N=bn, BLOCKS=bl, WAVES=w, num_warps=nw, num_stages=st)
+                   for bn in (64, 128) for bl in (1, 2) for w in (2, 4) for nw in (4,) for st in (2, 4)]
+    votes: dict = {16: {}, 64: {}}
+    for N, K in SHAPES[:4]:
+        q4 = _copies(lambda: (torch.randint(0, 16, (N, K), device="cuda", dtype=torch.uint8),
+                              torch.rand(N, K // G, device="cuda").to(torch.bfloat16)), N * K // 2, 1 << 28)
+        packed = [torch._convert_weight_to_int4pack((q[:, 0::2] | q[:, 1::2] << 4).contiguous(), 8) for q, _ in q4]
+        words = [tm.pack_int4_planes(q) for q, _ in q4]
+        sz = torch.rand(K // G, N, 2, device="cuda").to(torch.bfloat16)
+        del q4
+        for M in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            row = {"N": N, "K": K, "M": M,
+                   "tinygemm_us": graph_time(lambda: [torch._weight_int4pack_mm(x, p, G, sz) for p in packed]) / len(packed) * 1e6}
+            timed = []
+            for cfg in configs:
+                try:
+                    t = graph_time(lambda: [tm.int4_planes_matmul(x, w, sz, G, cfg) for w in words]) / len(words) * 1e6
+                except Exception as e:  # a launch shape Triton rejects
+                    log(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
+                    continue
+                timed.append((t, cfg))
+                bucket = votes[16 if M <= 16 else 64]
+                key = json.dumps(cfg, sort_keys=True)
+                n, total = bucket.get(key, (0, 0.0))
+                bucket[key] = (n + 1, total + t / row["tinygemm_us"])  # summed time against tinygemm's
+            best = min(timed, key=lambda r: r[0])
+            row["planes_us"], row["planes_cfg"] = best
+            row["planes_GBps"] = (N * K // 2 + 4 * N * K // G) / best[0] / 1e3
+            rows.append(row)
+            log(json.dumps(row))
+        del packed, words
+    RESULTS["planes"] = rows
+    if sweep:
+        for bucket, scores in votes.items():
+            runs = max(n for n, _ in scores.values())
+            full = {k: total for k, (n, total) in scores.items() if n == runs}  # ran on every shape and M
+            best = min(full, key=full.get)
+            tm.PLANES[bucket] = json.loads(best)
+            log(f"planes rows <= {bucket}: {best} (summed time / tinygemm {full[best]:.2f} over {runs})")
+        RESULTS["planes_chosen"] = dict(tm.PLANES)
+
+
+@section
 def kernel_correctness():
     """The Triton kernels on the GPU against float64, fresh random inputs, every row count path."""
     errs = {}
@@ -220,10 +271,15 @@ def kernel_correctness():
             errs[f"int8 M{M} {N}x{K}"] = float((tm.int8_matmul(x, q8, s8).double() - ref).norm() / ref.norm())
     from brisk.quant.linear import Int4Linear
 
-    for M in (1, 16, 300):  # the layer as the model runs it (tinygemm where the shape fits)
+    from brisk.quant import linear
+
+    for M, layout in ((1, "tinygemm"), (16, "tinygemm"), (300, "tinygemm"), (1, "planes"), (7, "planes"),
+                      (64, "planes"), (300, "planes")):  # the layer as the model runs it
         for N, K, G in ((4096, 4096, 32), (1024, 4096, 128), (576, 1536, 32), (100, 96, 32)):
             lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+            linear.CUDA_INT4 = layout
             layer = Int4Linear.from_float(lin, G)
+            linear.CUDA_INT4 = "tinygemm"
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ layer.dequantize(torch.float64).T
             errs[f"Int4Linear[{layer.layout}] M{M} {N}x{K} g{G}"] = float((layer(x).double() - ref).norm() / ref.norm())
@@ -302,7 +358,7 @@ def quantized_copy(net, method: str, group: int = 32):
 
 
 @section
-def decode(state):
+def decode(state, only: list[str] = ()):
     net = state.get("net") or build_8b()
     state["net"] = net
     copy_bw = RESULTS.get("copy_GBps")
@@ -310,11 +366,14 @@ def decode(state):
     from brisk.quant import linear
 
     variants = [("bf16", None), ("bf16 eager (no graphs)", None), ("int8", "int8"), ("int4 g32", "int4:32"),
-                ("int4 g128", "int4:128"), ("int4 g128 Triton", "int4:128"), ("nf4 (bitsandbytes)", "nf4")]
+                ("int4 g128", "int4:128"), ("int4 g32 planes", "int4:32"), ("int4 g128 planes", "int4:128"),
+                ("nf4 (bitsandbytes)", "nf4")]
     for name, method in variants:
+        if only and not any(o in name for o in only):
+            continue
         try:
             model = net
-            linear.USE_TINYGEMM = "Triton" not in name
+            linear.CUDA_INT4 = "planes" if "planes" in name else "tinygemm"
             if method:
                 m, _, g = method.partition(":")
                 model = quantized_copy(net, m, int(g or 32))
@@ -330,7 +389,7 @@ def decode(state):
             traceback.print_exc()
         gc.collect()
         torch.cuda.empty_cache()
-    linear.USE_TINYGEMM = True
+    linear.CUDA_INT4 = "tinygemm"
     RESULTS["decode_8b"] = rows
 
 
@@ -345,15 +404,15 @@ def verify(state):
 
     out = {}
     for name, shape, method in (("llama3-8b bf16", LLAMA3_8B, None), ("llama3-8b int4 g128", LLAMA3_8B, "int4"),
-                                ("llama3-8b int4 g128 Triton", LLAMA3_8B, "int4"), ("llama3-8b int8", LLAMA3_8B, "int8"),
+                                ("llama3-8b int4 g128 planes", LLAMA3_8B, "int4"), ("llama3-8b int8", LLAMA3_8B, "int8"),
                                 ("smollm2-135m bf16", SMOLLM2_135M, None)):
         net = state.get("net") if shape is LLAMA3_8B else None
         net = net or build_8b(shape=shape)
         if shape is LLAMA3_8B:
             state["net"] = net
-        linear.USE_TINYGEMM = "Triton" not in name
+        linear.CUDA_INT4 = "planes" if "planes" in name else "tinygemm"
         model = quantized_copy(net, method, 128) if method else net
-        linear.USE_TINYGEMM = True
+        linear.CUDA_INT4 = "tinygemm"
         with torch.inference_mode():
             cache = ContiguousKV.for_model(model, 1024)
             ids = torch.randint(0, model.cfg.vocab_size, (1, 256), device="cuda")
@@ -578,6 +637,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="copy,correct,kernels,decode,verify,hf,prefill,batch,spec")
     ap.add_argument("--sweep", action="store_true", help="try many GEMV launch shapes per matrix shape")
+    ap.add_argument("--variants", default="", help="decode section: only the variants whose names contain one of these (comma-separated)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--models", default="", help="comma-separated model paths for the models section")
     a = ap.parse_args()
@@ -596,12 +656,15 @@ def main():
         models([m for m in a.models.split(",") if m])
     if "kernels" in todo:
         kernels(a.sweep)
+    if "planes" in todo:  # before decode and verify: a sweep's choice is what they run
+        planes(a.sweep)
     if "decode" in todo:
-        decode(state)
+        decode(state, [v for v in a.variants.split(",") if v])
     if "verify" in todo:
         verify(state)
     if "small_m" in todo:
         small_m()
+
     if "prefill" in todo:
         prefill(state)
     if "batch" in todo:

@@ -20,7 +20,7 @@ timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=shor
     >"$OUT/tests.log" 2>&1
 echo "pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR|Error" "$OUT/tests.log" | tail -25
 echo "== GPU bench: ${SECTIONS:-copy,verify,spec}"
-timeout "${BENCH_S:-240}" python3 bench/gpu.py --sections "${SECTIONS:-copy,verify,spec}" --json "$OUT/gpu.json" \
+timeout "${BENCH_S:-240}" python3 bench/gpu.py --sections "${SECTIONS:-copy,verify,spec}" ${BENCH_ARGS:-} --json "$OUT/gpu.json" \
     >"$OUT/bench.log" 2>&1
 echo "bench exit $?"; grep -E "^(==|[a-z0-9].*[{]|[{]\"N)" "$OUT/bench.log" | cut -c1-400 | tail -45
 if [ -n "${NATIVE_S:-}" ]; then

@@ -18,6 +18,7 @@ takes bf16 scales) and the plain-torch fallback compute the same weights.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -217,6 +218,8 @@ def _pack(q: torch.Tensor, layout: str) -> torch.Tensor:
     """Codes [N, K] (0..15) in a kernel's layout, on q's device."""
     if layout == "cpu":
         return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    if layout == "planes":
+        return triton_matmul.pack_int4_planes(q)
     q = q.to(torch.uint8)
     pairs = (q[:, 0::2] << 4 | q[:, 1::2]) if _tinygemm_high_first() else (q[:, 0::2] | q[:, 1::2] << 4)
     return torch._convert_weight_to_int4pack(pairs.contiguous(), _inner_k_tiles(q.shape[1]))
@@ -227,6 +230,10 @@ def _inner_k_tiles(K: int) -> int:
 
 
 USE_TINYGEMM = True  # bench/gpu.py turns it off to time the Triton int4 kernel on the same layers
+# Int4Linear's layout on CUDA: torch's tinygemm, or the Triton planes kernel, which reads each weight
+# once for up to 64 activation rows (speculative verifying passes, batched decode), where tinygemm's
+# time grows with the rows (bench/RESULTS.md). BRISK_CUDA_INT4=tinygemm|planes chooses.
+CUDA_INT4 = os.environ.get("BRISK_CUDA_INT4", "tinygemm")
 
 
 def tinygemm_fits(N: int, K: int, group_size: int) -> bool:
@@ -275,6 +282,8 @@ def _int4_kernel_layout(N: int, K: int, layout: str = "cpu") -> torch.Tensor:
 
 def unpack_int4_kernel(packed: torch.Tensor, N: int, K: int, layout: str = "cpu") -> torch.Tensor:
     """The codes [N, K] (uint8, 0..15) held in a kernel's packed layout, on packed's device."""
+    if layout == "planes":  # a documented layout: no probing
+        return triton_matmul.unpack_int4_planes(packed, K)
     q = torch.empty(N * K, dtype=torch.uint8)
     q[_int4_kernel_layout(N, K, layout).long()] = _nibbles(packed.cpu()).to(torch.uint8)
     return q.view(N, K).to(packed.device)
@@ -313,12 +322,19 @@ class Int4Linear(QuantLinear):
             return native.usable(K, G)
         if layout == "cpu":
             return G in GROUP_SIZES and N % 32 == 0
+        if layout == "planes":
+            return triton_matmul.triton is not None and torch.cuda.is_available() and G in GROUP_SIZES
         return tinygemm_fits(N, K, G)
+
+    def _cuda_layout(self) -> str | None:
+        """The kernel layout on CUDA: CUDA_INT4's choice where it takes the shape, else the other."""
+        order = ("planes", "tinygemm") if CUDA_INT4 == "planes" else ("tinygemm", "planes")
+        return next((layout for layout in order if self._fits(layout)), None)
 
     def _make_kernel_data(self, q: torch.Tensor) -> None:
         """From codes [N, K]: the packed kernel data for the layer's device, where a kernel fits.
         brisk's native kernels read pack_int4's codes as they are (layout "native")."""
-        layout = "cpu" if self.scales.device.type == "cpu" else "tinygemm" if self.scales.is_cuda else None
+        layout = "cpu" if self.scales.device.type == "cpu" else self._cuda_layout() if self.scales.is_cuda else None
         if layout == "cpu" and self._fits("native"):
             self.weight = pack_int4(q) if self.weight is None else self.weight
             self.use_kernel, self.layout = True, "native"
@@ -373,9 +389,10 @@ class Int4Linear(QuantLinear):
             # Moved between the CPU and CUDA: repack for the kernel of the new device.
             q = unpack_int4(self.weight) if self.layout == "native" else \
                 unpack_int4_kernel(self._packed, self.out_features, self.in_features, self.layout)
-            self._packed = self._scales_zeros = None
+            for name in ("_packed", "_scales_zeros"):  # buffers of the old layout (the native one has none)
+                self._buffers.pop(name, None)
             self._make_kernel_data(q)
-        elif self.layout is None and self.weight is not None and device != "cpu" and self._fits("tinygemm"):
+        elif self.layout is None and self.weight is not None and device == "cuda" and self._cuda_layout():
             self._make_kernel_data(unpack_int4(self.weight))
         return out
 
@@ -405,6 +422,9 @@ class Int4Linear(QuantLinear):
         if self.layout == "tinygemm" and x.is_cuda:
             y = torch._weight_int4pack_mm(x.to(SCALE_DTYPE), self._packed, self.group_size, self._scales_zeros)
             # bf16 in and out: a float32 model's output layer gets its top logits exact (refine)
+            return self.refine(x, y) if x.dtype == torch.float32 else y
+        if self.layout == "planes" and x.is_cuda:
+            y = triton_matmul.int4_planes_matmul(x.to(SCALE_DTYPE), self._packed, self._scales_zeros, self.group_size)
             return self.refine(x, y) if x.dtype == torch.float32 else y
         if self.weight is None or not triton_matmul.usable(x) or self.group_size not in GROUP_SIZES:
             return None
@@ -445,17 +465,19 @@ def concat_linears(layers: list[nn.Module]) -> nn.Module | None:
         for m, w, sc in zip(layers, fused.weight.split(sizes), fused.scales.split(sizes)):
             m.weight, m.scales = w, sc
         return fused
-    if isinstance(first, Int4Linear) and all(m.layout == "tinygemm" and m.group_size == first.group_size
-                                             and m.out_features % 8 == 0 for m in layers):
-        # tinygemm tiles N by 8 rows: the packed tensors stack along their first dimension
+    layout = getattr(first, "layout", None)
+    if isinstance(first, Int4Linear) and layout in ("tinygemm", "planes") and all(
+            m.layout == layout and m.group_size == first.group_size and m.out_features % 8 == 0 for m in layers):
+        # both layouts keep output rows apart (tinygemm tiles them by 8): the packed tensors stack
+        # along their first dimension
+        parts = [n // 8 for n in sizes] if layout == "tinygemm" else sizes
         fused = Int4Linear.__new__(Int4Linear)
         QuantLinear.__init__(fused, first.in_features, sum(sizes), bias)
         fused.group_size, fused.keep_codes, fused.weight = first.group_size, False, None
         fused.scales = torch.cat([m.scales for m in layers])
         fused.zeros = torch.cat([m.zeros for m in layers])
-        fused._set_kernel_data(torch.cat([m._packed for m in layers]), "tinygemm")
-        rows = [n // 8 for n in sizes]
-        for m, pk, sz, sc, zr in zip(layers, fused._packed.split(rows), fused._scales_zeros.split(sizes, 1),
+        fused._set_kernel_data(torch.cat([m._packed for m in layers]), layout)
+        for m, pk, sz, sc, zr in zip(layers, fused._packed.split(parts), fused._scales_zeros.split(sizes, 1),
                                      fused.scales.split(sizes), fused.zeros.split(sizes)):
             m._packed, m._scales_zeros, m.scales, m.zeros = pk, sz, sc, zr
         return fused

@@ -115,3 +115,62 @@ def test_int8_embedding_folder_on_cuda(kind, request, tmp_path):
     assert all(p.is_cuda for p in gpu.model.parameters())
     assert rel(gpu.logits(ids).cpu(), cpu) < 2e-2
     assert greedy(gpu, ids, 12) == greedy(LLM.load(str(out), device="cpu", dtype="float32"), ids, 12)
+
+
+@pytest.mark.parametrize("layout", ["planes"])
+def test_int4_cuda_layouts(layout, monkeypatch):
+    """The planes layout against float64 for 1..300 rows, the codes intact through a CPU layer's
+    move to CUDA and back, and fused layers' originals still computing their own columns.
+    (tinygemm's leg failed its one H100 run, 2026-11-26, its report cut off by the run's time
+    limit: not yet diagnosed, see bench/RESULTS.md.)"""
+    from brisk.quant import linear
+    from brisk.quant.linear import concat_linears
+
+    monkeypatch.setattr(linear, "CUDA_INT4", layout)
+    torch.manual_seed(0)
+    parts = [Int4Linear.from_float(torch.nn.Linear(512, n, bias=False), 64) for n in (256, 64, 64)]
+    codes = [m.codes().clone() for m in parts]
+    parts = [m.to("cuda") for m in parts]
+    assert all(m.layout == layout for m in parts)
+    assert all(torch.equal(m.codes().cpu(), c) for m, c in zip(parts, codes))
+    for M in (1, 5, 16, 33, 300):
+        x = torch.randn(M, 512, device="cuda").to(torch.bfloat16)
+        for m in parts:
+            ref = x.double() @ m.dequantize(torch.float64).T
+            assert rel(m(x), ref) < 1e-2
+    fused = concat_linears(parts)
+    assert fused is not None and fused.layout == layout
+    x = torch.randn(7, 512, device="cuda").to(torch.bfloat16)
+    for m, y in zip(parts, fused(x).split([256, 64, 64], dim=-1)):
+        assert rel(m(x), y) < 1e-3  # the same columns (planes may split K differently for another N)
+    assert torch.equal(parts[1].to("cpu").codes(), codes[1])
+
+
+def test_int4_planes_rows_do_not_change_a_row():
+    """Up to 16 rows share one tile: a row's output bits are the same alone or among others (what
+    speculative greedy == plain greedy needs of an int4 target)."""
+    from brisk.quant import triton_matmul as tm
+
+    torch.manual_seed(1)
+    N, K, G = 4096, 4096, 128
+    q = torch.randint(0, 16, (N, K), device="cuda", dtype=torch.uint8)
+    sz = torch.rand(K // G, N, 2, device="cuda").to(torch.bfloat16)
+    words = tm.pack_int4_planes(q)
+    x = torch.randn(16, K, device="cuda").to(torch.bfloat16)
+    full = tm.int4_planes_matmul(x, words, sz, G)
+    for M in (1, 2, 5, 9):
+        assert torch.equal(tm.int4_planes_matmul(x[:M], words, sz, G), full[:M])
+
+
+def test_int4_target_speculative_greedy_on_cuda_planes(tiny_llama_dir, monkeypatch):
+    """An int4 target on the planes kernel: ngram speculation gives plain greedy's tokens."""
+    from brisk.quant import linear
+
+    monkeypatch.setattr(linear, "CUDA_INT4", "planes")
+    llm = LLM.load(str(tiny_llama_dir), device="cuda", quantize="int4")
+    assert any(m.layout == "planes" for m in llm.model.modules() if isinstance(m, Int4Linear))
+    ids = [5, 6, 7, 5, 6, 7, 5, 6, 30, 31]
+    plain = greedy(llm, ids, 40)
+    s = Session(llm, speculator=make_speculator(llm, "ngram", 4))
+    list(s.stream(ids, GREEDY, 40))
+    assert s.last.tokens == plain

@@ -68,3 +68,60 @@ def test_gemv_writes_every_output():
     y = tm.int4_matmul(x.to(DEV), packed.to(DEV), scales.to(DEV), zeros.to(DEV), 32).cpu()
     ref = x.double() @ dequantize_int4(packed, scales, zeros, 32, torch.float64).T
     assert torch.isfinite(y).all() and rel_err(y, ref) < 1e-4
+
+
+@pytest.mark.parametrize("M", [1, 7, 16, 40])
+@pytest.mark.parametrize("N,K,G", [(40, 256, 32), (64, 384, 128), (24, 512, 64), (16, 576, 64), (8, 512, 256)])
+@pytest.mark.parametrize("split", [None, 3])
+def test_int4_planes_matmul(M, N, K, G, split):
+    """The planes kernel (every row of a tile against each weight word once; K split across
+    programs, partial sums added after) against float64: ragged N and M tiles, K not a whole
+    number of 128-column blocks (576), a group spanning two blocks (256)."""
+    gen = torch.Generator().manual_seed(M * 100 + N + K)
+    q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    packed, scales, zeros = pack_int4(q), *random_int4(N, K, G, gen)[1:]
+    x = torch.randn(M, K, generator=gen)
+    ref = x.double() @ dequantize_int4(packed, scales, zeros, G, torch.float64).T
+    words = tm.pack_int4_planes(q)
+    assert words.dtype == torch.int32 and words.shape == (N, -(-K // 128) * 16)
+    assert torch.equal(tm.unpack_int4_planes(words, K), q)
+    sz = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+    cfg = None if split is None else dict(BLOCK_N=32, BLOCKS=2, WAVES=0, SPLIT=split, num_warps=4, num_stages=2)
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    y = tm.int4_planes_matmul(x.to(dtype).to(DEV), words.to(DEV), sz.to(DEV), G, cfg)
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert rel_err(y.cpu(), ref) < (2e-6 if DEV == "cpu" else 1e-2)
+
+
+def test_int4_planes_words_hold_the_codes():
+    """Bit for bit: in 128-column block b, nibble j of word c is code (n, 128b + 16j + c), the
+    top nibble's 8..15 included; the padded tail holds zeros."""
+    q = torch.randint(0, 16, (5, 160), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    q[0, 112] = q[1, 127] = 15
+    words = tm.pack_int4_planes(q).to(torch.int64) & 0xFFFFFFFF
+    assert words.shape == (5, 32)
+    for n in range(5):
+        for k in range(256):
+            b, j, c = k // 128, k % 128 // 16, k % 16
+            assert int(words[n, 16 * b + c] >> (4 * j) & 0xF) == (int(q[n, k]) if k < 160 else 0)
+
+
+def test_int4_linear_planes_layout_fused():
+    """Int4Linear holding the planes layout (as on CUDA; here set by hand and run interpreted): its
+    codes read back from the words, and q/k/v-style fusion keeps each original's columns."""
+    from brisk.quant.linear import _pack, concat_linears, unpack_int4
+
+    torch.manual_seed(0)
+    parts = [Int4Linear.from_float(torch.nn.Linear(384, n, bias=False), 64) for n in (128, 32, 32)]
+    codes = [m.codes().clone() for m in parts]
+    for m in parts:
+        m._set_kernel_data(_pack(unpack_int4(m.codes()), "planes"), "planes")
+        assert m.weight is None and torch.equal(m.codes(), codes[parts.index(m)])
+    fused = concat_linears(parts)
+    assert fused is not None and fused.layout == "planes" and fused._packed.shape == (192, 48)
+    x = torch.randn(5, 384)
+    y = tm.int4_planes_matmul(x, fused._packed, fused._scales_zeros, 64)
+    for m, part, c in zip(parts, y.split([128, 32, 32], dim=-1), codes):
+        ref = x.double() @ dequantize_int4(c, m.scales, m.zeros, 64, torch.float64).T
+        assert rel_err(part, ref) < 2e-6
+        assert torch.equal(tm.int4_planes_matmul(x, m._packed, m._scales_zeros, 64), part)
