@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -59,6 +60,12 @@ ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
 # K-quant KL to the widened file ~3x lower (Gemma 3 Q2_K 0.046 -> 0.008), prefill 17-19% slower, so off
 # by default (bench/RESULTS.md)
 ACT8_SPLIT = float(os.environ.get("BRISK_ACT8_SPLIT", "0"))
+# BRISK_ACT8_OUTLIERS (default 5e-4, 0 off): an 8-bit activation block that rounds coarsely keeps its
+# largest input exact (brisk_kernels.c outlier_err): Gemma 3 Q2_K's KL to the widened file 4.8e-2 -> 5.1e-3,
+# Q4_K_M 7.2e-3 -> 2.1e-3, for ~3% of prefill and ~2% of decode (bench/RESULTS.md). Takes precedence over
+# the split.
+DEFAULT_ACT8_OUTLIERS = 5e-4
+ACT8_OUTLIERS = float(os.environ.get("BRISK_ACT8_OUTLIERS", DEFAULT_ACT8_OUTLIERS))
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
@@ -192,7 +199,8 @@ class Weight(ctypes.Structure):
     """bk_weight in brisk_kernels.c: one weight matrix as the kernels see it."""
     _fields_ = [("type", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("group", ctypes.c_int),
                 ("data", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("scales", ctypes.c_void_p),
-                ("zeros", ctypes.c_void_p), ("row_scales", ctypes.c_void_p), ("layout", ctypes.c_int)]
+                ("zeros", ctypes.c_void_p), ("row_scales", ctypes.c_void_p), ("layout", ctypes.c_int),
+                ("columns", ctypes.c_void_p)]
 
 
 class Arch(ctypes.Structure):
@@ -237,6 +245,11 @@ def library():
     lib.bk_int_dot(int(INT_DOT))
     lib.bk_act8.argtypes, lib.bk_act8.restype = [i], None
     lib.bk_act8(int(ACT8))
+    lib.bk_act8_outliers.argtypes, lib.bk_act8_outliers.restype = [ctypes.c_float], None
+    lib.bk_act8_outliers(ACT8_OUTLIERS)
+    lib.bk_columns_new.argtypes, lib.bk_columns_new.restype = [i, i], p
+    lib.bk_columns_free.argtypes, lib.bk_columns_free.restype = [p], None
+    lib.bk_columns_count.argtypes, lib.bk_columns_count.restype = [p], i
     lib.bk_act8_split.argtypes, lib.bk_act8_split.restype = [ctypes.c_float], None
     lib.bk_act8_split(ACT8_SPLIT)
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
@@ -261,6 +274,14 @@ def set_act8(on: bool) -> None:
     ACT8 = on
     if available():
         library().bk_act8(int(on))
+
+
+def set_act8_outliers(err: float) -> None:
+    """BRISK_ACT8_OUTLIERS for this process from now on (tests and benchmarks A/B it)."""
+    global ACT8_OUTLIERS
+    ACT8_OUTLIERS = err
+    if available():
+        library().bk_act8_outliers(err)
 
 
 def set_act8_split(err: float) -> None:
@@ -322,8 +343,16 @@ class NativeWeight:
         self.tensors = [t.contiguous() if t is not None else None for t in (data, scales, zeros, row_scales)]
         self.tensors[3] = None if row_scales is None else self.tensors[3].float().contiguous()
         ptr = [t.data_ptr() if t is not None else None for t in self.tensors]
-        self.desc = Weight(kind, N, K, group, ptr[0], row_bytes, ptr[1], ptr[2], ptr[3], layout)
+        # the exact outlier inputs' dequantized columns, filled on first need (8-bit activation types)
+        self._columns = library().bk_columns_new(N, K) if kind in ACT8_TYPES and available() else None
+        if self._columns:  # freed with this object (also at exit, while the library is still loaded)
+            weakref.finalize(self, library().bk_columns_free, self._columns)
+        self.desc = Weight(kind, N, K, group, ptr[0], row_bytes, ptr[1], ptr[2], ptr[3], layout, self._columns)
         self.N, self.K = N, K
+
+    def cached_columns(self) -> int:
+        """How many of the weight's columns the outlier inputs have dequantized so far."""
+        return library().bk_columns_count(self._columns) if self._columns else 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) times the weight's transpose: float32 [M, N]."""

@@ -243,6 +243,7 @@ def test_heavy_tailed_rows_run_their_remainder(level, name, K):
     x = torch.stack([heavy[0], torch.randn(K, generator=g), heavy[1], heavy[2], torch.randn(K, generator=g)])
     is_heavy = [True, False, True, True, False]
     try:
+        native.set_act8_outliers(0.0)  # the exact outlier inputs take precedence over the split
         native.set_act8_split(0.0)
         plain = w.matmul(x)
         native.set_act8_split(1e-3)
@@ -250,6 +251,7 @@ def test_heavy_tailed_rows_run_their_remainder(level, name, K):
         alone = [w.matmul(x[i:i + 1])[0] for i in range(len(x))]
     finally:
         native.set_act8_split(0.0)
+        native.set_act8_outliers(native.DEFAULT_ACT8_OUTLIERS)
     want = x.double() @ wd.T
     kind = int(T[name.removesuffix(" x8")])
     bound8 = activation_bound(x, wd, kind)
@@ -262,3 +264,46 @@ def test_heavy_tailed_rows_run_their_remainder(level, name, K):
         err = (split[i].double() - want[i]).abs()
         assert (err <= 1e-5 * scale[i] + 1.001 * bound8[i] / 254 + 1e-30).all(), f"row {i}: {(err / bound8[i]).max()}"
         assert err.max() < (plain[i].double() - want[i]).abs().max() / 20
+
+
+@pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES
+                                    if n.removesuffix(" x8") in {native.GGUF_TYPES[t] for t in native.ACT8_TYPES}])
+def test_coarse_blocks_keep_their_outlier_exact(level, name, K):
+    """BRISK_ACT8_OUTLIERS (on by default): a block whose 8-bit rounding is coarse (one outlier, as
+    in a down projection's input) gives up its largest input, multiplied exactly by the weight's
+    dequantized column, and the rest get a finer grid: the product lands within the 8-bit bound of
+    the row without its outliers, far closer than before. Gaussian rows keep their bits; a row's
+    bits are its own in any batch; the columns are dequantized once and kept."""
+    w, ref = weight(name, K)
+    wd = torch.from_numpy(ref).double()
+    g = torch.Generator().manual_seed(K + 2)
+    heavy = torch.randn(3, K, generator=g) * 0.05
+    heavy[:, 3::256] = 20.0
+    if K > 256:
+        heavy[1, 3] = 0.01  # row 2's first block is Gaussian: it keeps its largest input on the grid
+    x = torch.stack([heavy[0], torch.randn(K, generator=g), heavy[1], heavy[2], torch.randn(K, generator=g)])
+    is_heavy = [True, False, True, True, False]
+    try:
+        native.set_act8_outliers(0.0)
+        plain = w.matmul(x)
+        native.set_act8_outliers(1e-3)
+        exact = w.matmul(x)
+        alone = [w.matmul(x[i:i + 1])[0] for i in range(len(x))]
+        again = w.matmul(x.flip(0)).flip(0)
+    finally:
+        native.set_act8_outliers(native.DEFAULT_ACT8_OUTLIERS)
+    assert w.cached_columns() == K // 256  # column 3 of every block, dequantized once
+    want = x.double() @ wd.T
+    kind = int(T[name.removesuffix(" x8")])
+    rest = x.clone()
+    rest[[0, 2, 3]] = torch.where(x[[0, 2, 3]].abs() >= 20.0, 0.0, x[[0, 2, 3]])
+    bound8 = activation_bound(rest, wd, kind)  # the row without its outliers on the 8-bit grid
+    scale = x.double().abs() @ wd.abs().T
+    for i, h in enumerate(is_heavy):
+        assert torch.equal(alone[i], exact[i]) and torch.equal(again[i], exact[i]), f"row {i} differs in another batch"
+        if not h:
+            assert torch.equal(exact[i], plain[i]), f"Gaussian row {i} changed"
+            continue
+        err = (exact[i].double() - want[i]).abs()
+        assert (err <= 1e-5 * scale[i] + 1.001 * bound8[i] + 1e-30).all(), f"row {i}: {(err / bound8[i]).max()}"
+        assert err.max() < (plain[i].double() - want[i]).abs().max() / 10

@@ -22,6 +22,8 @@ typedef struct {
     const uint16_t *scales, *zeros; /* BK_I4G: bf16 [N, K / group] */
     const float *row_scales;        /* BK_I8R: [N] */
     int layout;                     /* 0: rows as the format stores them; BK_X8: Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 rows interleaved by 8 (q4k_x8.h, q3k_x8.h, q8_x8.h) */
+    void *columns;                  /* 8-bit activation types: bk_columns_new's cache of dequantized columns (the
+                                       exact outlier inputs' products, brisk_kernels.c), shared by every copy */
 } bk_weight;
 
 #define BK_X8 8

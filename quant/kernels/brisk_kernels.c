@@ -44,6 +44,7 @@
  * plain copy is NEON through the compiler; 3 adds AVX2+FMA and AVX-512 on x86-64). */
 typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
+typedef void (*slab_fn)(const bk_weight *, int, int, int, int, float *);
 typedef void (*int_rows_fn)(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);
 typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *); /* both grids */
 typedef void (*quantize_x8_fn)(const float *, int, int, int8_t *, int8_t *, float *, int16_t *, int16_t *);
@@ -52,6 +53,7 @@ typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache
 #define LEVEL_FUNCTIONS(S)                                                                                  \
     void bk_tile_rows_##S(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);    \
     void bk_dequant_rows_##S(const bk_weight *, const int64_t *, int, float *);                           \
+    void bk_dequant_slab_##S(const bk_weight *, int, int, int, int, float *);                             \
     int bk_decoder_##S(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,    \
                        const int32_t *, float *, int);                                                     \
     void bk_int_rows_##S(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);      \
@@ -93,9 +95,10 @@ static const struct {
     int_rows_fn int_rows;
     quantize_x_fn quantize_x, quantize_x256;
     quantize_x8_fn quantize_x8;
+    slab_fn slab;
 } KERNELS[] = {
 #define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, \
-                  bk_quantize_x256_##S, bk_quantize_x8_##S}
+                  bk_quantize_x256_##S, bk_quantize_x8_##S, bk_dequant_slab_##S}
     LEVEL(plain),
 #if BK_LEVELS > 1
     LEVEL(avx2),
@@ -239,6 +242,128 @@ static float split_err = 0.0f;
 
 void bk_act8_split(float err) { split_err = err; }
 
+/* Exact outlier inputs. An 8-bit activation block (256 inputs, one scale) whose rounding is coarse
+ * (find_outliers: one outlier leaves the rest a few levels) gives up its largest input: it is zeroed before the block
+ * is quantized, so the rest get a finer grid, and its product with the weight's column is added in
+ * float afterwards. The MLP's down projection takes the heavy-tailed gated activation: with it Gemma
+ * 3 Q2_K's KL to the widened file falls from 4.8e-2 to 5.1e-3 (bench/RESULTS.md) for ~3% of prefill,
+ * where the remainder pass above (74% of the down projection's rows run twice) costs 19%.
+ * The columns are dequantized once, on first need, and kept per weight (bk_columns). A row's choice
+ * and sums are its own: batch-invariant. 0 turns it off (BRISK_ACT8_OUTLIERS; default 5e-4). */
+static float outlier_err = 0.0f;
+
+void bk_act8_outliers(float err) { outlier_err = err; }
+
+typedef struct {
+    pthread_mutex_t lock;
+    int N, K, n, cap;
+    int32_t *slot; /* [K]: a column's place in vals, or -1 */
+    float *vals;   /* [cap][N]: dequantized columns */
+} bk_columns;
+
+void *bk_columns_new(int N, int K) {
+    if (N <= 0 || K <= 0) return NULL;
+    bk_columns *c = calloc(1, sizeof *c);
+    if (!c || !(c->slot = malloc(sizeof(int32_t) * K))) {
+        free(c);
+        return NULL;
+    }
+    for (int k = 0; k < K; k++) c->slot[k] = -1;
+    c->N = N, c->K = K;
+    pthread_mutex_init(&c->lock, NULL);
+    return c;
+}
+
+void bk_columns_free(void *p) {
+    bk_columns *c = p;
+    if (!c) return;
+    pthread_mutex_destroy(&c->lock);
+    free(c->slot), free(c->vals), free(c);
+}
+
+int bk_columns_count(const void *p) { return p ? ((const bk_columns *)p)->n : 0; }
+
+/* one entry per coarse block: its row, column and input */
+typedef struct {
+    int m, k;
+    float v;
+} bk_outlier;
+
+/* The coarse blocks of x [M, K]: their largest inputs, in (row, column) order; their count. Coarse:
+ * the 8-bit grid's expected squared error, 255 inputs of step^2 / 12 (step = largest / 127), above
+ * outlier_err times the squared norm of the other 255 (a Gaussian block sits near 6e-5, one outlier
+ * over small inputs far above 1e-3): one pass over x, no rounding. */
+static int find_outliers(const float *x, int M, int K, bk_outlier *out) {
+    const double per = 255.0 / (12.0 * 127.0 * 127.0);
+    int n = 0;
+    for (int m = 0; m < M; m++)
+        for (int k0 = 0; k0 < K; k0 += 256) {
+            const float *b = x + (int64_t)m * K + k0;
+            float amax = 0.0f, sq[8] = {0};
+            int at = 0;
+            for (int k = 0; k < 256; k += 8)
+                for (int l = 0; l < 8; l++) sq[l] += b[k + l] * b[k + l]; /* a fixed order: the row's choice is its own */
+            for (int k = 0; k < 256; k++)
+                if (fabsf(b[k]) > amax) amax = fabsf(b[k]), at = k;
+            double norm = (((double)sq[0] + sq[1]) + ((double)sq[2] + sq[3])) + (((double)sq[4] + sq[5]) + ((double)sq[6] + sq[7]));
+            double top = (double)amax * amax;
+            if (amax > 0.0f && top * per > outlier_err * (norm - top)) out[n++] = (bk_outlier){m, k0 + at, b[at]};
+        }
+    return n;
+}
+
+/* The weight's columns for these entries, dequantized into its cache where missing: per 256-column
+ * block that holds one, its rows' blocks (a column costs 1 / (K / 256) of the weight, once), by the
+ * plain copy, so that every level reads the same floats. Called with the cache locked. */
+static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, int n) {
+    int missing = 0;
+    for (int i = 0; i < n; i++)
+        if (c->slot[o[i].k] == -1) c->slot[o[i].k] = -2, missing++; /* -2: wanted */
+    if (!missing) return 0;
+    if (c->n + missing > c->cap) {
+        int cap = c->cap * 2 > c->n + missing ? c->cap * 2 : c->n + missing + 16;
+        cap = cap < c->K ? cap : c->K;
+        float *v = realloc(c->vals, sizeof(float) * (size_t)cap * c->N);
+        if (!v) {
+            for (int k = 0; k < c->K; k++) c->slot[k] = c->slot[k] == -2 ? -1 : c->slot[k];
+            return -2;
+        }
+        c->vals = v, c->cap = cap;
+    }
+    enum { R = 64 };
+    float *slab = malloc(sizeof(float) * R * 256);
+    if (!slab) {
+        for (int k = 0; k < c->K; k++) c->slot[k] = c->slot[k] == -2 ? -1 : c->slot[k];
+        return -2;
+    }
+    for (int k0 = 0; k0 < c->K; k0 += 256) {
+        int first = c->n;
+        for (int k = k0; k < k0 + 256; k++)
+            if (c->slot[k] == -2) c->slot[k] = c->n++;
+        if (c->n == first) continue;
+        for (int r0 = 0; r0 < c->N; r0 += R) {
+            int r1 = r0 + R < c->N ? r0 + R : c->N;
+            KERNELS[LEVEL_PLAIN].slab(w, r0, r1, k0, k0 + 256, slab);
+            for (int k = k0; k < k0 + 256; k++) {
+                int at = c->slot[k];
+                if (at < first) continue; /* cached before, or not wanted (-1) */
+                for (int r = r0; r < r1; r++) c->vals[(size_t)at * c->N + r] = slab[(r - r0) * 256 + (k - k0)];
+            }
+        }
+    }
+    free(slab);
+    return 0;
+}
+
+/* y[m, n0 + n] += v * column k [n] for each entry, in (row, column) order: a row's sums are its own */
+static void add_outliers(const bk_columns *c, const bk_outlier *o, int n, float *y, int64_t ldy, int n0) {
+    for (int i = 0; i < n; i++) {
+        const float *col = c->vals + (size_t)c->slot[o[i].k] * c->N;
+        float *yr = y + (int64_t)o[i].m * ldy + n0, v = o[i].v;
+        for (int j = 0; j < c->N; j++) yr[j] += v * col[j];
+    }
+}
+
 static _Thread_local float *tile_buf;
 static _Thread_local size_t tile_cap;
 
@@ -346,6 +471,40 @@ static int matmul_many(const bk_weight *ws, int nw, int M, const float *x, float
             float *e = b + 2 * (n / 2 + 2 * blocks) + 33 * supers_n, *s = e + n / 2;
             int8_t *q = (int8_t *)e, *qp = q + n;
             int16_t *xs = (int16_t *)(s + supers_n), *xm = xs + 16 * supers_n;
+            if (outlier_err > 0.0f && !ints && !supers) { /* every weight here takes 8-bit ones */
+                int with = 1;
+                for (int i = 0; i < nw; i++) with &= ws[i].columns != NULL;
+                if (with) {
+                    static _Thread_local float *obuf;
+                    static _Thread_local size_t ocap;
+                    /* x2 [M, K], then the entries (3 words each, at most one per block) */
+                    float *x2 = scratch(&obuf, &ocap, n + 3 * supers_n);
+                    if (!x2) return -2;
+                    bk_outlier *o = (bk_outlier *)(x2 + n);
+                    int no = find_outliers(x, M, ws[0].K, o);
+                    if (no) { /* x2: x with those inputs zeroed, so the rest of their blocks get a finer grid */
+                        memcpy(x2, x, sizeof(float) * n);
+                        for (int i = 0; i < no; i++) x2[(int64_t)o[i].m * ws[0].K + o[i].k] = 0.0f;
+                        for (int i = 0; i < nw; i++) {
+                            bk_columns *c = ws[i].columns;
+                            pthread_mutex_lock(&c->lock);
+                            int rc = fill_columns(ws + i, c, o, no);
+                            pthread_mutex_unlock(&c->lock);
+                            if (rc) return rc;
+                        }
+                        KERNELS[level].quantize_x8(x2, M, ws[0].K, q, qp, s, xs, xm);
+                        j.xq.q8 = q, j.xq.q8p = qp, j.xq.s8 = s, j.xq.xs8 = xs, j.xq.xm8 = xm;
+                        parallel_rows(matmul_chunk, &j, j.starts[nw], 32);
+                        for (int i = 0; i < nw; i++) {
+                            bk_columns *c = ws[i].columns;
+                            pthread_mutex_lock(&c->lock); /* another thread's fill may move vals */
+                            add_outliers(c, o, no, y, j.starts[nw], j.starts[i]);
+                            pthread_mutex_unlock(&c->lock);
+                        }
+                        return 0;
+                    } /* no coarse block: the products as without */
+                }
+            }
             KERNELS[level].quantize_x8(x, M, ws[0].K, q, qp, s, xs, xm);
             j.xq.q8 = q, j.xq.q8p = qp, j.xq.s8 = s, j.xq.xs8 = xs, j.xq.xm8 = xm;
             if (may_split && split_err > 0.0f && !ints && !supers) { /* every weight here takes 8-bit ones */
