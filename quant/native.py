@@ -199,8 +199,8 @@ class Weight(ctypes.Structure):
     """bk_weight in brisk_kernels.c: one weight matrix as the kernels see it."""
     _fields_ = [("type", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("group", ctypes.c_int),
                 ("data", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("scales", ctypes.c_void_p),
-                ("zeros", ctypes.c_void_p), ("row_scales", ctypes.c_void_p), ("layout", ctypes.c_int),
-                ("columns", ctypes.c_void_p)]
+                ("zeros", ctypes.c_void_p), ("row_scales", ctypes.c_void_p), ("layout", ctypes.c_int)]
+    # row_scales holds the column cache for the 8-bit activation types (a union in C: they have no row scales)
 
 
 class Arch(ctypes.Structure):
@@ -347,7 +347,7 @@ class NativeWeight:
         self._columns = library().bk_columns_new(N, K) if kind in ACT8_TYPES and available() else None
         if self._columns:  # freed with this object (also at exit, while the library is still loaded)
             weakref.finalize(self, library().bk_columns_free, self._columns)
-        self.desc = Weight(kind, N, K, group, ptr[0], row_bytes, ptr[1], ptr[2], ptr[3], layout, self._columns)
+        self.desc = Weight(kind, N, K, group, ptr[0], row_bytes, ptr[1], ptr[2], self._columns or ptr[3], layout)
         self.N, self.K = N, K
 
     def cached_columns(self) -> int:

@@ -20,10 +20,13 @@ typedef struct {
     const uint8_t *data; /* blocks or codes, row n at data + n * row_bytes */
     int64_t row_bytes;
     const uint16_t *scales, *zeros; /* BK_I4G: bf16 [N, K / group] */
-    const float *row_scales;        /* BK_I8R: [N] */
+    union {                         /* one pointer: 64 bytes a weight (a 72-byte one cost SmolLM2's decode 3-6%) */
+        const float *row_scales;    /* BK_I8R: [N] */
+        void *columns;              /* 8-bit activation types (K-quants): bk_columns_new's cache of dequantized
+                                       columns (the exact outlier inputs' products, brisk_kernels.c), shared by
+                                       every copy of the struct */
+    };
     int layout;                     /* 0: rows as the format stores them; BK_X8: Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 rows interleaved by 8 (q4k_x8.h, q3k_x8.h, q8_x8.h) */
-    void *columns;                  /* 8-bit activation types: bk_columns_new's cache of dequantized columns (the
-                                       exact outlier inputs' products, brisk_kernels.c), shared by every copy */
 } bk_weight;
 
 #define BK_X8 8

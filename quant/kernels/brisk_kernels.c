@@ -436,6 +436,45 @@ static int split_rows(const float *x, int M, int K, const int8_t *q, const float
     return extra;
 }
 
+/* The product of the job with exact outlier inputs (above), the 8-bit codes written to q.. xm: 1
+ * when done, 0 when it does not apply (a weight without a column cache, or no coarse block: the
+ * plain product then), negative on failure. Kept out of matmul_many's own code. */
+static __attribute__((noinline)) int outlier_product(matmul_job *j, const float *x, int8_t *q, int8_t *qp, float *s,
+                                                     int16_t *xs, int16_t *xm) {
+    const bk_weight *ws = j->ws;
+    int nw = j->nw, M = j->M, K = ws[0].K;
+    for (int i = 0; i < nw; i++)
+        if (!ws[i].columns) return 0;
+    static _Thread_local float *obuf;
+    static _Thread_local size_t ocap;
+    size_t n = (size_t)M * K;
+    /* x2 [M, K], then the entries (3 words each, at most one per block) */
+    float *x2 = scratch(&obuf, &ocap, n + 3 * (n / 256));
+    if (!x2) return -2;
+    bk_outlier *o = (bk_outlier *)(x2 + n);
+    int no = find_outliers(x, M, K, o);
+    if (!no) return 0;
+    memcpy(x2, x, sizeof(float) * n); /* x with those inputs zeroed: the rest of their blocks get a finer grid */
+    for (int i = 0; i < no; i++) x2[(int64_t)o[i].m * K + o[i].k] = 0.0f;
+    for (int i = 0; i < nw; i++) {
+        bk_columns *c = ws[i].columns;
+        pthread_mutex_lock(&c->lock);
+        int rc = fill_columns(ws + i, c, o, no);
+        pthread_mutex_unlock(&c->lock);
+        if (rc) return rc;
+    }
+    KERNELS[j->level].quantize_x8(x2, M, K, q, qp, s, xs, xm);
+    j->xq.q8 = q, j->xq.q8p = qp, j->xq.s8 = s, j->xq.xs8 = xs, j->xq.xm8 = xm;
+    parallel_rows(matmul_chunk, j, j->starts[nw], 32);
+    for (int i = 0; i < nw; i++) {
+        bk_columns *c = ws[i].columns;
+        pthread_mutex_lock(&c->lock); /* another thread's fill may move vals */
+        add_outliers(c, o, no, j->y, j->starts[nw], j->starts[i]);
+        pthread_mutex_unlock(&c->lock);
+    }
+    return 1;
+}
+
 static _Thread_local float *split_buf;
 static _Thread_local size_t split_cap;
 
@@ -472,38 +511,8 @@ static int matmul_many(const bk_weight *ws, int nw, int M, const float *x, float
             int8_t *q = (int8_t *)e, *qp = q + n;
             int16_t *xs = (int16_t *)(s + supers_n), *xm = xs + 16 * supers_n;
             if (outlier_err > 0.0f && !ints && !supers) { /* every weight here takes 8-bit ones */
-                int with = 1;
-                for (int i = 0; i < nw; i++) with &= ws[i].columns != NULL;
-                if (with) {
-                    static _Thread_local float *obuf;
-                    static _Thread_local size_t ocap;
-                    /* x2 [M, K], then the entries (3 words each, at most one per block) */
-                    float *x2 = scratch(&obuf, &ocap, n + 3 * supers_n);
-                    if (!x2) return -2;
-                    bk_outlier *o = (bk_outlier *)(x2 + n);
-                    int no = find_outliers(x, M, ws[0].K, o);
-                    if (no) { /* x2: x with those inputs zeroed, so the rest of their blocks get a finer grid */
-                        memcpy(x2, x, sizeof(float) * n);
-                        for (int i = 0; i < no; i++) x2[(int64_t)o[i].m * ws[0].K + o[i].k] = 0.0f;
-                        for (int i = 0; i < nw; i++) {
-                            bk_columns *c = ws[i].columns;
-                            pthread_mutex_lock(&c->lock);
-                            int rc = fill_columns(ws + i, c, o, no);
-                            pthread_mutex_unlock(&c->lock);
-                            if (rc) return rc;
-                        }
-                        KERNELS[level].quantize_x8(x2, M, ws[0].K, q, qp, s, xs, xm);
-                        j.xq.q8 = q, j.xq.q8p = qp, j.xq.s8 = s, j.xq.xs8 = xs, j.xq.xm8 = xm;
-                        parallel_rows(matmul_chunk, &j, j.starts[nw], 32);
-                        for (int i = 0; i < nw; i++) {
-                            bk_columns *c = ws[i].columns;
-                            pthread_mutex_lock(&c->lock); /* another thread's fill may move vals */
-                            add_outliers(c, o, no, y, j.starts[nw], j.starts[i]);
-                            pthread_mutex_unlock(&c->lock);
-                        }
-                        return 0;
-                    } /* no coarse block: the products as without */
-                }
+                int rc = outlier_product(&j, x, q, qp, s, xs, xm);
+                if (rc) return rc > 0 ? 0 : rc;
             }
             KERNELS[level].quantize_x8(x, M, ws[0].K, q, qp, s, xs, xm);
             j.xq.q8 = q, j.xq.q8p = qp, j.xq.s8 = s, j.xq.xs8 = xs, j.xq.xm8 = xm;

@@ -210,11 +210,6 @@ void CAT(bk_dequant_rows, BK_SUFFIX)(const bk_weight *w, const int64_t *rows, in
     dequant_rows(w, rows, n, out);
 }
 
-/* out [n1 - n0, k1 - k0] = rows n0..n1 of the weight, columns k0..k1 (whole blocks), dequantized */
-void CAT(bk_dequant_slab, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int k0, int k1, float *out) {
-    for (int n = n0; n < n1; n++) dequant_row(w, n, k0, k1, out + (int64_t)(n - n0) * (k1 - k0));
-}
-
 /* Rows n0..n1 of an integer-block weight (bk_int_type) times quantized activations (int_dot.h). */
 void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
                                  float *buf) {
@@ -288,4 +283,9 @@ void CAT(bk_quantize_x256, BK_SUFFIX)(const float *x, int M, int K, int16_t *q, 
 
 void CAT(bk_quantize_x8, BK_SUFFIX)(const float *x, int M, int K, int8_t *q, int8_t *qp, float *s, int16_t *xs, int16_t *xm) {
     quantize_x8(x, M, K, q, qp, s, xs, xm);
+}
+
+/* out [n1 - n0, k1 - k0] = rows n0..n1 of the weight, columns k0..k1 (whole blocks), dequantized */
+void CAT(bk_dequant_slab, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int k0, int k1, float *out) {
+    for (int n = n0; n < n1; n++) dequant_row(w, n, k0, k1, out + (int64_t)(n - n0) * (k1 - k0));
 }
