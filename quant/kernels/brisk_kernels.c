@@ -44,7 +44,6 @@
  * plain copy is NEON through the compiler; 3 adds AVX2+FMA and AVX-512 on x86-64). */
 typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
-typedef void (*slab_fn)(const bk_weight *, int, int, int, int, float *);
 typedef void (*int_rows_fn)(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);
 typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *); /* both grids */
 typedef void (*quantize_x8_fn)(const float *, int, int, int8_t *, int8_t *, float *, int16_t *, int16_t *);
@@ -95,10 +94,9 @@ static const struct {
     int_rows_fn int_rows;
     quantize_x_fn quantize_x, quantize_x256;
     quantize_x8_fn quantize_x8;
-    slab_fn slab;
 } KERNELS[] = {
 #define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, \
-                  bk_quantize_x256_##S, bk_quantize_x8_##S, bk_dequant_slab_##S}
+                  bk_quantize_x256_##S, bk_quantize_x8_##S}
     LEVEL(plain),
 #if BK_LEVELS > 1
     LEVEL(avx2),
@@ -320,20 +318,17 @@ static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, 
     for (int i = 0; i < n; i++)
         if (c->slot[o[i].k] == -1) c->slot[o[i].k] = -2, missing++; /* -2: wanted */
     if (!missing) return 0;
-    if (c->n + missing > c->cap) {
+    enum { R = 64 };
+    float *slab = malloc(sizeof(float) * R * 256);
+    if (slab && c->n + missing > c->cap) {
         int cap = c->cap * 2 > c->n + missing ? c->cap * 2 : c->n + missing + 16;
         cap = cap < c->K ? cap : c->K;
         float *v = realloc(c->vals, sizeof(float) * (size_t)cap * c->N);
-        if (!v) {
-            for (int k = 0; k < c->K; k++) c->slot[k] = c->slot[k] == -2 ? -1 : c->slot[k];
-            return -2;
-        }
-        c->vals = v, c->cap = cap;
+        if (v) c->vals = v, c->cap = cap;
     }
-    enum { R = 64 };
-    float *slab = malloc(sizeof(float) * R * 256);
-    if (!slab) {
+    if (!slab || c->n + missing > c->cap) { /* out of memory: nothing wanted any more */
         for (int k = 0; k < c->K; k++) c->slot[k] = c->slot[k] == -2 ? -1 : c->slot[k];
+        free(slab);
         return -2;
     }
     for (int k0 = 0; k0 < c->K; k0 += 256) {
@@ -343,7 +338,7 @@ static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, 
         if (c->n == first) continue;
         for (int r0 = 0; r0 < c->N; r0 += R) {
             int r1 = r0 + R < c->N ? r0 + R : c->N;
-            KERNELS[LEVEL_PLAIN].slab(w, r0, r1, k0, k0 + 256, slab);
+            bk_dequant_slab_plain(w, r0, r1, k0, k0 + 256, slab);
             for (int k = k0; k < k0 + 256; k++) {
                 int at = c->slot[k];
                 if (at < first) continue; /* cached before, or not wanted (-1) */
