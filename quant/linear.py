@@ -420,7 +420,10 @@ class Int4Linear(QuantLinear):
             return self.refine(x, torch._weight_int4pack_mm_for_cpu(x.to(SCALE_DTYPE), self._packed, self.group_size,
                                                                     self._scales_zeros))
         if self.layout == "tinygemm" and x.is_cuda:
-            y = torch._weight_int4pack_mm(x.to(SCALE_DTYPE), self._packed, self.group_size, self._scales_zeros)
+            # tinygemm ignores strides: a fused layer's originals hold column slices of its scales
+            # (found on an H100); .contiguous() is a no-op for every other layer
+            y = torch._weight_int4pack_mm(x.to(SCALE_DTYPE), self._packed, self.group_size,
+                                          self._scales_zeros.contiguous())
             # bf16 in and out: a float32 model's output layer gets its top logits exact (refine)
             return self.refine(x, y) if x.dtype == torch.float32 else y
         if self.layout == "planes" and x.is_cuda:

@@ -106,6 +106,7 @@ def test_int4_planes_words_hold_the_codes():
             assert int(words[n, 16 * b + c] >> (4 * j) & 0xF) == (int(q[n, k]) if k < 160 else 0)
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="on a GPU, test_cuda.py::test_int4_cuda_layouts covers it")
 def test_int4_linear_planes_layout_fused():
     """Int4Linear holding the planes layout (as on CUDA; here set by hand and run interpreted): its
     codes read back from the words, and q/k/v-style fusion keeps each original's columns."""
@@ -124,4 +125,6 @@ def test_int4_linear_planes_layout_fused():
     for m, part, c in zip(parts, y.split([128, 32, 32], dim=-1), codes):
         ref = x.double() @ dequantize_int4(c, m.scales, m.zeros, 64, torch.float64).T
         assert rel_err(part, ref) < 2e-6
-        assert torch.equal(tm.int4_planes_matmul(x, m._packed, m._scales_zeros, 64), part)
+        # the same columns alone: equal up to the interpreter's numpy dot, whose rounding can
+        # depend on an output row's place in the tile (on the GPU: test_cuda.py)
+        assert rel_err(tm.int4_planes_matmul(x, m._packed, m._scales_zeros, 64), part.double()) < 1e-6
