@@ -213,6 +213,8 @@ typedef struct {
     bk_xq xq; /* x quantized (int_dot.h), for the weights with integer blocks */
     float *y;
     int level;
+    const struct bk_outlier *o; /* exact outlier inputs to add to each chunk's outputs (below), or NULL */
+    int no;
 } matmul_job;
 
 /* Integer products for the types that have them (0: every type dequantizes to float; tests, bench) */
@@ -281,31 +283,56 @@ void bk_columns_free(void *p) {
 
 int bk_columns_count(const void *p) { return p ? ((const bk_columns *)p)->n : 0; }
 
-/* one entry per coarse block: its row, column and input */
-typedef struct {
+/* an input a coarse block gives up: its row, column and value */
+typedef struct bk_outlier {
     int m, k;
     float v;
 } bk_outlier;
 
-/* The coarse blocks of x [M, K]: their largest inputs, in (row, column) order; their count. Coarse:
+/* The coarse blocks of x [M, K]: their largest inputs, in (row, block) order; their count. Coarse:
  * the 8-bit grid's expected squared error, 255 inputs of step^2 / 12 (step = largest / 127), above
  * outlier_err times the squared norm of the other 255 (a Gaussian block sits near 6e-5, one outlier
- * over small inputs far above 1e-3): one pass over x, no rounding. */
+ * over small inputs far above 1e-3): one pass over x, no rounding. A block stays coarse after giving
+ * up its largest when a second outlier stands as far above the rest (one token of Gemma 3 Q3_K_M
+ * reached KL 2.6 that way): it gives up inputs, largest first, until it is fine or OUTLIERS_PER_BLOCK
+ * are out. */
+enum { OUTLIERS_PER_BLOCK = 4 };
+
 static int find_outliers(const float *x, int M, int K, bk_outlier *out) {
     const double per = 255.0 / (12.0 * 127.0 * 127.0);
     int n = 0;
     for (int m = 0; m < M; m++)
         for (int k0 = 0; k0 < K; k0 += 256) {
             const float *b = x + (int64_t)m * K + k0;
-            float amax = 0.0f, sq[8] = {0};
-            int at = 0;
-            for (int k = 0; k < 256; k += 8)
-                for (int l = 0; l < 8; l++) sq[l] += b[k + l] * b[k + l]; /* a fixed order: the row's choice is its own */
-            for (int k = 0; k < 256; k++)
-                if (fabsf(b[k]) > amax) amax = fabsf(b[k]), at = k;
+            float sq[8] = {0}, mx[8] = {0};
+            for (int k = 0; k < 256; k += 8) /* a fixed order: the row's choice is its own */
+                for (int l = 0; l < 8; l++) {
+                    float v = b[k + l], a = fabsf(v);
+                    sq[l] += v * v;
+                    mx[l] = a > mx[l] ? a : mx[l];
+                }
             double norm = (((double)sq[0] + sq[1]) + ((double)sq[2] + sq[3])) + (((double)sq[4] + sq[5]) + ((double)sq[6] + sq[7]));
-            double top = (double)amax * amax;
-            if (amax > 0.0f && top * per > outlier_err * (norm - top)) out[n++] = (bk_outlier){m, k0 + at, b[at]};
+            float amax = 0.0f;
+            for (int l = 0; l < 8; l++) amax = mx[l] > amax ? mx[l] : amax;
+            int taken[OUTLIERS_PER_BLOCK];
+            for (int nt = 0; nt < OUTLIERS_PER_BLOCK; nt++) {
+                double top = (double)amax * amax;
+                if (!(amax > 0.0f && top * per > outlier_err * (norm - top))) break;
+                int at = -1;
+                float next = 0.0f; /* the largest after this one */
+                for (int k = 0; k < 256; k++) {
+                    int out_already = 0;
+                    for (int t = 0; t < nt; t++) out_already |= taken[t] == k;
+                    float a = fabsf(b[k]);
+                    if (out_already) continue;
+                    if (at < 0 && a == amax) at = k;
+                    else if (a > next) next = a;
+                }
+                out[n++] = (bk_outlier){m, k0 + at, b[at]};
+                taken[nt] = at;
+                norm -= top;
+                amax = next;
+            }
         }
     return n;
 }
@@ -350,13 +377,16 @@ static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, 
     return 0;
 }
 
-/* y[m, n0 + n] += v * column k [n] for each entry, in (row, column) order: a row's sums are its own */
-static void add_outliers(const bk_columns *c, const bk_outlier *o, int n, float *y, int64_t ldy, int n0) {
-    for (int i = 0; i < n; i++) {
+/* y[m, n] += v * column k [n] for n in n0..n1 of this weight's outputs, each entry in turn: every
+ * output's sum runs over its row's entries in one order, however the columns are chunked */
+static void add_outliers(bk_columns *c, const bk_outlier *o, int no, float *y, int64_t ldy, int n0, int n1) {
+    pthread_mutex_lock(&c->lock); /* another call's fill may move vals */
+    for (int i = 0; i < no; i++) {
         const float *col = c->vals + (size_t)c->slot[o[i].k] * c->N;
-        float *yr = y + (int64_t)o[i].m * ldy + n0, v = o[i].v;
-        for (int j = 0; j < c->N; j++) yr[j] += v * col[j];
+        float *yr = y + (int64_t)o[i].m * ldy, v = o[i].v;
+        for (int n = n0; n < n1; n++) yr[n] += v * col[n];
     }
+    pthread_mutex_unlock(&c->lock);
 }
 
 static _Thread_local float *tile_buf;
@@ -393,6 +423,8 @@ static void matmul_chunk(const void *a, int n0, int n1) {
             KERNELS[j->level].int_rows(w, lo - j->starts[i], hi - j->starts[i], j->M, &j->xq, y, j->starts[j->nw], buf);
         else
             KERNELS[j->level].tile(w, lo - j->starts[i], hi - j->starts[i], j->M, j->x, y, j->starts[j->nw], buf);
+        if (j->no) /* in the chunk: its outputs are still in cache, and the threads share the work */
+            add_outliers(w->columns, j->o, j->no, y, j->starts[j->nw], lo - j->starts[i], hi - j->starts[i]);
     }
 }
 
@@ -443,8 +475,8 @@ static __attribute__((noinline)) int outlier_product(matmul_job *j, const float 
     static _Thread_local float *obuf;
     static _Thread_local size_t ocap;
     size_t n = (size_t)M * K;
-    /* x2 [M, K], then the entries (3 words each, at most one per block) */
-    float *x2 = scratch(&obuf, &ocap, n + 3 * (n / 256));
+    /* x2 [M, K], then the entries (3 words each, at most OUTLIERS_PER_BLOCK per block) */
+    float *x2 = scratch(&obuf, &ocap, n + 3 * OUTLIERS_PER_BLOCK * (n / 256));
     if (!x2) return -2;
     bk_outlier *o = (bk_outlier *)(x2 + n);
     int no = find_outliers(x, M, K, o);
@@ -460,13 +492,9 @@ static __attribute__((noinline)) int outlier_product(matmul_job *j, const float 
     }
     KERNELS[j->level].quantize_x8(x2, M, K, q, qp, s, xs, xm);
     j->xq.q8 = q, j->xq.q8p = qp, j->xq.s8 = s, j->xq.xs8 = xs, j->xq.xm8 = xm;
+    j->o = o, j->no = no;
     parallel_rows(matmul_chunk, j, j->starts[nw], 32);
-    for (int i = 0; i < nw; i++) {
-        bk_columns *c = ws[i].columns;
-        pthread_mutex_lock(&c->lock); /* another thread's fill may move vals */
-        add_outliers(c, o, no, j->y, j->starts[nw], j->starts[i]);
-        pthread_mutex_unlock(&c->lock);
-    }
+    j->o = NULL, j->no = 0;
     return 1;
 }
 
