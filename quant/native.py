@@ -61,9 +61,9 @@ ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
 # by default (bench/RESULTS.md)
 ACT8_SPLIT = float(os.environ.get("BRISK_ACT8_SPLIT", "0"))
 # BRISK_ACT8_OUTLIERS (default 5e-4, 0 off): an 8-bit activation block that rounds coarsely keeps its
-# largest input exact (brisk_kernels.c outlier_err): Gemma 3 Q2_K's KL to the widened file 4.8e-2 -> 5.1e-3,
-# Q4_K_M 7.2e-3 -> 2.1e-3, for ~3% of prefill and ~2% of decode (bench/RESULTS.md). Takes precedence over
-# the split.
+# largest inputs exact (brisk_kernels.c outlier_err): KL to the widened file by `brisk eval --base`, Gemma 3
+# Q4_K_M 1.7e-2 -> 1.4e-3, Q3_K_M 2.6e-2 -> 6.7e-3, for 5-10% of K-quant prefill, decode unchanged
+# (bench/RESULTS.md). Takes precedence over the split.
 DEFAULT_ACT8_OUTLIERS = 5e-4
 ACT8_OUTLIERS = float(os.environ.get("BRISK_ACT8_OUTLIERS", DEFAULT_ACT8_OUTLIERS))
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",

@@ -243,13 +243,15 @@ static float split_err = 0.0f;
 void bk_act8_split(float err) { split_err = err; }
 
 /* Exact outlier inputs. An 8-bit activation block (256 inputs, one scale) whose rounding is coarse
- * (find_outliers: one outlier leaves the rest a few levels) gives up its largest input: it is zeroed before the block
- * is quantized, so the rest get a finer grid, and its product with the weight's column is added in
- * float afterwards. The MLP's down projection takes the heavy-tailed gated activation: with it Gemma
- * 3 Q2_K's KL to the widened file falls from 4.8e-2 to 5.1e-3 (bench/RESULTS.md) for ~3% of prefill,
+ * (find_outliers: one outlier leaves the rest a few levels) gives up its largest inputs (up to
+ * OUTLIERS_PER_BLOCK): they are zeroed before the block is quantized, so the rest get a finer grid,
+ * and their products with the weight's columns are added in float afterwards. The MLP's down
+ * projection takes the heavy-tailed gated activation: with it every K-quant file's KL to the widened
+ * file is under 0.01 (Gemma 3 Q3_K_M 2.6e-2 -> 6.7e-3, bench/RESULTS.md) for 5-10% of prefill,
  * where the remainder pass above (74% of the down projection's rows run twice) costs 19%.
- * The columns are dequantized once, on first need, and kept per weight (bk_columns). A row's choice
- * and sums are its own: batch-invariant. 0 turns it off (BRISK_ACT8_OUTLIERS; default 5e-4). */
+ * The columns are dequantized once, on first need, and kept per weight (bk_columns; unbounded: it
+ * grows with the columns a text touches, bench/RESULTS.md). A row's choice and sums are its own:
+ * batch-invariant. 0 turns it off (BRISK_ACT8_OUTLIERS; default 5e-4). */
 static float outlier_err = 0.0f;
 
 void bk_act8_outliers(float err) { outlier_err = err; }
