@@ -66,6 +66,9 @@ ACT8_SPLIT = float(os.environ.get("BRISK_ACT8_SPLIT", "0"))
 # (bench/RESULTS.md). Takes precedence over the split.
 DEFAULT_ACT8_OUTLIERS = 5e-4
 ACT8_OUTLIERS = float(os.environ.get("BRISK_ACT8_OUTLIERS", DEFAULT_ACT8_OUTLIERS))
+# The outliers' dequantized float columns a weight keeps, as a share of its own bytes (a column not kept
+# is dequantized again, to the same floats: brisk_kernels.c bk_columns)
+OUTLIER_CACHE = float(os.environ.get("BRISK_OUTLIER_CACHE", "0.125"))
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
@@ -247,9 +250,9 @@ def library():
     lib.bk_act8(int(ACT8))
     lib.bk_act8_outliers.argtypes, lib.bk_act8_outliers.restype = [ctypes.c_float], None
     lib.bk_act8_outliers(ACT8_OUTLIERS)
-    lib.bk_columns_new.argtypes, lib.bk_columns_new.restype = [i, i], p
+    lib.bk_columns_new.argtypes, lib.bk_columns_new.restype = [i, i, i], p
     lib.bk_columns_free.argtypes, lib.bk_columns_free.restype = [p], None
-    lib.bk_columns_count.argtypes, lib.bk_columns_count.restype = [p], i
+    lib.bk_columns_count.argtypes, lib.bk_columns_count.restype = [p, i], ctypes.c_longlong
     lib.bk_act8_split.argtypes, lib.bk_act8_split.restype = [ctypes.c_float], None
     lib.bk_act8_split(ACT8_SPLIT)
     lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
@@ -322,6 +325,11 @@ def takes(qtype: int, K: int) -> bool:
     return qtype in BLOCK and K % BLOCK[qtype][0] == 0 and usable(K)
 
 
+def outlier_columns(N: int, row_bytes: int) -> int:
+    """How many float columns of an [N, K] weight its outlier cache keeps: OUTLIER_CACHE of its bytes."""
+    return max(16, int(OUTLIER_CACHE * row_bytes / 4))
+
+
 class NativeWeight:
     """A weight matrix the kernels read in place: the tensors (kept alive here) and their description."""
 
@@ -344,15 +352,17 @@ class NativeWeight:
         self.tensors[3] = None if row_scales is None else self.tensors[3].float().contiguous()
         ptr = [t.data_ptr() if t is not None else None for t in self.tensors]
         # the exact outlier inputs' dequantized columns, filled on first need (8-bit activation types)
-        self._columns = library().bk_columns_new(N, K) if kind in ACT8_TYPES and available() else None
+        self._columns = library().bk_columns_new(N, K, outlier_columns(N, row_bytes)) \
+            if kind in ACT8_TYPES and available() else None
         if self._columns:  # freed with this object (also at exit, while the library is still loaded)
             weakref.finalize(self, library().bk_columns_free, self._columns)
         self.desc = Weight(kind, N, K, group, ptr[0], row_bytes, ptr[1], ptr[2], self._columns or ptr[3], layout)
         self.N, self.K = N, K
 
-    def cached_columns(self) -> int:
-        """How many of the weight's columns the outlier inputs have dequantized so far."""
-        return library().bk_columns_count(self._columns) if self._columns else 0
+    def cached_columns(self, which: str = "now") -> int:
+        """The outlier inputs' dequantized columns: how many are cached ("now"), the most that can be
+        ("cap"), how many were dequantized so far ("filled")."""
+        return library().bk_columns_count(self._columns, ("now", "cap", "filled").index(which)) if self._columns else 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) times the weight's transpose: float32 [M, N]."""

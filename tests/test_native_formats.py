@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from brisk.quant import gguf_interleave, native
+from brisk.quant.native import JoinedWeights
 
 from int_dot_bound import activation_bound
 
@@ -264,6 +265,46 @@ def test_heavy_tailed_rows_run_their_remainder(level, name, K):
         err = (split[i].double() - want[i]).abs()
         assert (err <= 1e-5 * scale[i] + 1.001 * bound8[i] / 254 + 1e-30).all(), f"row {i}: {(err / bound8[i]).max()}"
         assert err.max() < (plain[i].double() - want[i]).abs().max() / 20
+
+
+@pytest.mark.parametrize("name", ["Q4_K x8", "Q6_K", "Q2_K x8"])
+def test_outlier_columns_cache_is_bounded(level, name, monkeypatch):
+    """The outliers' dequantized columns live in a bounded cache: a weight with room for 3 of them
+    gives the bits of one with room for all, in any batch and whatever ran before. A product whose
+    columns fit is served from the cache, evicting others (a column dequantized again is the same
+    floats); one whose columns do not fit dequantizes their blocks as it goes, to the same bits. Joined
+    with a weight of more room, the smaller room decides."""
+    K = 1024
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, K, generator=g) * 0.05
+    for m in range(6):  # one outlier in blocks 1 and 3 of rows 0-2 (2 columns: they fit), in every block of rows 3-5
+        blocks = torch.tensor([1, 3] if m < 3 else [0, 1, 2, 3])
+        cols = blocks * 256 + torch.randint(0, 256, (len(blocks),), generator=g)
+        x[m, cols] = (10.0 + 10.0 * torch.rand(len(cols), generator=g)) * torch.randn(len(cols), generator=g).sign()
+    monkeypatch.setattr(native, "outlier_columns", lambda N, row_bytes: K)
+    wide, _ = weight(name, K)
+    monkeypatch.setattr(native, "outlier_columns", lambda N, row_bytes: 3)
+    narrow, _ = weight(name, K)
+    try:
+        native.set_act8_outliers(0.0)
+        plain = wide.matmul(x)
+        native.set_act8_outliers(1e-3)
+        want = wide.matmul(x)
+        got = narrow.matmul(x)
+        alone = [narrow.matmul(x[i:i + 1])[0] for i in range(len(x))]
+        filled = narrow.cached_columns("filled")
+        first = narrow.matmul(x[:1])[0]  # its columns evicted by rows 1 and 2
+        again = narrow.matmul(x.flip(0)).flip(0)
+        joined = JoinedWeights([wide, narrow]).matmul(x)
+    finally:
+        native.set_act8_outliers(native.DEFAULT_ACT8_OUTLIERS)
+    assert not torch.equal(want, plain)  # the outliers were taken
+    assert torch.equal(got, want) and torch.equal(again, want) and torch.equal(first, want[0])
+    assert all(torch.equal(a, w) for a, w in zip(alone, want))
+    assert torch.equal(joined, torch.cat([want, want], 1))
+    assert wide.cached_columns("filled") == wide.cached_columns() == 2 * 3 + 4 * 3  # every column once
+    assert narrow.cached_columns("cap") == 3 and narrow.cached_columns() == 3
+    assert filled == 6 and narrow.cached_columns("filled") == 8  # rows 0-2 through the cache, row 0 twice
 
 
 @pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES

@@ -44,6 +44,7 @@
  * plain copy is NEON through the compiler; 3 adds AVX2+FMA and AVX-512 on x86-64). */
 typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
+typedef void (*slab_fn)(const bk_weight *, int, int, int, int, float *);
 typedef void (*int_rows_fn)(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);
 typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *); /* both grids */
 typedef void (*quantize_x8_fn)(const float *, int, int, int8_t *, int8_t *, float *, int16_t *, int16_t *);
@@ -90,12 +91,13 @@ static int clamp_level(int level) {
 static const struct {
     tile_fn tile;
     rows_fn rows;
+    slab_fn slab;
     decoder_fn decoder;
     int_rows_fn int_rows;
     quantize_x_fn quantize_x, quantize_x256;
     quantize_x8_fn quantize_x8;
 } KERNELS[] = {
-#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, \
+#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_dequant_slab_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, \
                   bk_quantize_x256_##S, bk_quantize_x8_##S}
     LEVEL(plain),
 #if BK_LEVELS > 1
@@ -215,6 +217,8 @@ typedef struct {
     int level;
     const struct bk_outlier *o; /* exact outlier inputs to add to each chunk's outputs (below), or NULL */
     int no;
+    const int16_t *stream;      /* NULL: their columns are in the weights' caches; else each column's
+                                   place among its 256-column block's wanted ones (stream_outliers) */
 } matmul_job;
 
 /* Integer products for the types that have them (0: every type dequantizes to float; tests, bench) */
@@ -249,41 +253,57 @@ void bk_act8_split(float err) { split_err = err; }
  * projection takes the heavy-tailed gated activation: with it every K-quant file's KL to the widened
  * file is under 0.01 (Gemma 3 Q3_K_M 2.6e-2 -> 6.7e-3, bench/RESULTS.md) for 5-10% of prefill,
  * where the remainder pass above (74% of the down projection's rows run twice) costs 19%.
- * The columns are dequantized once, on first need, and kept per weight (bk_columns; unbounded: it
- * grows with the columns a text touches, bench/RESULTS.md). A row's choice and sums are its own:
- * batch-invariant. 0 turns it off (BRISK_ACT8_OUTLIERS; default 5e-4). */
+ * The columns are dequantized on need into a bounded cache per weight (bk_columns). A row's choice
+ * and sums are its own, and a column's floats are the same whether cached or dequantized again, so a
+ * row's bits depend neither on its batch nor on what ran before. 0 turns it off (BRISK_ACT8_OUTLIERS;
+ * default 5e-4). */
 static float outlier_err = 0.0f;
 
 void bk_act8_outliers(float err) { outlier_err = err; }
 
+/* A weight's dequantized columns, at most cap of them (native.py sizes it from the weight's bytes):
+ * the columns a text's outliers touch keep growing with the text (an unbounded cache reached 188 MB
+ * on a 1.1B model after 1280 tokens). A place's mark: 0 idle, 1 used since the clock hand passed it,
+ * 2 needed by the running product (never evicted), 3 needed and not yet dequantized. */
 typedef struct {
-    pthread_mutex_t lock;
-    int N, K, n, cap;
-    int32_t *slot; /* [K]: a column's place in vals, or -1 */
-    float *vals;   /* [cap][N]: dequantized columns */
+    int N, K, n, cap, room, hand; /* n places taken, room allocated (grows to cap) */
+    int level;                    /* the kernels' level that dequantized them (-1: none yet) */
+    long long filled;             /* columns dequantized so far (tests, benchmarks) */
+    int32_t *slot;                /* [K]: a column's place, or -1 */
+    int32_t *col;                 /* [cap]: a place's column */
+    uint8_t *mark;                /* [cap] */
+    float *vals;                  /* [room][N] */
 } bk_columns;
 
-void *bk_columns_new(int N, int K) {
-    if (N <= 0 || K <= 0) return NULL;
+/* One lock for every cache, held through an outlier product: the pool runs one job at a time anyway */
+static pthread_mutex_t columns_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void *bk_columns_new(int N, int K, int cap) {
+    if (N <= 0 || K <= 0 || cap <= 0) return NULL;
     bk_columns *c = calloc(1, sizeof *c);
-    if (!c || !(c->slot = malloc(sizeof(int32_t) * K))) {
+    cap = cap < K ? cap : K;
+    if (c) c->slot = malloc(sizeof(int32_t) * K), c->col = malloc(sizeof(int32_t) * cap), c->mark = calloc(cap, 1);
+    if (!c || !c->slot || !c->col || !c->mark) {
+        if (c) free(c->slot), free(c->col), free(c->mark);
         free(c);
         return NULL;
     }
     for (int k = 0; k < K; k++) c->slot[k] = -1;
-    c->N = N, c->K = K;
-    pthread_mutex_init(&c->lock, NULL);
+    c->N = N, c->K = K, c->cap = cap, c->level = -1;
     return c;
 }
 
 void bk_columns_free(void *p) {
     bk_columns *c = p;
     if (!c) return;
-    pthread_mutex_destroy(&c->lock);
-    free(c->slot), free(c->vals), free(c);
+    free(c->slot), free(c->col), free(c->mark), free(c->vals), free(c);
 }
 
-int bk_columns_count(const void *p) { return p ? ((const bk_columns *)p)->n : 0; }
+/* how many columns are cached now (which 0), the most that can be (1), dequantized so far (2) */
+long long bk_columns_count(const void *p, int which) {
+    const bk_columns *c = p;
+    return !c ? 0 : which == 0 ? c->n : which == 1 ? c->cap : c->filled;
+}
 
 /* an input a coarse block gives up: its row, column and value */
 typedef struct bk_outlier {
@@ -291,7 +311,7 @@ typedef struct bk_outlier {
     float v;
 } bk_outlier;
 
-/* The coarse blocks of x [M, K]: their largest inputs, in (row, block) order; their count. Coarse:
+/* The coarse blocks of x [M, K]: their largest inputs, in (row, column) order; their count. Coarse:
  * the 8-bit grid's expected squared error, 255 inputs of step^2 / 12 (step = largest / 127), above
  * outlier_err times the squared norm of the other 255 (a Gaussian block sits near 6e-5, one outlier
  * over small inputs far above 1e-3): one pass over x, no rounding. A block stays coarse after giving
@@ -306,89 +326,127 @@ static int find_outliers(const float *x, int M, int K, bk_outlier *out) {
     for (int m = 0; m < M; m++)
         for (int k0 = 0; k0 < K; k0 += 256) {
             const float *b = x + (int64_t)m * K + k0;
-            float sq[8] = {0}, mx[8] = {0};
-            for (int k = 0; k < 256; k += 8) /* a fixed order: the row's choice is its own */
-                for (int l = 0; l < 8; l++) {
-                    float v = b[k + l], a = fabsf(v);
-                    sq[l] += v * v;
-                    mx[l] = a > mx[l] ? a : mx[l];
-                }
-            double norm = (((double)sq[0] + sq[1]) + ((double)sq[2] + sq[3])) + (((double)sq[4] + sq[5]) + ((double)sq[6] + sq[7]));
+            v16 sq = {0}, mx = {0};
+            for (int k = 0; k < 256; k += LANES) { /* a fixed order: the row's choice is its own */
+                v16 v = load16(b + k), a = (v16)((vi16)v & 0x7fffffff);
+                sq += v * v;
+                mx = select16(a > mx, a, mx);
+            }
+            double norm = 0.0;
             float amax = 0.0f;
-            for (int l = 0; l < 8; l++) amax = mx[l] > amax ? mx[l] : amax;
-            int taken[OUTLIERS_PER_BLOCK];
-            for (int nt = 0; nt < OUTLIERS_PER_BLOCK; nt++) {
+            for (int l = 0; l < LANES; l++) norm += sq[l], amax = mx[l] > amax ? mx[l] : amax;
+            int taken[OUTLIERS_PER_BLOCK], nt = 0;
+            float a[256]; /* the magnitudes, a taken one set to -1 */
+            for (; nt < OUTLIERS_PER_BLOCK; nt++) {
                 double top = (double)amax * amax;
                 if (!(amax > 0.0f && top * per > outlier_err * (norm - top))) break;
-                int at = -1;
-                float next = 0.0f; /* the largest after this one */
-                for (int k = 0; k < 256; k++) {
-                    int out_already = 0;
-                    for (int t = 0; t < nt; t++) out_already |= taken[t] == k;
-                    float a = fabsf(b[k]);
-                    if (out_already) continue;
-                    if (at < 0 && a == amax) at = k;
-                    else if (a > next) next = a;
-                }
-                out[n++] = (bk_outlier){m, k0 + at, b[at]};
+                if (nt == 0)
+                    for (int k = 0; k < 256; k++) a[k] = fabsf(b[k]);
+                int at = 0;
+                while (a[at] != amax) at++; /* the first: amax is one of them */
+                a[at] = -1.0f;
+                float next[8] = {0}; /* the largest after this one */
+                for (int k = 0; k < 256; k += 8)
+                    for (int l = 0; l < 8; l++) next[l] = a[k + l] > next[l] ? a[k + l] : next[l];
                 taken[nt] = at;
                 norm -= top;
-                amax = next;
+                amax = 0.0f;
+                for (int l = 0; l < 8; l++) amax = next[l] > amax ? next[l] : amax;
             }
+            for (int t = 1; t < nt; t++) /* column order: a row's sums run over its entries that way */
+                for (int u = t; u > 0 && taken[u] < taken[u - 1]; u--) {
+                    int a = taken[u];
+                    taken[u] = taken[u - 1], taken[u - 1] = a;
+                }
+            for (int t = 0; t < nt; t++) out[n++] = (bk_outlier){m, k0 + taken[t], b[taken[t]]};
         }
     return n;
 }
 
-/* The weight's columns for these entries, dequantized into its cache where missing: per 256-column
- * block that holds one, its rows' blocks (a column costs 1 / (K / 256) of the weight, once), by the
- * plain copy, so that every level reads the same floats. Called with the cache locked. */
-static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, int n) {
+/* a place for one more column: a new one while under cap, else the clock's next idle one */
+static int take_place(bk_columns *c) {
+    if (c->n < c->cap) {
+        if (c->n == c->room) {
+            int room = c->room * 2 > c->n + 16 ? c->room * 2 : c->n + 16;
+            room = room < c->cap ? room : c->cap;
+            float *v = realloc(c->vals, sizeof(float) * (size_t)room * c->N);
+            if (!v) return -1;
+            c->vals = v, c->room = room;
+        }
+        return c->n++;
+    }
+    for (int tries = 0; tries < 3 * c->cap; tries++) { /* 2 sweeps clear every 1; the caller keeps some place < 2 */
+        int h = c->hand;
+        c->hand = (h + 1) % c->cap;
+        if (c->mark[h] >= 2) continue;
+        if (c->mark[h] == 1) {
+            c->mark[h] = 0;
+            continue;
+        }
+        c->slot[c->col[h]] = -1;
+        return h;
+    }
+    return -1;
+}
+
+/* The weight's columns for the entries (at most cap of them), cached and marked needed (2): the
+ * missing ones dequantized per 256-column block that holds one, its rows' blocks (a column costs
+ * 1 / (K / 256) of the weight), by the level's slab function, which stream_outliers uses too: a
+ * refill reads the same floats. Called with columns_lock held; -2 out of memory. */
+static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, int n, int level) {
+    if (c->level != level) { /* another level's floats (fused multiply-adds differ): none kept */
+        for (int k = 0; k < c->K; k++) c->slot[k] = -1;
+        c->n = 0, c->hand = 0, c->level = level;
+    }
     int missing = 0;
-    for (int i = 0; i < n; i++)
-        if (c->slot[o[i].k] == -1) c->slot[o[i].k] = -2, missing++; /* -2: wanted */
+    for (int i = 0; i < n; i++) {
+        int k = o[i].k, s = c->slot[k];
+        if (s >= 0) {
+            c->mark[s] = c->mark[s] == 3 ? 3 : 2;
+            continue;
+        }
+        if ((s = take_place(c)) < 0) return -2;
+        c->slot[k] = s, c->col[s] = k, c->mark[s] = 3;
+        missing++;
+    }
     if (!missing) return 0;
     enum { R = 64 };
     float *slab = malloc(sizeof(float) * R * 256);
-    if (slab && c->n + missing > c->cap) {
-        int cap = c->cap * 2 > c->n + missing ? c->cap * 2 : c->n + missing + 16;
-        cap = cap < c->K ? cap : c->K;
-        float *v = realloc(c->vals, sizeof(float) * (size_t)cap * c->N);
-        if (v) c->vals = v, c->cap = cap;
-    }
-    if (!slab || c->n + missing > c->cap) { /* out of memory: nothing wanted any more */
-        for (int k = 0; k < c->K; k++) c->slot[k] = c->slot[k] == -2 ? -1 : c->slot[k];
-        free(slab);
-        return -2;
-    }
+    if (!slab) return -2;
     for (int k0 = 0; k0 < c->K; k0 += 256) {
-        int first = c->n;
-        for (int k = k0; k < k0 + 256; k++)
-            if (c->slot[k] == -2) c->slot[k] = c->n++;
-        if (c->n == first) continue;
+        int lo = k0, hi = k0 + 256, any = 0;
+        for (int k = lo; k < hi; k++) any |= c->slot[k] >= 0 && c->mark[c->slot[k]] == 3;
+        if (!any) continue;
         for (int r0 = 0; r0 < c->N; r0 += R) {
             int r1 = r0 + R < c->N ? r0 + R : c->N;
-            bk_dequant_slab_plain(w, r0, r1, k0, k0 + 256, slab);
-            for (int k = k0; k < k0 + 256; k++) {
+            KERNELS[level].slab(w, r0, r1, k0, k0 + 256, slab);
+            for (int k = lo; k < hi; k++) {
                 int at = c->slot[k];
-                if (at < first) continue; /* cached before, or not wanted (-1) */
+                if (at < 0 || c->mark[at] != 3) continue;
                 for (int r = r0; r < r1; r++) c->vals[(size_t)at * c->N + r] = slab[(r - r0) * 256 + (k - k0)];
             }
         }
+        for (int k = lo; k < hi; k++)
+            if (c->slot[k] >= 0 && c->mark[c->slot[k]] == 3) c->mark[c->slot[k]] = 2, c->filled++;
     }
     free(slab);
     return 0;
 }
 
+/* the product done: the columns it needed become evictable again (used: 1) */
+static void release_columns(bk_columns *c, const bk_outlier *o, int n) {
+    for (int i = 0; i < n; i++)
+        if (c->slot[o[i].k] >= 0) c->mark[c->slot[o[i].k]] = 1;
+}
+
 /* y[m, n] += v * column k [n] for n in n0..n1 of this weight's outputs, each entry in turn: every
- * output's sum runs over its row's entries in one order, however the columns are chunked */
-static void add_outliers(bk_columns *c, const bk_outlier *o, int no, float *y, int64_t ldy, int n0, int n1) {
-    pthread_mutex_lock(&c->lock); /* another call's fill may move vals */
+ * output's sum runs over its row's entries in column order, however the outputs are chunked */
+static void add_outliers(const bk_columns *c, const bk_outlier *o, int no, float *y, int64_t ldy, int n0, int n1) {
     for (int i = 0; i < no; i++) {
         const float *col = c->vals + (size_t)c->slot[o[i].k] * c->N;
         float *yr = y + (int64_t)o[i].m * ldy, v = o[i].v;
         for (int n = n0; n < n1; n++) yr[n] += v * col[n];
     }
-    pthread_mutex_unlock(&c->lock);
 }
 
 static _Thread_local float *tile_buf;
@@ -404,6 +462,38 @@ static float *scratch(float **buf, size_t *cap, size_t n) {
     return *buf;
 }
 
+/* add_outliers without the cache, for a product whose entries' columns do not fit it (a prefill's
+ * down projection touches hundreds): rows n0..n1 of each 256-column block that holds an entry
+ * dequantized by the same function a fill uses, its wanted columns (at[k]: a column's place among
+ * its block's, or -1) copied out contiguous, so the sums are add_outliers' to the bit (the same floats,
+ * each output's entries in the same order), for 1 / (K / 256) of the rows' dequant a block, shared
+ * by the product's rows. */
+enum { STREAM_ROWS = 64 };
+
+static void stream_outliers(const bk_weight *w, int level, const bk_outlier *o, int no, const int16_t *at, float *y,
+                            int64_t ldy, int n0, int n1, float *slab /* 2 x STREAM_ROWS x 256 */) {
+    enum { R = STREAM_ROWS };
+    float *cols = slab + R * 256;
+    for (int r0 = n0; r0 < n1; r0 += R) {
+        int r1 = r0 + R < n1 ? r0 + R : n1, rows = r1 - r0;
+        for (int k0 = 0; k0 < w->K; k0 += 256) {
+            int any = 0;
+            for (int k = k0; k < k0 + 256; k++) any |= at[k] >= 0;
+            if (!any) continue;
+            KERNELS[level].slab(w, r0, r1, k0, k0 + 256, slab);
+            for (int k = k0; k < k0 + 256; k++)
+                if (at[k] >= 0)
+                    for (int r = 0; r < rows; r++) cols[at[k] * R + r] = slab[r * 256 + (k - k0)];
+            for (int i = 0; i < no; i++) {
+                if (o[i].k < k0 || o[i].k >= k0 + 256) continue;
+                const float *col = cols + at[o[i].k] * R - r0;
+                float *yr = y + (int64_t)o[i].m * ldy, v = o[i].v;
+                for (int n = r0; n < r1; n++) yr[n] += v * col[n];
+            }
+        }
+    }
+}
+
 static void matmul_chunk(const void *a, int n0, int n1) {
     const matmul_job *j = a;
     size_t need = 0;
@@ -411,7 +501,7 @@ static void matmul_chunk(const void *a, int n0, int n1) {
         size_t n = bk_tile_floats(j->ws + i, j->M);
         need = n > need ? n : need;
     }
-    float *buf = scratch(&tile_buf, &tile_cap, need);
+    float *buf = scratch(&tile_buf, &tile_cap, need + (j->stream ? 2 * STREAM_ROWS * 256 : 0));
     if (!buf) return;
     for (int i = 0; i < j->nw; i++) { /* the part of each weight inside this chunk */
         int lo = n0 > j->starts[i] ? n0 : j->starts[i], hi = n1 < j->starts[i + 1] ? n1 : j->starts[i + 1];
@@ -425,7 +515,10 @@ static void matmul_chunk(const void *a, int n0, int n1) {
             KERNELS[j->level].int_rows(w, lo - j->starts[i], hi - j->starts[i], j->M, &j->xq, y, j->starts[j->nw], buf);
         else
             KERNELS[j->level].tile(w, lo - j->starts[i], hi - j->starts[i], j->M, j->x, y, j->starts[j->nw], buf);
-        if (j->no) /* in the chunk: its outputs are still in cache, and the threads share the work */
+        if (j->no && j->stream) /* in the chunk: its outputs are still in cache, and the threads share the work */
+            stream_outliers(w, j->level, j->o, j->no, j->stream, y, j->starts[j->nw], lo - j->starts[i], hi - j->starts[i],
+                            buf + need);
+        else if (j->no)
             add_outliers(w->columns, j->o, j->no, y, j->starts[j->nw], lo - j->starts[i], hi - j->starts[i]);
     }
 }
@@ -467,37 +560,54 @@ static int split_rows(const float *x, int M, int K, const int8_t *q, const float
 
 /* The product of the job with exact outlier inputs (above), the 8-bit codes written to q.. xm: 1
  * when done, 0 when it does not apply (a weight without a column cache, or no coarse block: the
- * plain product then), negative on failure. Kept out of matmul_many's own code. */
+ * plain product then), negative on failure. The entries are added inside the product's chunks, while
+ * those outputs are in cache: from the weights' caches when their columns fit (decode), else from
+ * their blocks dequantized by each chunk (stream_outliers), to the same bits. Kept out of
+ * matmul_many's own code. */
 static __attribute__((noinline)) int outlier_product(matmul_job *j, const float *x, int8_t *q, int8_t *qp, float *s,
                                                      int16_t *xs, int16_t *xm) {
     const bk_weight *ws = j->ws;
-    int nw = j->nw, M = j->M, K = ws[0].K;
-    for (int i = 0; i < nw; i++)
-        if (!ws[i].columns) return 0;
+    int nw = j->nw, M = j->M, K = ws[0].K, cap = K;
+    for (int i = 0; i < nw; i++) {
+        const bk_columns *c = ws[i].columns;
+        if (!c) return 0;
+        cap = c->cap < cap ? c->cap : cap;
+    }
     static _Thread_local float *obuf;
     static _Thread_local size_t ocap;
     size_t n = (size_t)M * K;
-    /* x2 [M, K], then the entries (3 words each, at most OUTLIERS_PER_BLOCK per block) */
-    float *x2 = scratch(&obuf, &ocap, n + 3 * OUTLIERS_PER_BLOCK * (n / 256));
+    /* x2 [M, K], the entries (3 words each, at most OUTLIERS_PER_BLOCK per block), 2 bytes per column */
+    float *x2 = scratch(&obuf, &ocap, n + 3 * OUTLIERS_PER_BLOCK * (n / 256) + K / 2 + 1);
     if (!x2) return -2;
     bk_outlier *o = (bk_outlier *)(x2 + n);
     int no = find_outliers(x, M, K, o);
     if (!no) return 0;
+    int16_t *at = (int16_t *)(o + no); /* a wanted column's place among its block's (stream_outliers), else -1 */
+    for (int k = 0; k < K; k++) at[k] = -1;
+    for (int i = 0; i < no; i++) at[o[i].k] = 0;
+    int distinct = 0;
+    for (int k0 = 0; k0 < K; k0 += 256)
+        for (int k = k0, got = 0; k < k0 + 256; k++)
+            if (at[k] == 0) at[k] = (int16_t)got++, distinct++;
     memcpy(x2, x, sizeof(float) * n); /* x with those inputs zeroed: the rest of their blocks get a finer grid */
     for (int i = 0; i < no; i++) x2[(int64_t)o[i].m * K + o[i].k] = 0.0f;
-    for (int i = 0; i < nw; i++) {
-        bk_columns *c = ws[i].columns;
-        pthread_mutex_lock(&c->lock);
-        int rc = fill_columns(ws + i, c, o, no);
-        pthread_mutex_unlock(&c->lock);
-        if (rc) return rc;
-    }
     KERNELS[j->level].quantize_x8(x2, M, K, q, qp, s, xs, xm);
     j->xq.q8 = q, j->xq.q8p = qp, j->xq.s8 = s, j->xq.xs8 = xs, j->xq.xm8 = xm;
     j->o = o, j->no = no;
-    parallel_rows(matmul_chunk, j, j->starts[nw], 32);
+    if (distinct > cap) {
+        j->stream = at;
+        parallel_rows(matmul_chunk, j, j->starts[nw], 32);
+        j->o = NULL, j->no = 0, j->stream = NULL;
+        return 1;
+    }
+    pthread_mutex_lock(&columns_lock);
+    int rc = 0;
+    for (int i = 0; i < nw && rc == 0; i++) rc = fill_columns(ws + i, ws[i].columns, o, no, j->level);
+    if (rc == 0) parallel_rows(matmul_chunk, j, j->starts[nw], 32);
+    for (int i = 0; i < nw; i++) release_columns(ws[i].columns, o, no);
+    pthread_mutex_unlock(&columns_lock);
     j->o = NULL, j->no = 0;
-    return 1;
+    return rc ? rc : 1;
 }
 
 static _Thread_local float *split_buf;

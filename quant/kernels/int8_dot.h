@@ -324,27 +324,37 @@ BK_INLINE void int8_tile_rows(const bk_weight *w, int type, int n0, int n1, int 
     }
 }
 
-/* x [M, K] -> the 8-bit activations (K a multiple of 256): bk_xq's q8, q8p, s8, xs8, xm8 */
+typedef int8_t bk_i8x16 __attribute__((vector_size(16)));
+
+/* x [M, K] -> the 8-bit activations (K a multiple of 256): bk_xq's q8, q8p, s8, xs8, xm8. In whole
+ * vectors of 16 (a scalar loop took 2 ns an input: a sixth of Gemma 3's prefill). */
 BK_INLINE void quantize_x8(const float *x, int M, int K, int8_t *q, int8_t *qp, float *s, int16_t *xs, int16_t *xm) {
-    const float magic = 12582912.0f;
+    const float magic = 12582912.0f; /* adding 1.5 * 2^23 rounds to an integer */
     static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* qp's sub-block j holds x's sub-block order[j] */
     for (int64_t b = 0; b < (int64_t)M * (K / 256); b++) {
         const float *xb = x + b * 256;
+        v16 mx = {0};
+        for (int k = 0; k < 256; k += LANES) {
+            v16 a = (v16)((vi16)load16(xb + k) & 0x7fffffff);
+            mx = select16(a > mx, a, mx);
+        }
         float amax = 0.0f;
-        for (int k = 0; k < 256; k++) amax = fabsf(xb[k]) > amax ? fabsf(xb[k]) : amax;
+        for (int l = 0; l < LANES; l++) amax = mx[l] > amax ? mx[l] : amax;
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int t32[8] = {0}, t16[16] = {0};
-        for (int k = 0; k < 256; k++) {
-            int v = (int)((xb[k] * inv + magic) - magic);
-            q[b * 256 + k] = (int8_t)v;
-            t32[k / 32] += v;
-            t16[k / 16] += v;
+        int t16[16];
+        for (int c = 0; c < 16; c++) {
+            vi16 v = __builtin_convertvector((load16(xb + 16 * c) * inv + magic) - magic, vi16);
+            bk_i8x16 c8 = __builtin_convertvector(v, bk_i8x16);
+            memcpy(q + b * 256 + 16 * c, &c8, 16);
+            int t = 0;
+            for (int l = 0; l < LANES; l++) t += v[l];
+            t16[c] = t;
         }
         for (int j = 0; j < 8; j++) memcpy(qp + b * 256 + 32 * j, q + b * 256 + 32 * order[j], 32);
         s[b] = amax / 127.0f;
         for (int l = 0; l < 16; l++) {
             xs[b * 16 + l] = (int16_t)t16[l];
-            xm[b * 16 + l] = (int16_t)(l < 8 ? 0 : t32[l - 8]);
+            xm[b * 16 + l] = (int16_t)(l < 8 ? 0 : t16[2 * (l - 8)] + t16[2 * (l - 8) + 1]);
         }
     }
 }
