@@ -68,7 +68,7 @@ DEFAULT_ACT8_OUTLIERS = 5e-4
 ACT8_OUTLIERS = float(os.environ.get("BRISK_ACT8_OUTLIERS", DEFAULT_ACT8_OUTLIERS))
 # The outliers' dequantized float columns a weight keeps, as a share of its own bytes (a column not kept
 # is dequantized again, to the same floats: brisk_kernels.c bk_columns)
-OUTLIER_CACHE = float(os.environ.get("BRISK_OUTLIER_CACHE", "0.125"))
+OUTLIER_CACHE = float(os.environ.get("BRISK_OUTLIER_CACHE", "0.0625"))
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),

@@ -267,7 +267,7 @@ def test_heavy_tailed_rows_run_their_remainder(level, name, K):
         assert err.max() < (plain[i].double() - want[i]).abs().max() / 20
 
 
-@pytest.mark.parametrize("name", ["Q4_K x8", "Q6_K", "Q2_K x8"])
+@pytest.mark.parametrize("name", ["Q4_K x8", "Q6_K x8", "Q6_K", "Q2_K x8"])
 def test_outlier_columns_cache_is_bounded(level, name, monkeypatch):
     """The outliers' dequantized columns live in a bounded cache: a weight with room for 3 of them
     gives the bits of one with room for all, in any batch and whatever ran before. A product whose

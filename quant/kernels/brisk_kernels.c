@@ -45,6 +45,7 @@
 typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
 typedef void (*slab_fn)(const bk_weight *, int, int, int, int, float *);
+typedef int (*columns_fn)(const bk_weight *, const int *, int, int, int, float *const *);
 typedef void (*int_rows_fn)(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);
 typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *); /* both grids */
 typedef void (*quantize_x8_fn)(const float *, int, int, int8_t *, int8_t *, float *, int16_t *, int16_t *);
@@ -54,6 +55,7 @@ typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache
     void bk_tile_rows_##S(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);    \
     void bk_dequant_rows_##S(const bk_weight *, const int64_t *, int, float *);                           \
     void bk_dequant_slab_##S(const bk_weight *, int, int, int, int, float *);                             \
+    int bk_dequant_columns_##S(const bk_weight *, const int *, int, int, int, float *const *);            \
     int bk_decoder_##S(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,    \
                        const int32_t *, float *, int);                                                     \
     void bk_int_rows_##S(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);      \
@@ -92,12 +94,13 @@ static const struct {
     tile_fn tile;
     rows_fn rows;
     slab_fn slab;
+    columns_fn columns;
     decoder_fn decoder;
     int_rows_fn int_rows;
     quantize_x_fn quantize_x, quantize_x256;
     quantize_x8_fn quantize_x8;
 } KERNELS[] = {
-#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_dequant_slab_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, \
+#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_dequant_slab_##S, bk_dequant_columns_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, \
                   bk_quantize_x256_##S, bk_quantize_x8_##S}
     LEVEL(plain),
 #if BK_LEVELS > 1
@@ -410,6 +413,16 @@ static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, 
         missing++;
     }
     if (!missing) return 0;
+    if (KERNELS[level].columns(w, NULL, 0, 0, 0, NULL)) { /* one weight a row */
+        for (int i = 0; i < n; i++) {
+            int at = c->slot[o[i].k];
+            if (c->mark[at] != 3) continue;
+            float *out = c->vals + (size_t)at * c->N;
+            KERNELS[level].columns(w, &o[i].k, 1, 0, c->N, &out);
+            c->mark[at] = 2, c->filled++;
+        }
+        return 0;
+    }
     enum { R = 64 };
     float *slab = malloc(sizeof(float) * R * 256);
     if (!slab) return -2;
@@ -480,10 +493,18 @@ static void stream_outliers(const bk_weight *w, int level, const bk_outlier *o, 
             int any = 0;
             for (int k = k0; k < k0 + 256; k++) any |= at[k] >= 0;
             if (!any) continue;
-            KERNELS[level].slab(w, r0, r1, k0, k0 + 256, slab);
-            for (int k = k0; k < k0 + 256; k++)
-                if (at[k] >= 0)
-                    for (int r = 0; r < rows; r++) cols[at[k] * R + r] = slab[r * 256 + (k - k0)];
+            if (KERNELS[level].columns(w, NULL, 0, 0, 0, NULL)) { /* one weight a row, the block's columns at once */
+                int ks[256], nk = 0;
+                float *outs[256];
+                for (int k = k0; k < k0 + 256; k++)
+                    if (at[k] >= 0) ks[nk] = k, outs[nk++] = cols + at[k] * R;
+                KERNELS[level].columns(w, ks, nk, r0, r1, outs);
+            } else {
+                KERNELS[level].slab(w, r0, r1, k0, k0 + 256, slab);
+                for (int k = k0; k < k0 + 256; k++)
+                    if (at[k] >= 0)
+                        for (int r = 0; r < rows; r++) cols[at[k] * R + r] = slab[r * 256 + (k - k0)];
+            }
             for (int i = 0; i < no; i++) {
                 if (o[i].k < k0 || o[i].k >= k0 + 256) continue;
                 const float *col = cols + at[o[i].k] * R - r0;

@@ -289,3 +289,66 @@ void CAT(bk_quantize_x8, BK_SUFFIX)(const float *x, int M, int K, int8_t *q, int
 void CAT(bk_dequant_slab, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int k0, int k1, float *out) {
     for (int n = n0; n < n1; n++) dequant_row(w, n, k0, k1, out + (int64_t)(n - n0) * (k1 - k0));
 }
+
+/* outs[i][n - n0] = column ks[i] of rows n0..n1 for the nk columns ks, all in one 256-column block,
+ * for the layouts K-quant files mostly hold (Q4_K and Q6_K rows interleaved by 8; the exact outlier
+ * inputs' columns, brisk_kernels.c), a row's scales decoded once for all: 1, or 0 for another type
+ * or layout (the caller dequantizes the columns' block). Each weight by one expression, however many
+ * columns come along: a column's floats do not depend on the call. A block's slab costs 256 weights
+ * a row; one column of a 2048-row Q4_K weight takes ~15 us this way, ~100 by the slab. */
+int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk, int n0, int n1, float *const *outs) {
+    if (w->layout != BK_X8 || (w->type != BK_Q4_K && w->type != BK_Q6_K)) return 0;
+    if (nk < 1) return 1;
+    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS, sb = ks[0] / 256;
+    if (w->type == BK_Q4_K) /* q4k_x8.h's layout: weight 64c + 32hi + i is sub-block 2c + hi, code byte 32c + i */
+        for (int n = n0; n < n1; n++) {
+            uint8_t s[12];
+            const uint8_t *g = NULL, *b = NULL;
+            float d, dmin, dl[8], ml[8];
+            int r = n % X8_ROWS;
+            if (n < whole) {
+                g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * X8_BYTES;
+                const uint8_t *hd = g + 1024;
+                d = bk_fp16(hd + 2 * r), dmin = -bk_fp16(hd + 16 + 2 * r);
+                for (int t = 0; t < 12; t++) s[t] = hd[32 + 32 * (t / 4) + 4 * r + t % 4];
+            } else {
+                b = w->data + (int64_t)n * w->row_bytes + sb * 144;
+                d = bk_fp16(b), dmin = bk_fp16(b + 2);
+                memcpy(s, b + 4, 12);
+            }
+            for (int j = 0; j < 8; j++) {
+                int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+                int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+                dl[j] = d * (float)sc, ml[j] = dmin * (float)m;
+            }
+            for (int i = 0; i < nk; i++) {
+                int at = ks[i] % 256, c = at / 64, hi = at % 64 >= 32, byte = 32 * c + at % 32;
+                int q = g ? g[64 * (byte / 8) + 8 * r + byte % 8] : b[16 + byte];
+                q = hi ? q >> 4 : q & 15;
+                outs[i][n - n0] = dl[2 * c + hi] * (float)q - ml[2 * c + hi];
+            }
+        }
+    else /* Q6_K: q4k_x8.h's layout; the file's: dq_q6_k */
+        for (int n = n0; n < n1; n++) {
+            int r = n % X8_ROWS;
+            const uint8_t *g = n < whole ? w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * Q6X8_BYTES : NULL;
+            const uint8_t *b = g ? NULL : w->data + (int64_t)n * w->row_bytes + sb * 210;
+            float d = g ? bk_fp16(g + 1664 + 2 * r) : bk_fp16(b + 208);
+            for (int i = 0; i < nk; i++) {
+                int at = ks[i] % 256, sc, q;
+                if (g) {
+                    int low = at % 128, u = low / 8, ib = low % 8, shift = (at >= 128 ? 2 : 0) + (low % 16 >= 8 ? 4 : 0);
+                    uint8_t l = g[192 * (u / 2) + 64 * (u % 2) + 8 * r + ib];
+                    q = (at >= 128 ? l >> 4 : l & 15) | (g[192 * (low / 16) + 128 + 8 * r + ib] >> shift & 3) << 4;
+                    sc = (int8_t)g[1536 + 32 * (at / 64) + 4 * r + at / 16 % 4];
+                } else {
+                    int h = at / 128, t = at % 128 / 32, o = at % 32;
+                    uint8_t l = b[64 * h + 32 * (t & 1) + o], qh = b[128 + 32 * h + o];
+                    q = (t < 2 ? l & 15 : l >> 4) | (qh >> (2 * t) & 3) << 4;
+                    sc = (int8_t)b[192 + at / 16];
+                }
+                outs[i][n - n0] = d * (float)sc * ((float)q - 32.f);
+            }
+        }
+    return 1;
+}
