@@ -327,7 +327,7 @@ def takes(qtype: int, K: int) -> bool:
 
 def outlier_columns(N: int, row_bytes: int) -> int:
     """How many float columns of an [N, K] weight its outlier cache keeps: OUTLIER_CACHE of its bytes."""
-    return max(16, int(OUTLIER_CACHE * row_bytes / 4))
+    return min(1 << 30, max(16, int(OUTLIER_CACHE * row_bytes / 4)))  # the C side caps it at K
 
 
 class NativeWeight:

@@ -314,7 +314,8 @@ typedef struct bk_outlier {
     float v;
 } bk_outlier;
 
-/* The coarse blocks of x [M, K]: their largest inputs, in (row, column) order; their count. Coarse:
+/* The coarse blocks of x [M, K]: their largest inputs, in (row, block) order, a block's largest first;
+ * their count. Coarse:
  * the 8-bit grid's expected squared error, 255 inputs of step^2 / 12 (step = largest / 127), above
  * outlier_err times the squared norm of the other 255 (a Gaussian block sits near 6e-5, one outlier
  * over small inputs far above 1e-3): one pass over x, no rounding. A block stays coarse after giving
@@ -356,11 +357,6 @@ static int find_outliers(const float *x, int M, int K, bk_outlier *out) {
                 amax = 0.0f;
                 for (int l = 0; l < 8; l++) amax = next[l] > amax ? next[l] : amax;
             }
-            for (int t = 1; t < nt; t++) /* column order: a row's sums run over its entries that way */
-                for (int u = t; u > 0 && taken[u] < taken[u - 1]; u--) {
-                    int a = taken[u];
-                    taken[u] = taken[u - 1], taken[u - 1] = a;
-                }
             for (int t = 0; t < nt; t++) out[n++] = (bk_outlier){m, k0 + taken[t], b[taken[t]]};
         }
     return n;
@@ -453,7 +449,7 @@ static void release_columns(bk_columns *c, const bk_outlier *o, int n) {
 }
 
 /* y[m, n] += v * column k [n] for n in n0..n1 of this weight's outputs, each entry in turn: every
- * output's sum runs over its row's entries in column order, however the outputs are chunked */
+ * output's sum runs over its row's entries in their order, however the outputs are chunked */
 static void add_outliers(const bk_columns *c, const bk_outlier *o, int no, float *y, int64_t ldy, int n0, int n1) {
     for (int i = 0; i < no; i++) {
         const float *col = c->vals + (size_t)c->slot[o[i].k] * c->N;
