@@ -46,6 +46,9 @@ typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
 typedef void (*slab_fn)(const bk_weight *, int, int, int, int, float *);
 typedef int (*columns_fn)(const bk_weight *, const int *, int, int, int, float *const *);
+typedef int (*row_outliers_fn)(const float *, int, int, float, bk_outlier *);
+typedef void (*add_entries_fn)(const bk_outlier *, int, int, int, const float *, const int32_t *, int64_t, int64_t,
+                               float *, int64_t, int, int);
 typedef void (*int_rows_fn)(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);
 typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *); /* both grids */
 typedef void (*quantize_x8_fn)(const float *, int, int, int8_t *, int8_t *, float *, int16_t *, int16_t *);
@@ -56,6 +59,9 @@ typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache
     void bk_dequant_rows_##S(const bk_weight *, const int64_t *, int, float *);                           \
     void bk_dequant_slab_##S(const bk_weight *, int, int, int, int, float *);                             \
     int bk_dequant_columns_##S(const bk_weight *, const int *, int, int, int, float *const *);            \
+    int bk_row_outliers_##S(const float *, int, int, float, bk_outlier *);                                \
+    void bk_add_entries_##S(const bk_outlier *, int, int, int, const float *, const int32_t *, int64_t,    \
+                            int64_t, float *, int64_t, int, int);                                          \
     int bk_decoder_##S(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,    \
                        const int32_t *, float *, int);                                                     \
     void bk_int_rows_##S(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);      \
@@ -95,12 +101,14 @@ static const struct {
     rows_fn rows;
     slab_fn slab;
     columns_fn columns;
+    row_outliers_fn row_outliers;
+    add_entries_fn add_entries;
     decoder_fn decoder;
     int_rows_fn int_rows;
     quantize_x_fn quantize_x, quantize_x256;
     quantize_x8_fn quantize_x8;
 } KERNELS[] = {
-#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_dequant_slab_##S, bk_dequant_columns_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, \
+#define LEVEL(S) {bk_tile_rows_##S, bk_dequant_rows_##S, bk_dequant_slab_##S, bk_dequant_columns_##S, bk_row_outliers_##S, bk_add_entries_##S, bk_decoder_##S, bk_int_rows_##S, bk_quantize_x_##S, \
                   bk_quantize_x256_##S, bk_quantize_x8_##S}
     LEVEL(plain),
 #if BK_LEVELS > 1
@@ -220,7 +228,7 @@ typedef struct {
     int level;
     const struct bk_outlier *o; /* exact outlier inputs to add to each chunk's outputs (below), or NULL */
     int no;
-    const int16_t *stream;      /* NULL: their columns are in the weights' caches; else each column's
+    const int32_t *stream;      /* NULL: their columns are in the weights' caches; else each column's
                                    place among its 256-column block's wanted ones (stream_outliers) */
 } matmul_job;
 
@@ -250,7 +258,7 @@ static float split_err = 0.0f;
 void bk_act8_split(float err) { split_err = err; }
 
 /* Exact outlier inputs. An 8-bit activation block (256 inputs, one scale) whose rounding is coarse
- * (find_outliers: one outlier leaves the rest a few levels) gives up its largest inputs (up to
+ * (tiles.c bk_row_outliers: one outlier leaves the rest a few levels) gives up its largest inputs (up to
  * OUTLIERS_PER_BLOCK): they are zeroed before the block is quantized, so the rest get a finer grid,
  * and their products with the weight's columns are added in float afterwards. The MLP's down
  * projection takes the heavy-tailed gated activation: with it every K-quant file's KL to the widened
@@ -308,58 +316,28 @@ long long bk_columns_count(const void *p, int which) {
     return !c ? 0 : which == 0 ? c->n : which == 1 ? c->cap : c->filled;
 }
 
-/* an input a coarse block gives up: its row, column and value */
-typedef struct bk_outlier {
-    int m, k;
-    float v;
-} bk_outlier;
+/* The coarse blocks of x [M, K] (tiles.c bk_row_outliers: their largest inputs; what coarse means is
+ * below), row by row across the threads, each row's entries in their place in o (OUTLIERS_PER_BLOCK
+ * per block), its count in count[m]; x2 = x with those inputs zeroed. */
+typedef struct {
+    const float *x;
+    float *x2;
+    int K, level;
+    bk_outlier *o;
+    int *count;
+} scan_job;
 
-/* The coarse blocks of x [M, K]: their largest inputs, in (row, block) order, a block's largest first;
- * their count. Coarse:
- * the 8-bit grid's expected squared error, 255 inputs of step^2 / 12 (step = largest / 127), above
- * outlier_err times the squared norm of the other 255 (a Gaussian block sits near 6e-5, one outlier
- * over small inputs far above 1e-3): one pass over x, no rounding. A block stays coarse after giving
- * up its largest when a second outlier stands as far above the rest (one token of Gemma 3 Q3_K_M
- * reached KL 2.6 that way): it gives up inputs, largest first, until it is fine or OUTLIERS_PER_BLOCK
- * are out. */
-enum { OUTLIERS_PER_BLOCK = 4 };
-
-static int find_outliers(const float *x, int M, int K, bk_outlier *out) {
-    const double per = 255.0 / (12.0 * 127.0 * 127.0);
-    int n = 0;
-    for (int m = 0; m < M; m++)
-        for (int k0 = 0; k0 < K; k0 += 256) {
-            const float *b = x + (int64_t)m * K + k0;
-            v16 sq = {0}, mx = {0};
-            for (int k = 0; k < 256; k += LANES) { /* a fixed order: the row's choice is its own */
-                v16 v = load16(b + k), a = (v16)((vi16)v & 0x7fffffff);
-                sq += v * v;
-                mx = select16(a > mx, a, mx);
-            }
-            double norm = 0.0;
-            float amax = 0.0f;
-            for (int l = 0; l < LANES; l++) norm += sq[l], amax = mx[l] > amax ? mx[l] : amax;
-            int taken[OUTLIERS_PER_BLOCK], nt = 0;
-            float a[256]; /* the magnitudes, a taken one set to -1 */
-            for (; nt < OUTLIERS_PER_BLOCK; nt++) {
-                double top = (double)amax * amax;
-                if (!(amax > 0.0f && top * per > outlier_err * (norm - top))) break;
-                if (nt == 0)
-                    for (int k = 0; k < 256; k++) a[k] = fabsf(b[k]);
-                int at = 0;
-                while (a[at] != amax) at++; /* the first: amax is one of them */
-                a[at] = -1.0f;
-                float next[8] = {0}; /* the largest after this one */
-                for (int k = 0; k < 256; k += 8)
-                    for (int l = 0; l < 8; l++) next[l] = a[k + l] > next[l] ? a[k + l] : next[l];
-                taken[nt] = at;
-                norm -= top;
-                amax = 0.0f;
-                for (int l = 0; l < 8; l++) amax = next[l] > amax ? next[l] : amax;
-            }
-            for (int t = 0; t < nt; t++) out[n++] = (bk_outlier){m, k0 + taken[t], b[taken[t]]};
-        }
-    return n;
+static void scan_rows(const void *a, int m0, int m1) {
+    const scan_job *s = a;
+    int per = OUTLIERS_PER_BLOCK * (s->K / 256);
+    for (int m = m0; m < m1; m++) {
+        const float *xr = s->x + (int64_t)m * s->K;
+        float *x2r = s->x2 + (int64_t)m * s->K;
+        bk_outlier *o = s->o + (int64_t)m * per;
+        int n = s->count[m] = KERNELS[s->level].row_outliers(xr, m, s->K, outlier_err, o);
+        memcpy(x2r, xr, sizeof(float) * s->K);
+        for (int i = 0; i < n; i++) x2r[o[i].k] = 0.0f;
+    }
 }
 
 /* a place for one more column: a new one while under cap, else the clock's next idle one */
@@ -448,16 +426,6 @@ static void release_columns(bk_columns *c, const bk_outlier *o, int n) {
         if (c->slot[o[i].k] >= 0) c->mark[c->slot[o[i].k]] = 1;
 }
 
-/* y[m, n] += v * column k [n] for n in n0..n1 of this weight's outputs, each entry in turn: every
- * output's sum runs over its row's entries in their order, however the outputs are chunked */
-static void add_outliers(const bk_columns *c, const bk_outlier *o, int no, float *y, int64_t ldy, int n0, int n1) {
-    for (int i = 0; i < no; i++) {
-        const float *col = c->vals + (size_t)c->slot[o[i].k] * c->N;
-        float *yr = y + (int64_t)o[i].m * ldy, v = o[i].v;
-        for (int n = n0; n < n1; n++) yr[n] += v * col[n];
-    }
-}
-
 static _Thread_local float *tile_buf;
 static _Thread_local size_t tile_cap;
 
@@ -471,15 +439,15 @@ static float *scratch(float **buf, size_t *cap, size_t n) {
     return *buf;
 }
 
-/* add_outliers without the cache, for a product whose entries' columns do not fit it (a prefill's
+/* The entries' adds without the cache, for a product whose entries' columns do not fit it (a prefill's
  * down projection touches hundreds): rows n0..n1 of each 256-column block that holds an entry
  * dequantized by the same function a fill uses, its wanted columns (at[k]: a column's place among
- * its block's, or -1) copied out contiguous, so the sums are add_outliers' to the bit (the same floats,
+ * its block's, or -1) copied out contiguous, so the sums are the cache's to the bit (the same floats,
  * each output's entries in the same order), for 1 / (K / 256) of the rows' dequant a block, shared
  * by the product's rows. */
 enum { STREAM_ROWS = 64 };
 
-static void stream_outliers(const bk_weight *w, int level, const bk_outlier *o, int no, const int16_t *at, float *y,
+static void stream_outliers(const bk_weight *w, int level, const bk_outlier *o, int no, const int32_t *at, float *y,
                             int64_t ldy, int n0, int n1, float *slab /* 2 x STREAM_ROWS x 256 */) {
     enum { R = STREAM_ROWS };
     float *cols = slab + R * 256;
@@ -501,12 +469,7 @@ static void stream_outliers(const bk_weight *w, int level, const bk_outlier *o, 
                     if (at[k] >= 0)
                         for (int r = 0; r < rows; r++) cols[at[k] * R + r] = slab[r * 256 + (k - k0)];
             }
-            for (int i = 0; i < no; i++) {
-                if (o[i].k < k0 || o[i].k >= k0 + 256) continue;
-                const float *col = cols + at[o[i].k] * R - r0;
-                float *yr = y + (int64_t)o[i].m * ldy, v = o[i].v;
-                for (int n = r0; n < r1; n++) yr[n] += v * col[n];
-            }
+            KERNELS[level].add_entries(o, no, k0, k0 + 256, cols, at, R, r0, y, ldy, r0, r1);
         }
     }
 }
@@ -535,8 +498,11 @@ static void matmul_chunk(const void *a, int n0, int n1) {
         if (j->no && j->stream) /* in the chunk: its outputs are still in cache, and the threads share the work */
             stream_outliers(w, j->level, j->o, j->no, j->stream, y, j->starts[j->nw], lo - j->starts[i], hi - j->starts[i],
                             buf + need);
-        else if (j->no)
-            add_outliers(w->columns, j->o, j->no, y, j->starts[j->nw], lo - j->starts[i], hi - j->starts[i]);
+        else if (j->no) { /* each entry's column from the cache: y[m, n] += v * column k [n] */
+            const bk_columns *c = w->columns;
+            KERNELS[j->level].add_entries(j->o, j->no, 0, c->K, c->vals, c->slot, c->N, 0, y, j->starts[j->nw],
+                                          lo - j->starts[i], hi - j->starts[i]);
+        }
     }
 }
 
@@ -593,21 +559,26 @@ static __attribute__((noinline)) int outlier_product(matmul_job *j, const float 
     static _Thread_local float *obuf;
     static _Thread_local size_t ocap;
     size_t n = (size_t)M * K;
-    /* x2 [M, K], the entries (3 words each, at most OUTLIERS_PER_BLOCK per block), 2 bytes per column */
-    float *x2 = scratch(&obuf, &ocap, n + 3 * OUTLIERS_PER_BLOCK * (n / 256) + K / 2 + 1);
+    /* x2 [M, K], the entries (3 words each, at most OUTLIERS_PER_BLOCK per block), a word per column, a count per row */
+    float *x2 = scratch(&obuf, &ocap, n + 3 * OUTLIERS_PER_BLOCK * (n / 256) + K + M);
     if (!x2) return -2;
     bk_outlier *o = (bk_outlier *)(x2 + n);
-    int no = find_outliers(x, M, K, o);
+    int32_t *at = (int32_t *)(o + OUTLIERS_PER_BLOCK * (n / 256)); /* a wanted column's place among its block's, else -1 */
+    int *count = at + K, no = 0, per = OUTLIERS_PER_BLOCK * (K / 256);
+    /* x2: x with those inputs zeroed (the rest of their blocks get a finer grid) */
+    scan_job sj = {x, x2, K, j->level, o, count};
+    parallel_rows(scan_rows, &sj, M, 4);
+    for (int m = 0; m < M; m++) { /* the rows' entries one after another, in row order */
+        memmove(o + no, o + (int64_t)m * per, sizeof(bk_outlier) * count[m]);
+        no += count[m];
+    }
     if (!no) return 0;
-    int16_t *at = (int16_t *)(o + no); /* a wanted column's place among its block's (stream_outliers), else -1 */
     for (int k = 0; k < K; k++) at[k] = -1;
     for (int i = 0; i < no; i++) at[o[i].k] = 0;
     int distinct = 0;
     for (int k0 = 0; k0 < K; k0 += 256)
         for (int k = k0, got = 0; k < k0 + 256; k++)
-            if (at[k] == 0) at[k] = (int16_t)got++, distinct++;
-    memcpy(x2, x, sizeof(float) * n); /* x with those inputs zeroed: the rest of their blocks get a finer grid */
-    for (int i = 0; i < no; i++) x2[(int64_t)o[i].m * K + o[i].k] = 0.0f;
+            if (at[k] == 0) at[k] = got++, distinct++;
     KERNELS[j->level].quantize_x8(x2, M, K, q, qp, s, xs, xm);
     j->xq.q8 = q, j->xq.q8p = qp, j->xq.s8 = s, j->xq.xs8 = xs, j->xq.xm8 = xm;
     j->o = o, j->no = no;

@@ -324,6 +324,15 @@ BK_INLINE void int8_tile_rows(const bk_weight *w, int type, int n0, int n1, int 
     }
 }
 
+/* an input a coarse 8-bit activation block gives up (brisk_kernels.c's exact outlier inputs): its row,
+ * column and value; at most OUTLIERS_PER_BLOCK a block */
+typedef struct bk_outlier {
+    int m, k;
+    float v;
+} bk_outlier;
+
+enum { OUTLIERS_PER_BLOCK = 4 };
+
 typedef int8_t bk_i8x16 __attribute__((vector_size(16)));
 
 /* x [M, K] -> the 8-bit activations (K a multiple of 256): bk_xq's q8, q8p, s8, xs8, xm8. In whole

@@ -352,3 +352,62 @@ int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk
         }
     return 1;
 }
+
+/* Row m of the activations (xr, K inputs): its coarse blocks' largest inputs into out, in block
+ * order, a block's largest first; their count. Coarse: the 8-bit grid's expected squared error, 255
+ * inputs of step^2 / 12 (step = largest / 127), above err times the squared norm of the other 255 (a
+ * Gaussian block sits near 6e-5, one outlier over small inputs far above 1e-3): one pass, no
+ * rounding. A block stays coarse after giving up its largest when a second outlier stands as far
+ * above the rest (one token of Gemma 3 Q3_K_M reached KL 2.6 that way): it gives up inputs, largest
+ * first, until it is fine or OUTLIERS_PER_BLOCK are out. A fixed order: the row's choice is its own. */
+int CAT(bk_row_outliers, BK_SUFFIX)(const float *xr, int m, int K, float err, bk_outlier *out) {
+    const double per = 255.0 / (12.0 * 127.0 * 127.0);
+    int n = 0;
+    for (int k0 = 0; k0 < K; k0 += 256) {
+        const float *b = xr + k0;
+        v16 sq = {0}, mx = {0};
+        for (int k = 0; k < 256; k += LANES) {
+            v16 v = load16(b + k), a = (v16)((vi16)v & 0x7fffffff);
+            sq += v * v;
+            mx = select16(a > mx, a, mx);
+        }
+        double norm = 0.0;
+        float amax = 0.0f;
+        for (int l = 0; l < LANES; l++) norm += sq[l], amax = mx[l] > amax ? mx[l] : amax;
+        float a[256]; /* the magnitudes, a taken one set to -1 */
+        for (int nt = 0; nt < OUTLIERS_PER_BLOCK; nt++) {
+            double top = (double)amax * amax;
+            if (!(amax > 0.0f && top * per > err * (norm - top))) break;
+            if (nt == 0)
+                for (int k = 0; k < 256; k++) a[k] = fabsf(b[k]);
+            int at = 0;
+            while (a[at] != amax) at++; /* the first: amax is one of them */
+            a[at] = -1.0f;
+            v16 next = {0}; /* the largest after this one */
+            for (int k = 0; k < 256; k += LANES) {
+                v16 v = load16(a + k);
+                next = select16(v > next, v, next);
+            }
+            out[n++] = (bk_outlier){m, k0 + at, b[at]};
+            norm -= top;
+            amax = 0.0f;
+            for (int l = 0; l < LANES; l++) amax = next[l] > amax ? next[l] : amax;
+        }
+    }
+    return n;
+}
+
+/* y[m, n] += v * col[n] for n in n0..n1, col = vals + slot[k] * stride - shift, for each entry (m, k,
+ * v) with k in ka..kb in turn: the outlier products' adds, from the cache or a stream's columns
+ * (brisk_kernels.c), one function so that both round alike; every output's sum runs over its row's
+ * entries in their order, however the outputs are chunked */
+void CAT(bk_add_entries, BK_SUFFIX)(const bk_outlier *o, int no, int ka, int kb, const float *vals, const int32_t *slot,
+                                    int64_t stride, int64_t shift, float *y, int64_t ldy, int n0, int n1) {
+    for (int i = 0; i < no; i++) {
+        if (o[i].k < ka || o[i].k >= kb) continue;
+        const float *col = vals + slot[o[i].k] * stride - shift;
+        float *yr = y + (int64_t)o[i].m * ldy, v = o[i].v;
+        for (int n = n0; n < n1; n++) yr[n] += v * col[n];
+    }
+}
+
