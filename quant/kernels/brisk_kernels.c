@@ -262,13 +262,13 @@ void bk_act8_split(float err) { split_err = err; }
  * OUTLIERS_PER_BLOCK): they are zeroed before the block is quantized, so the rest get a finer grid,
  * and their products with the weight's columns are added in float afterwards. The MLP's down
  * projection takes the heavy-tailed gated activation: with it the K-quant files' KL to the widened
- * file falls 3-20x (Gemma 3 Q4_K_M 1.7e-2 -> 1e-3; Q3_K_M 2.6e-2 -> 0.7-1.2e-2, the spread from float
- * rounding alone, bench/RESULTS.md) for 6-8% of prefill, where the remainder pass above (74% of the
- * down projection's rows run twice) costs 19%.
+ * file falls 10-30x (Gemma 3 Q4_K_M 1.7e-2 -> 6.8e-4, Q3_K_M 2.6e-2 -> 9.0e-4 at the default 2.5e-4,
+ * bench/RESULTS.md) for 10-12% of prefill, where the remainder pass above (74% of the down
+ * projection's rows run twice) costs 19%.
  * The columns are dequantized on need into a bounded cache per weight (bk_columns). A row's choice
  * and sums are its own, and a column's floats are the same whether cached or dequantized again, so a
  * row's bits depend neither on its batch nor on what ran before. 0 turns it off (BRISK_ACT8_OUTLIERS;
- * default 5e-4). */
+ * default 2.5e-4, native.py). */
 static float outlier_err = 0.0f;
 
 void bk_act8_outliers(float err) { outlier_err = err; }
