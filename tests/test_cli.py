@@ -330,8 +330,9 @@ def test_generate_interrupted_exits_130():
     import signal
     import time
 
+    # --no-loop-stop: a greedy answer that starts repeating itself would end before the signal comes
     p = subprocess.Popen(BRISK + ["generate", "Write a long story about a dragon who learns to fly.", "-n", "3000",
-                                  "--temperature", "0"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  "--temperature", "0", "--no-loop-stop"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, preexec_fn=default_sigint)
     try:
         first = p.stdout.read(8)  # the answer has started
