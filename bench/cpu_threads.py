@@ -49,11 +49,16 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", help="a GGUF file (default: the random-block 1.1B Q4_K llama)")
+    ap.add_argument("--torch-threads", type=int, help="torch's threads fixed at this (default: as many as "
+                    "the kernels'): does an idle, spinning OpenMP team slow the kernels' pool?")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     path = Path(args.model) if args.model else random_model()
     b = Brisk(path)
+    if args.torch_threads:
+        set_threads = b.set_threads
+        b.set_threads = lambda t: (set_threads(t), torch.set_num_threads(args.torch_threads))
     ids = b.llm.prompt_ids(PROMPT)
     long_ids = (ids * (128 // len(ids) + 1))[:128]
     big = torch.ones(256 * 1024 * 1024)  # 1 GB: far past any cache
@@ -69,7 +74,8 @@ def main() -> None:
             res[t, "pp"].append(b.prefill(long_ids))
     med = {k: statistics.median(v) for k, v in res.items()}
     t0 = threads[0]
-    print(f"{path.name} ({path.stat().st_size / 1e6:.0f} MB) on {machine()}, median of {args.reps}")
+    print(f"{path.name} ({path.stat().st_size / 1e6:.0f} MB) on {machine()}, median of {args.reps}"
+          + (f", torch's threads {args.torch_threads}" if args.torch_threads else ""))
     print(f"| threads | read GB/s (x) | decode tg64 tok/s (x) | weights GB/s in decode | prefill pp128 tok/s (x) |")
     print("|---|---|---|---|---|")
     size = path.stat().st_size
@@ -79,6 +85,7 @@ def main() -> None:
               f"| {med[t, 'pp']:.1f} ({med[t, 'pp'] / med[t0, 'pp']:.2f}) |")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "model": path.name, "bytes": size,
+                                               "torch_threads": args.torch_threads,
                                                "runs": {f"{t} {k}": v for (t, k), v in res.items()}}, indent=1))
 
 

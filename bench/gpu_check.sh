@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
     || { echo "install failed"; tail -5 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-lscpu | grep -E "Model name|^CPU\(s\)"; gcc --version | head -1
+lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|NUMA node\(s\)"; gcc --version | head -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "== CUDA tests"
 timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short ${TESTS:-tests/test_cuda.py \

@@ -173,3 +173,38 @@ def test_int4_target_speculative_greedy_on_cuda_planes(tiny_llama_dir, monkeypat
     s = Session(llm, speculator=make_speculator(llm, "ngram", 4))
     list(s.stream(ids, GREEDY, 40))
     assert s.last.tokens == plain
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory):
+    """A small llama GGUF of random blocks as a Q4_K_M file mixes them: Q4_K matrices, a Q6_K head,
+    Q5_K and Q8_0 in two places (bench/llama_compare.py's writer)."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    sys.path.insert(0, bench)
+    try:
+        from llama_compare import write_random_llama
+    finally:
+        sys.path.remove(bench)
+    path = tmp_path_factory.mktemp("kquant") / "k.gguf"
+    write_random_llama(path, dict(dim=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=32000, ctx=256),
+                       {"*": "Q4_K", "output.weight": "Q6_K", "blk.0.ffn_down.weight": "Q5_K",
+                        "blk.1.attn_v.weight": "Q8_0"})
+    return path
+
+
+def test_k_quant_gguf_on_cuda(k_quant_gguf):
+    """What most GGUF users download (Q4_K_M) on the GPU: Q4_K stays 4-bit (tinygemm), Q8_0 8-bit,
+    Q5_K/Q6_K widened to bf16 (a warning names the Q5_K matrix); logits as close to the CPU's
+    kept-quantized load (the native kernels) as bf16 allows."""
+    with pytest.warns(UserWarning, match="Q5_K weights"):
+        llm = LLM.load(str(k_quant_gguf), device="cuda")
+    int4 = [m for m in llm.model.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) >= 10 and all(m._packed.is_cuda for m in int4)
+    assert any(isinstance(m, Int8Linear) and m.weight.is_cuda for m in llm.model.modules())
+    ref = LLM.load(str(k_quant_gguf), device="cpu", dtype="float32")
+    ids = ref.prompt_ids("What is the capital of France?")
+    a, b = llm.logits(ids).cpu(), ref.logits(ids)
+    assert rel(a, b) < 6e-2
