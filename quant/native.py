@@ -326,8 +326,8 @@ def takes(qtype: int, K: int) -> bool:
     return qtype in BLOCK and K % BLOCK[qtype][0] == 0 and usable(K)
 
 
-def outlier_columns(N: int, row_bytes: int) -> int:
-    """How many float columns of an [N, K] weight its outlier cache keeps: OUTLIER_CACHE of its bytes."""
+def outlier_columns(row_bytes: int) -> int:
+    """How many float columns a weight's outlier cache keeps: OUTLIER_CACHE of the weight's bytes."""
     return min(1 << 30, max(16, int(OUTLIER_CACHE * row_bytes / 4)))  # the C side caps it at K
 
 
@@ -353,7 +353,7 @@ class NativeWeight:
         self.tensors[3] = None if row_scales is None else self.tensors[3].float().contiguous()
         ptr = [t.data_ptr() if t is not None else None for t in self.tensors]
         # the exact outlier inputs' dequantized columns, filled on first need (8-bit activation types)
-        self._columns = library().bk_columns_new(N, K, outlier_columns(N, row_bytes)) \
+        self._columns = library().bk_columns_new(N, K, outlier_columns(row_bytes)) \
             if kind in ACT8_TYPES and available() else None
         if self._columns:  # freed with this object (also at exit, while the library is still loaded)
             weakref.finalize(self, library().bk_columns_free, self._columns)

@@ -283,9 +283,9 @@ def test_outlier_columns_cache_is_bounded(level, name, monkeypatch):
         x[m, cols] = (10.0 + 10.0 * torch.rand(len(cols), generator=g)) * torch.randn(len(cols), generator=g).sign()
         if m >= 3:  # and a second one in block 0: its entries' order is the same in either path
             x[m, (cols[0] + 1 + torch.randint(0, 255, (1,), generator=g)) % 256] = -8.0
-    monkeypatch.setattr(native, "outlier_columns", lambda N, row_bytes: K)
+    monkeypatch.setattr(native, "outlier_columns", lambda row_bytes: K)
     wide, _ = weight(name, K)
-    monkeypatch.setattr(native, "outlier_columns", lambda N, row_bytes: 3)
+    monkeypatch.setattr(native, "outlier_columns", lambda row_bytes: 3)
     narrow, _ = weight(name, K)
     try:
         native.set_act8_outliers(0.0)

@@ -402,19 +402,19 @@ static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, 
     float *slab = malloc(sizeof(float) * R * 256);
     if (!slab) return -2;
     for (int k0 = 0; k0 < c->K; k0 += 256) {
-        int lo = k0, hi = k0 + 256, any = 0;
-        for (int k = lo; k < hi; k++) any |= c->slot[k] >= 0 && c->mark[c->slot[k]] == 3;
+        int any = 0;
+        for (int k = k0; k < k0 + 256; k++) any |= c->slot[k] >= 0 && c->mark[c->slot[k]] == 3;
         if (!any) continue;
         for (int r0 = 0; r0 < c->N; r0 += R) {
             int r1 = r0 + R < c->N ? r0 + R : c->N;
             KERNELS[level].slab(w, r0, r1, k0, k0 + 256, slab);
-            for (int k = lo; k < hi; k++) {
+            for (int k = k0; k < k0 + 256; k++) {
                 int at = c->slot[k];
                 if (at < 0 || c->mark[at] != 3) continue;
                 for (int r = r0; r < r1; r++) c->vals[(size_t)at * c->N + r] = slab[(r - r0) * 256 + (k - k0)];
             }
         }
-        for (int k = lo; k < hi; k++)
+        for (int k = k0; k < k0 + 256; k++)
             if (c->slot[k] >= 0 && c->mark[c->slot[k]] == 3) c->mark[c->slot[k]] = 2, c->filled++;
     }
     free(slab);

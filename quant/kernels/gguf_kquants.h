@@ -83,6 +83,12 @@ BK_INLINE void bk_k_scale_min(const uint8_t *s, int *sc, int *m) {
     }
 }
 
+/* bk_k_scale_min's sub-block j alone */
+BK_INLINE void bk_k_scale_min1(const uint8_t *s, int j, int *sc, int *m) {
+    *sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+    *m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+}
+
 /* Q4_K's and Q5_K's per sub-block scale d sc and min dmin m, as floats (d, dmin, then the 12 bytes). */
 BK_INLINE void bk_k_scales(const uint8_t *b, float *dl, float *ml) {
     float d = bk_fp16(b), dmin = bk_fp16(b + 2);
