@@ -290,49 +290,65 @@ void CAT(bk_dequant_slab, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int k0,
     for (int n = n0; n < n1; n++) dequant_row(w, n, k0, k1, out + (int64_t)(n - n0) * (k1 - k0));
 }
 
-/* A Q4_K weight from its block's d, dmin, 6-bit scale and min, 4-bit code: bk_k_scales' products,
- * then one expression (every path below computes a weight this way: the same floats) */
-BK_INLINE float q4k_weight(float d, float dmin, int sc, int m, int q) {
-    float dl = d * (float)sc, ml = dmin * (float)m;
-    return dl * (float)q - ml;
-}
+/* A Q4_K weight from its sub-block's scale and min products (bk_k_scales': d sc, dmin m) and its
+ * 4-bit code: every path below computes a weight by this one expression (the same floats) */
+BK_INLINE float q4k_weight(float dl, float ml, int q) { return dl * (float)q - ml; }
 
-/* The 8 rows of an interleaved Q4_K group (g: its super-block) at column `at` of the block, by
- * lanes: the group's head keeps the file's scale byte t of row r at 32 + 32 (t / 4) + 4 r + t % 4
- * (a 32-bit word per row), code byte i of row r at 64 (i / 8) + 8 r + i % 8 (a 64-bit word a row). */
-BK_INLINE void q4k_x8_column(const uint8_t *g, int at, float *out) {
-    const uint8_t *hd = g + 1024;
-    int c = at / 64, hi = at % 64 >= 32, byte = 32 * c + at % 32, j = 2 * c + hi;
+/* A group of 8 interleaved rows' scale products, a sub-block's (8 rows) decoded on its first need:
+ * a prefill's stream wants most of a block's columns, a decode step one or two. */
+typedef struct {
+    const uint8_t *g;
+    unsigned done;   /* sub-blocks decoded */
+    float a[16][8];  /* Q4_K: d sc (8 sub-blocks); Q6_K: d sc (16) */
+    float b[8][8];   /* Q4_K: dmin m */
+} x8_scales;
+
+/* Q4_K's sub-block j for the group's 8 rows, by lanes: the group's head keeps the file's scale byte
+ * t of row r at 32 + 32 (t / 4) + 4 r + t % 4 (a 32-bit word per row) */
+BK_INLINE void q4k_x8_scales(x8_scales *S, int j) {
+    const uint8_t *hd = S->g + 1024;
     int ta = j < 4 ? j : j + 4, tb = j < 4 ? j + 4 : j - 4, tc = j; /* the bytes sc and m come from */
     uint32_t wa[8], wb[8], wc[8];
-    uint64_t wq[8];
     memcpy(wa, hd + 32 + 32 * (ta / 4), 32), memcpy(wb, hd + 32 + 32 * (tb / 4), 32), memcpy(wc, hd + 32 + 32 * (tc / 4), 32);
-    memcpy(wq, g + 64 * (byte / 8), 64);
-    int sa = 8 * (ta % 4), sbb = 8 * (tb % 4), scc = 8 * (tc % 4), sq = 8 * (byte % 8) + 4 * hi;
+    int sa = 8 * (ta % 4), sbb = 8 * (tb % 4), scc = 8 * (tc % 4);
     for (int r = 0; r < 8; r++) {
         int A = wa[r] >> sa & 255, B = wb[r] >> sbb & 255, C = wc[r] >> scc & 255;
         int sc = j < 4 ? A & 63 : (A & 15) | (B >> 6) << 4;
         int m = j < 4 ? B & 63 : (A >> 4) | (C >> 6) << 4;
-        out[r] = q4k_weight(bk_fp16(hd + 2 * r), -bk_fp16(hd + 16 + 2 * r) /* stored negated */, sc, m,
-                            (int)(wq[r] >> sq & 15));
+        S->a[j][r] = bk_fp16(hd + 2 * r) * (float)sc;
+        S->b[j][r] = -bk_fp16(hd + 16 + 2 * r) /* stored negated */ * (float)m;
     }
+    S->done |= 1u << j;
 }
 
-BK_INLINE float q6k_weight(float d, int sc, int q) { return d * (float)sc * ((float)q - 32.f); }
+/* The group's 8 rows at column `at` of the block: code byte i of row r sits at 64 (i / 8) + 8 r + i % 8
+ * (a 64-bit word a row) */
+BK_INLINE void q4k_x8_column(x8_scales *S, int at, float *out) {
+    int c = at / 64, hi = at % 64 >= 32, byte = 32 * c + at % 32, j = 2 * c + hi;
+    if (!(S->done >> j & 1)) q4k_x8_scales(S, j);
+    uint64_t wq[8];
+    memcpy(wq, S->g + 64 * (byte / 8), 64);
+    int sq = 8 * (byte % 8) + 4 * hi;
+    for (int r = 0; r < 8; r++) out[r] = q4k_weight(S->a[j][r], S->b[j][r], (int)(wq[r] >> sq & 15));
+}
 
-/* The same for Q6_K's groups: row r's low code byte, high-bits byte and scale sit at 8 r, 8 r and 4 r
- * of 64-, 64- and 32-byte runs of the group's super-block (_pack_q6_k). */
-BK_INLINE void q6k_x8_column(const uint8_t *g, int at, float *out) {
-    int low = at % 128, ib = low % 8, shift = (at >= 128 ? 2 : 0) + (low % 16 >= 8 ? 4 : 0);
-    uint64_t wl[8], wh[8];
-    uint32_t wsc[8];
-    memcpy(wl, g + 192 * (low / 16) + 64 * (low / 8 % 2), 64), memcpy(wh, g + 192 * (low / 16) + 128, 64);
-    memcpy(wsc, g + 1536 + 32 * (at / 64), 32);
-    int sl = 8 * ib + (at >= 128 ? 4 : 0), sh = 8 * ib + shift, ss = 8 * (at / 16 % 4);
-    for (int r = 0; r < 8; r++) {
-        int q = (int)(wl[r] >> sl & 15) | (int)(wh[r] >> sh & 3) << 4;
-        out[r] = q6k_weight(bk_fp16(g + 1664 + 2 * r), (int8_t)(wsc[r] >> ss & 255), q);
+BK_INLINE float q6k_weight(float ds, int q) { return ds * ((float)q - 32.f); } /* ds: d sc */
+
+/* The same for Q6_K's groups: row r's scale, low code byte and high-bits byte sit at 4 r, 8 r and
+ * 8 r of 32-, 64- and 64-byte runs of the group's super-block (_pack_q6_k) */
+BK_INLINE void q6k_x8_column(x8_scales *S, int at, float *out) {
+    const uint8_t *g = S->g;
+    int j = at / 16, low = at % 128, ib = low % 8, shift = (at >= 128 ? 2 : 0) + (low % 16 >= 8 ? 4 : 0);
+    if (!(S->done >> j & 1)) {
+        uint32_t wsc[8];
+        memcpy(wsc, g + 1536 + 32 * (at / 64), 32);
+        for (int r = 0; r < 8; r++) S->a[j][r] = bk_fp16(g + 1664 + 2 * r) * (float)(int8_t)(wsc[r] >> 8 * (j % 4) & 255);
+        S->done |= 1u << j;
     }
+    uint64_t wl[8], wh[8];
+    memcpy(wl, g + 192 * (low / 16) + 64 * (low / 8 % 2), 64), memcpy(wh, g + 192 * (low / 16) + 128, 64);
+    int sl = 8 * ib + (at >= 128 ? 4 : 0), sh = 8 * ib + shift;
+    for (int r = 0; r < 8; r++) out[r] = q6k_weight(S->a[j][r], (int)(wl[r] >> sl & 15) | (int)(wh[r] >> sh & 3) << 4);
 }
 
 /* outs[i][n - n0] = column ks[i] of rows n0..n1 for the nk columns ks, all in one 256-column block,
@@ -340,9 +356,9 @@ BK_INLINE void q6k_x8_column(const uint8_t *g, int at, float *out) {
  * inputs' columns, brisk_kernels.c), a row's scales decoded once for all: 1, or 0 for another type
  * or layout (the caller dequantizes the columns' block). Each weight by one expression, however many
  * columns come along: a column's floats do not depend on the call. A block's slab costs 256 weights
- * a row; this decodes a group's 8 rows at once, the one sub-block's scales they need (one core, a
- * column missed in a decode step, 2026-11-26: Q4_K 5632x2048 68 -> 20 us, Q6_K 2048x5632 20 -> 7;
- * by the slab ~100). */
+ * a row; this decodes a group's 8 rows at once, each sub-block's scales once for all the columns
+ * (one core, 2026-11-26: a column missed in a decode step, Q4_K 5632x2048 68 -> 7 us, Q6_K 2048x5632
+ * 20 -> 7, ~100 by the slab; a 512-row prefill's outliers in a 640x2048 Q4_K product 4.3 -> 2.3 ms). */
 int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk, int n0, int n1, float *const *outs) {
     if (w->layout != BK_X8 || (w->type != BK_Q4_K && w->type != BK_Q6_K)) return 0;
     if (nk < 1) return 1;
@@ -353,8 +369,10 @@ int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk
                 const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * X8_BYTES;
                 if (n + 2 * X8_ROWS <= whole) /* the next group's head: a stride the hardware does not follow */
                     for (int t = 1024; t < X8_BYTES; t += 64) __builtin_prefetch(g + (int64_t)ns * X8_BYTES + t);
+                x8_scales S;
+                S.g = g, S.done = 0;
                 for (int i = 0; i < nk; i++)
-                    q4k_x8_column(g, ks[i] % 256, outs[i] + (n - n0));
+                    q4k_x8_column(&S, ks[i] % 256, outs[i] + (n - n0));
                 n += X8_ROWS;
                 continue;
             }
@@ -370,7 +388,7 @@ int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk
                 int at = ks[i] % 256, c = at / 64, hi = at % 64 >= 32, byte = 32 * c + at % 32, sc, m;
                 bk_k_scale_min1(b + 4, 2 * c + hi, &sc, &m);
                 int q = g ? g[64 * (byte / 8) + 8 * r + byte % 8] : b[16 + byte];
-                outs[i][n - n0] = q4k_weight(bk_fp16(b), bk_fp16(b + 2), sc, m, hi ? q >> 4 : q & 15);
+                outs[i][n - n0] = q4k_weight(bk_fp16(b) * (float)sc, bk_fp16(b + 2) * (float)m, hi ? q >> 4 : q & 15);
             }
             n++;
         }
@@ -380,8 +398,10 @@ int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk
                 const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * Q6X8_BYTES;
                 if (n + 2 * X8_ROWS <= whole)
                     for (int t = 1536; t < Q6X8_BYTES; t += 64) __builtin_prefetch(g + (int64_t)ns * Q6X8_BYTES + t);
+                x8_scales S;
+                S.g = g, S.done = 0;
                 for (int i = 0; i < nk; i++)
-                    q6k_x8_column(g, ks[i] % 256, outs[i] + (n - n0));
+                    q6k_x8_column(&S, ks[i] % 256, outs[i] + (n - n0));
                 n += X8_ROWS - 1;
                 continue;
             }
@@ -402,7 +422,7 @@ int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk
                     q = (t < 2 ? l & 15 : l >> 4) | (qh >> (2 * t) & 3) << 4;
                     sc = (int8_t)b[192 + at / 16];
                 }
-                outs[i][n - n0] = q6k_weight(d, sc, q);
+                outs[i][n - n0] = q6k_weight(d * (float)sc, q);
             }
         }
     return 1;
