@@ -63,58 +63,130 @@ typedef struct {
     const int32_t *pos, *table;
     const float *qkv; /* [N, (H + 2 KV) D] */
     float *out;       /* [N, H D] */
+    int group;        /* query heads a task attends together (attention_chunk) */
 } attention_job;
 
 static _Thread_local float *score_buf;
 static _Thread_local size_t score_cap;
 
-/* One query head of one row against its sequence's keys: softmax(q k / sqrt) v, over the positions
- * the row sees (its own and before; with a window, the last `window` of them). */
-static void attend_one(const attention_job *j, int r, int h) {
+/* Chains of multiply-adds side by side (keys x heads in the scores, output vectors x heads in the
+ * weighted sum), as many as the registers hold: AVX-512 has 32 of 16 floats, else 16 of 8 (2 a v16).
+ * Query heads on one K/V head are attended together, up to that many (a power of 2). */
+#if defined(__AVX512F__)
+#define ATT_CHAINS 8
+#else
+#define ATT_CHAINS 4
+#endif
+
+/* s[e][i + u] = q[e] . key i + u, u < KEYS, e < G (constants where it is inlined: the sums stay in
+ * registers), each summed as dot() sums it */
+BK_INLINE void score_tile(const float *const *q, const float *kc, const int64_t *at, int i, int D, int G, int KEYS,
+                          float *const *s, float scale) {
+    v16 acc[ATT_CHAINS] = {{0}};
+    for (int k = 0; k < D; k += LANES)
+        for (int u = 0; u < KEYS; u++) {
+            v16 kv = load16(kc + at[i + u] + k);
+            for (int e = 0; e < G; e++) acc[u * G + e] += load16(q[e] + k) * kv;
+        }
+    for (int u = 0; u < KEYS; u++)
+        for (int e = 0; e < G; e++) s[e][i + u] = reduce16(acc[u * G + e]) * scale;
+}
+
+/* y[e][k0 .. k0 + VECS LANES] = sum over the n keys, in order, of s[e][i] value i, times inv[e] */
+BK_INLINE void value_tile(const float *vc, const int64_t *at, int n, int k0, int G, int VECS, float *const *s,
+                          const float *inv, float *const *y) {
+    v16 acc[ATT_CHAINS] = {{0}};
+    for (int i = 0; i < n; i++)
+        for (int u = 0; u < VECS; u++) {
+            v16 v = load16(vc + at[i] + k0 + u * LANES);
+            for (int e = 0; e < G; e++) acc[u * G + e] += splat16(s[e][i]) * v;
+        }
+    for (int u = 0; u < VECS; u++)
+        for (int e = 0; e < G; e++) store16(y[e] + k0 + u * LANES, acc[u * G + e] * inv[e]);
+}
+
+/* Query heads h0..h0+g-1 of one row (g a power of 2 <= ATT_CHAINS, sharing one K/V head) against its
+ * sequence's keys: softmax(q k / sqrt) v over the positions the row sees (its own and before; with a
+ * window, the last `window` of them). The heads of a group read each key and value once (in a
+ * prefill they come from L2: the loads, not the arithmetic, bound it). Each score is summed as dot()
+ * sums it and each output over the keys in order, however many run side by side: a head's bits do
+ * not depend on its group. */
+static void attend(const attention_job *j, int r, int h0, int g) {
     const bk_arch *a = j->a;
     const bk_cache *c = j->c;
     int D = a->head_dim, P = j->pos[r];
     int lo = j->L->window && P + 1 > j->L->window ? P + 1 - j->L->window : 0, n = P + 1 - lo;
-    size_t need = (size_t)(n + LANES);
+    int stride = n + 2 * LANES; /* a head's scores, the spare lanes of its last vector, 8-byte aligned */
+    size_t need = (size_t)stride * (g + 2); /* then each key's offset in the cache (int64) */
     if (score_cap < need) {
         free(score_buf);
         score_buf = malloc(need * 2 * sizeof(float));
         score_cap = score_buf ? need * 2 : 0;
         if (!score_buf) return;
     }
-    float *s = score_buf;
-    const float *q = j->qkv + (int64_t)r * (a->n_heads + 2 * a->n_kv) * D + (int64_t)h * D;
+    int64_t *at = (int64_t *)(score_buf + (size_t)stride * g);
+    const float *q[ATT_CHAINS];
+    float *s[ATT_CHAINS], *y[ATT_CHAINS], inv[ATT_CHAINS];
+    for (int e = 0; e < g; e++) {
+        q[e] = j->qkv + (int64_t)r * (a->n_heads + 2 * a->n_kv) * D + (int64_t)(h0 + e) * D;
+        s[e] = score_buf + (size_t)e * stride;
+        y[e] = j->out + (int64_t)r * a->n_heads * D + (int64_t)(h0 + e) * D;
+    }
     const int32_t *tab = c->tables + j->table[r];
-    int64_t head = (int64_t)(h / (a->n_heads / a->n_kv)) * c->head_stride;
+    int64_t head = (int64_t)(h0 / (a->n_heads / a->n_kv)) * c->head_stride;
     const float *kc = c->k[j->layer] + head, *vc = c->v[j->layer] + head;
-#define AT(base, p) ((base) + (int64_t)tab[(p) / c->block_size] * c->block_stride + (int64_t)((p) % c->block_size) * c->pos_stride)
-    float m = -INFINITY;
-    for (int i = 0; i < n; i++) {
-        s[i] = dot(q, AT(kc, lo + i), D) * a->attn_scale;
-        m = s[i] > m ? s[i] : m;
+    for (int i = 0, blk = lo / c->block_size, in = lo % c->block_size; i < n; i++) { /* no division per key */
+        at[i] = (int64_t)tab[blk] * c->block_stride + (int64_t)in * c->pos_stride;
+        if (++in == c->block_size) in = 0, blk++;
     }
-    for (int i = n; i < n + LANES; i++) s[i] = -INFINITY; /* the last vector's spare lanes: e^-inf = 0 */
-    v16 sum = {0};
-    for (int i = 0; i < n; i += LANES) {
-        v16 e = exp16(load16(s + i) - m);
-        store16(s + i, e);
-        sum += e;
+    int keys = ATT_CHAINS / g, i = 0;
+    for (; i + keys <= n; i += keys)
+        switch (g) {
+        case 1: score_tile(q, kc, at, i, D, 1, ATT_CHAINS, s, a->attn_scale); break;
+        case 2: score_tile(q, kc, at, i, D, 2, ATT_CHAINS / 2, s, a->attn_scale); break;
+        case 4: score_tile(q, kc, at, i, D, 4, ATT_CHAINS / 4, s, a->attn_scale); break;
+#if ATT_CHAINS == 8
+        default: score_tile(q, kc, at, i, D, 8, 1, s, a->attn_scale); break;
+#endif
+        }
+    for (; i < n; i++)
+        for (int e = 0; e < g; e++) s[e][i] = dot(q[e], kc + at[i], D) * a->attn_scale;
+    for (int e = 0; e < g; e++) {
+        float m = -INFINITY, *se = s[e];
+        for (i = 0; i < n; i++) m = se[i] > m ? se[i] : m;
+        for (i = n; i < n + LANES; i++) se[i] = -INFINITY; /* the last vector's spare lanes: e^-inf = 0 */
+        v16 sum = {0};
+        for (i = 0; i < n; i += LANES) {
+            v16 x = exp16(load16(se + i) - m);
+            store16(se + i, x);
+            sum += x;
+        }
+        inv[e] = 1.0f / reduce16(sum);
     }
-    float acc[512] __attribute__((aligned(64)));
-    memset(acc, 0, sizeof(float) * D);
-    for (int i = 0; i < n; i++) {
-        const float *v = AT(vc, lo + i);
-        v16 p = splat16(s[i]);
-        for (int k = 0; k < D; k += LANES) store16(acc + k, load16(acc + k) + p * load16(v + k));
-    }
-#undef AT
-    float inv = 1.0f / reduce16(sum), *y = j->out + (int64_t)r * a->n_heads * D + (int64_t)h * D;
-    for (int k = 0; k < D; k += LANES) store16(y + k, load16(acc + k) * inv);
+    int vecs = ATT_CHAINS / g, k0 = 0;
+    for (; k0 + vecs * LANES <= D; k0 += vecs * LANES)
+        switch (g) {
+        case 1: value_tile(vc, at, n, k0, 1, ATT_CHAINS, s, inv, y); break;
+        case 2: value_tile(vc, at, n, k0, 2, ATT_CHAINS / 2, s, inv, y); break;
+        case 4: value_tile(vc, at, n, k0, 4, ATT_CHAINS / 4, s, inv, y); break;
+#if ATT_CHAINS == 8
+        default: value_tile(vc, at, n, k0, 8, 1, s, inv, y); break;
+#endif
+        }
+    for (; k0 < D; k0 += LANES)
+        for (int e = 0; e < g; e++) {
+            v16 acc = {0};
+            for (i = 0; i < n; i++) acc += splat16(s[e][i]) * load16(vc + at[i] + k0);
+            store16(y[e] + k0, acc * inv[e]);
+        }
 }
 
+/* tasks: a row's query heads one each (decode: few rows, the heads spread over the threads), or
+ * (j->group > 1) a row's heads on one K/V head together */
 static void attention_chunk(const void *p, int i0, int i1) {
     const attention_job *j = p;
-    for (int i = i0; i < i1; i++) attend_one(j, i / j->a->n_heads, i % j->a->n_heads);
+    int per = j->a->n_heads / j->group;
+    for (int i = i0; i < i1; i++) attend(j, i / per, i % per * j->group, j->group);
 }
 
 /* gate/up [N, 2 F] -> act(gate) * up [N, F] */
@@ -149,6 +221,10 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
           *gu = o + (size_t)N * dim, *act = gu + (size_t)N * 2 * F;
     int64_t keys_read = 0; /* per layer: the positions all rows attend over, times the heads */
     for (int r = 0; r < N; r++) keys_read += (int64_t)(pos[r] + 1) * H;
+    /* a task's query heads (attend): a K/V head's, up to ATT_CHAINS, while that leaves tasks for the
+     * threads (a decode step of a model with one K/V head would have one) */
+    int group = ATT_CHAINS;
+    while (group > 1 && (H / KV % group || N * H / group < 8)) group /= 2;
     int rc = 0;
     for (int l = 0; l < n_layers && rc == 0; l++) {
         const bk_layer *L = layers + l;
@@ -176,9 +252,9 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
                 memcpy(c->v[l] + at + h * c->head_stride, v + (int64_t)h * D, sizeof(float) * D);
             }
         }
-        attention_job job = {a, L, c, l, pos, table, qkv, att};
-        if (keys_read < ATTENTION_SPLIT) attention_chunk(&job, 0, N * H); /* a sync point costs more than it saves */
-        else bk_parallel(attention_chunk, &job, N * H, 2);
+        attention_job job = {a, L, c, l, pos, table, qkv, att, group};
+        if (keys_read < ATTENTION_SPLIT) attention_chunk(&job, 0, N * H / group); /* a sync point costs more than it saves */
+        else bk_parallel(attention_chunk, &job, N * H / group, 2);
         if ((rc = bk_matmul_many(&L->o, 1, N, att, o, level))) break;
         for (int r = 0; r < N; r++) {
             float *xr = x + (int64_t)r * dim, *orow = o + (int64_t)r * dim, *xnr = xn + (int64_t)r * dim;
