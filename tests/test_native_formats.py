@@ -267,7 +267,7 @@ def test_heavy_tailed_rows_run_their_remainder(level, name, K):
         assert err.max() < (plain[i].double() - want[i]).abs().max() / 20
 
 
-@pytest.mark.parametrize("name", ["Q4_K x8", "Q6_K x8", "Q6_K", "Q2_K x8"])
+@pytest.mark.parametrize("name", ["Q4_K x8", "Q6_K x8", "Q6_K", "Q2_K x8", "Q3_K x8", "Q5_K x8"])
 def test_outlier_columns_cache_is_bounded(level, name, monkeypatch):
     """The outliers' dequantized columns live in a bounded cache: a weight with room for 3 of them
     gives the bits of one with room for all, in any batch and whatever ran before. A product whose
@@ -323,7 +323,7 @@ def test_coarse_blocks_keep_their_outlier_exact(level, name, K):
     g = torch.Generator().manual_seed(K + 2)
     heavy = torch.randn(3, K, generator=g) * 0.05
     heavy[:, 3::256] = 20.0
-    heavy[2, 7::256] = -15.0  # still coarse once the 20 is out
+    heavy[2, 231::256] = -15.0  # still coarse once the 20 is out (sub-block 7: a high nibble, a top bit)
     if K > 256:
         heavy[1, 3] = 0.01  # row 2's first block is Gaussian: it keeps its largest input on the grid
     x = torch.stack([heavy[0], torch.randn(K, generator=g), heavy[1], heavy[2], torch.randn(K, generator=g)])

@@ -298,6 +298,7 @@ BK_INLINE float q4k_weight(float dl, float ml, int q) { return dl * (float)q - m
  * a prefill's stream wants most of a block's columns, a decode step one or two. */
 typedef struct {
     const uint8_t *g;
+    int head;        /* Q4_K/Q5_K: where the group's d, -dmin and scale bytes start */
     unsigned done;   /* sub-blocks decoded */
     float a[16][8];  /* Q4_K: d sc (8 sub-blocks); Q6_K: d sc (16) */
     float b[8][8];   /* Q4_K: dmin m */
@@ -306,7 +307,7 @@ typedef struct {
 /* Q4_K's sub-block j for the group's 8 rows, by lanes: the group's head keeps the file's scale byte
  * t of row r at 32 + 32 (t / 4) + 4 r + t % 4 (a 32-bit word per row) */
 BK_INLINE void q4k_x8_scales(x8_scales *S, int j) {
-    const uint8_t *hd = S->g + 1024;
+    const uint8_t *hd = S->g + S->head;
     int ta = j < 4 ? j : j + 4, tb = j < 4 ? j + 4 : j - 4, tc = j; /* the bytes sc and m come from */
     uint32_t wa[8], wb[8], wc[8];
     memcpy(wa, hd + 32 + 32 * (ta / 4), 32), memcpy(wb, hd + 32 + 32 * (tb / 4), 32), memcpy(wc, hd + 32 + 32 * (tc / 4), 32);
@@ -321,15 +322,23 @@ BK_INLINE void q4k_x8_scales(x8_scales *S, int j) {
     S->done |= 1u << j;
 }
 
-/* The group's 8 rows at column `at` of the block: code byte i of row r sits at 64 (i / 8) + 8 r + i % 8
- * (a 64-bit word a row) */
-BK_INLINE void q4k_x8_column(x8_scales *S, int at, float *out) {
-    int c = at / 64, hi = at % 64 >= 32, byte = 32 * c + at % 32, j = 2 * c + hi;
+/* The group's 8 rows at column `at` of the block (weight 64c + 32hi + l, l < 32). Q4_K: code byte
+ * 32c + l of row r sits at 64 (4c + l / 8) + 8 r + l % 8 (a 64-bit word a row); Q5_K: its low bits
+ * there in chunk c's nibble vector l / 8 (320c + 64 (l / 8)), the fifth in bit 4hi + l / 8 of byte
+ * 320c + 256 + 8r + l % 8 */
+BK_INLINE void q4k_x8_column(x8_scales *S, int q5, int at, float *out) {
+    int c = at / 64, hi = at % 64 >= 32, l = at % 32, j = 2 * c + hi;
     if (!(S->done >> j & 1)) q4k_x8_scales(S, j);
-    uint64_t wq[8];
-    memcpy(wq, S->g + 64 * (byte / 8), 64);
-    int sq = 8 * (byte % 8) + 4 * hi;
-    for (int r = 0; r < 8; r++) out[r] = q4k_weight(S->a[j][r], S->b[j][r], (int)(wq[r] >> sq & 15));
+    uint64_t wq[8], wf[8];
+    memcpy(wq, S->g + (q5 ? 320 * c + 64 * (l / 8) : 64 * (4 * c + l / 8)), 64);
+    int sq = 8 * (l % 8) + 4 * hi, sf = 8 * (l % 8) + 4 * hi + l / 8;
+    if (q5) {
+        memcpy(wf, S->g + 320 * c + 256, 64);
+        for (int r = 0; r < 8; r++)
+            out[r] = q4k_weight(S->a[j][r], S->b[j][r], (int)(wq[r] >> sq & 15) | (int)(wf[r] >> sf & 1) << 4);
+    } else {
+        for (int r = 0; r < 8; r++) out[r] = q4k_weight(S->a[j][r], S->b[j][r], (int)(wq[r] >> sq & 15));
+    }
 }
 
 BK_INLINE float q6k_weight(float ds, int q) { return ds * ((float)q - 32.f); } /* ds: d sc */
@@ -351,6 +360,45 @@ BK_INLINE void q6k_x8_column(x8_scales *S, int at, float *out) {
     for (int r = 0; r < 8; r++) out[r] = q6k_weight(S->a[j][r], (int)(wl[r] >> sl & 15) | (int)(wh[r] >> sh & 3) << 4);
 }
 
+/* Weight at (0..255) of a Q3_K row's super-block, as the file's dequantization computes it: d (sc -
+ * 32), then times the 3-bit code less 4. g: the row's group (q3k_x8.h's layout, row r), else b: the
+ * file's 110 bytes. Weight 128k + 32t + 8p + i: low bits 2t.. of code byte 32k + 8p + i, third bit
+ * 4k + t of mask byte 8p + i; scale at / 16: nibble of byte (at / 16) % 8, top bits of 8 + (at / 16) % 4. */
+BK_INLINE float q3k_column_weight(const uint8_t *g, const uint8_t *b, int r, int at) {
+    int k = at / 128, t = at % 128 / 32, p = at % 32 / 8, i = at % 8, si = at / 16, ta = si % 8, tb = 8 + si % 4;
+    uint8_t qs, hm, sa, sbb;
+    float d;
+    if (g) {
+        qs = g[192 * p + 64 * k + 8 * r + i], hm = g[192 * p + 128 + 8 * r + i];
+        sa = g[768 + 32 * (ta / 4) + 4 * r + ta % 4], sbb = g[768 + 32 * (tb / 4) + 4 * r + tb % 4];
+        d = bk_fp16(g + 864 + 2 * r);
+    } else {
+        qs = b[32 + 32 * k + 8 * p + i], hm = b[8 * p + i], sa = b[96 + ta], sbb = b[96 + tb];
+        d = bk_fp16(b + 108);
+    }
+    int sc = ((sa >> 4 * (si / 8)) & 15) | ((sbb >> 2 * (si / 4)) & 3) << 4;
+    int q = (qs >> 2 * t & 3) - (hm >> (4 * k + t) & 1 ? 0 : 4);
+    float dl = d * (float)(sc - 32);
+    return dl * (float)q;
+}
+
+/* The same for Q2_K (q3k_x8.h; the file's 84 bytes): d (scale's low nibble) times the 2-bit code,
+ * less dmin (its high nibble) */
+BK_INLINE float q2k_column_weight(const uint8_t *g, const uint8_t *b, int r, int at) {
+    int k = at / 128, t = at % 128 / 32, p = at % 32 / 8, i = at % 8, si = at / 16;
+    uint8_t qs, sc;
+    float d, dmin;
+    if (g) {
+        qs = g[128 * p + 64 * k + 8 * r + i], sc = g[512 + 32 * (si / 4) + 4 * r + si % 4];
+        d = bk_fp16(g + 640 + 2 * r), dmin = bk_fp16(g + 656 + 2 * r);
+    } else {
+        qs = b[16 + 32 * k + 8 * p + i], sc = b[si];
+        d = bk_fp16(b + 80), dmin = bk_fp16(b + 82);
+    }
+    float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
+    return dl * (float)(qs >> 2 * t & 3) - ml;
+}
+
 /* outs[i][n - n0] = column ks[i] of rows n0..n1 for the nk columns ks, all in one 256-column block,
  * for the layouts K-quant files mostly hold (Q4_K and Q6_K rows interleaved by 8; the exact outlier
  * inputs' columns, brisk_kernels.c), a row's scales decoded once for all: 1, or 0 for another type
@@ -358,40 +406,62 @@ BK_INLINE void q6k_x8_column(x8_scales *S, int at, float *out) {
  * columns come along: a column's floats do not depend on the call. A block's slab costs 256 weights
  * a row; this decodes a group's 8 rows at once, each sub-block's scales once for all the columns
  * (one core, 2026-11-26: a column missed in a decode step, Q4_K 5632x2048 68 -> 7 us, Q6_K 2048x5632
- * 20 -> 7, ~100 by the slab; a 512-row prefill's outliers in a 640x2048 Q4_K product 4.3 -> 2.3 ms). */
+ * 20 -> 7, Q5_K 6, Q3_K 640x2048 by the slab ~100 -> 6; a 512-row prefill's outliers in a 640x2048
+ * Q4_K product 4.3 -> 2.3 ms). Q2_K and Q3_K weights one at a time (their bytes hold 4 weights' bits). */
 int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk, int n0, int n1, float *const *outs) {
-    if (w->layout != BK_X8 || (w->type != BK_Q4_K && w->type != BK_Q6_K)) return 0;
+    if (w->layout != BK_X8 || !(w->type == BK_Q2_K || w->type == BK_Q3_K || w->type == BK_Q4_K || w->type == BK_Q5_K ||
+                                 w->type == BK_Q6_K))
+        return 0;
     if (nk < 1) return 1;
     int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS, sb = ks[0] / 256;
-    if (w->type == BK_Q4_K) /* q4k_x8.h's layout: weight 64c + 32hi + i is sub-block 2c + hi, code byte 32c + i */
+    if (w->type == BK_Q3_K || w->type == BK_Q2_K) {
+        int q3 = w->type == BK_Q3_K, gb = q3 ? Q3X8_BYTES : Q2X8_BYTES, fb = q3 ? 110 : 84;
+        for (int n = n0; n < n1; n++) {
+            const uint8_t *g = NULL, *b = NULL;
+            if (n < whole) g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * gb;
+            else b = w->data + (int64_t)n * w->row_bytes + sb * fb;
+            for (int i = 0; i < nk; i++)
+                outs[i][n - n0] = q3 ? q3k_column_weight(g, b, n % X8_ROWS, ks[i] % 256) : q2k_column_weight(g, b, n % X8_ROWS, ks[i] % 256);
+        }
+        return 1;
+    }
+    if (w->type == BK_Q4_K || w->type == BK_Q5_K) { /* q4k_x8.h's layouts: weight 64c + 32hi + i is sub-block 2c + hi */
+        int q5 = w->type == BK_Q5_K, gb = q5 ? Q5X8_BYTES : X8_BYTES, hd = q5 ? Q5X8_HEAD : 1024, fb = q5 ? 176 : 144;
         for (int n = n0; n < n1;) {
             if (n % X8_ROWS == 0 && n + X8_ROWS <= (n1 < whole ? n1 : whole)) { /* a whole group: its 8 rows at once */
-                const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * X8_BYTES;
+                const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * gb;
                 if (n + 2 * X8_ROWS <= whole) /* the next group's head: a stride the hardware does not follow */
-                    for (int t = 1024; t < X8_BYTES; t += 64) __builtin_prefetch(g + (int64_t)ns * X8_BYTES + t);
+                    for (int t = hd; t < gb; t += 64) __builtin_prefetch(g + (int64_t)ns * gb + t);
                 x8_scales S;
-                S.g = g, S.done = 0;
+                S.g = g, S.head = hd, S.done = 0;
                 for (int i = 0; i < nk; i++)
-                    q4k_x8_column(&S, ks[i] % 256, outs[i] + (n - n0));
+                    q4k_x8_column(&S, q5, ks[i] % 256, outs[i] + (n - n0));
                 n += X8_ROWS;
                 continue;
             }
-            const uint8_t *b = w->data + (int64_t)n * w->row_bytes + sb * 144, *g = NULL;
+            const uint8_t *b = w->data + (int64_t)n * w->row_bytes + sb * fb, *g = NULL;
             int r = n % X8_ROWS;
             uint8_t head[16];
             if (n < whole) { /* a group's row alone (a call that starts or ends inside it) */
-                g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * X8_BYTES;
-                x8_head_bytes(g + 1024, r, head);
-                b = head;
+                g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * gb;
+                x8_head_bytes(g + hd, r, head);
             }
             for (int i = 0; i < nk; i++) {
-                int at = ks[i] % 256, c = at / 64, hi = at % 64 >= 32, byte = 32 * c + at % 32, sc, m;
-                bk_k_scale_min1(b + 4, 2 * c + hi, &sc, &m);
-                int q = g ? g[64 * (byte / 8) + 8 * r + byte % 8] : b[16 + byte];
-                outs[i][n - n0] = q4k_weight(bk_fp16(b) * (float)sc, bk_fp16(b + 2) * (float)m, hi ? q >> 4 : q & 15);
+                int at = ks[i] % 256, c = at / 64, hi = at % 64 >= 32, l = at % 32, sc, m, q;
+                bk_k_scale_min1((g ? head : b) + 4, 2 * c + hi, &sc, &m);
+                if (!q5) /* code byte 32c + l */
+                    q = (g ? g[64 * (4 * c + l / 8) + 8 * r + l % 8] : b[16 + 32 * c + l]) >> 4 * hi & 15;
+                else if (g) /* chunk c: nibble vector l / 8, then the fifth bits (bit 4hi + l / 8) */
+                    q = (g[320 * c + 64 * (l / 8) + 8 * r + l % 8] >> 4 * hi & 15) |
+                        (g[320 * c + 256 + 8 * r + l % 8] >> (4 * hi + l / 8) & 1) << 4;
+                else /* the file's: qh[l] bit 2c + hi, qs[32c + l] */
+                    q = (b[48 + 32 * c + l] >> 4 * hi & 15) | (b[16 + l] >> (2 * c + hi) & 1) << 4;
+                const uint8_t *h = g ? head : b;
+                outs[i][n - n0] = q4k_weight(bk_fp16(h) * (float)sc, bk_fp16(h + 2) * (float)m, q);
             }
             n++;
         }
+    }
     else /* Q6_K: q4k_x8.h's layout; the file's: dq_q6_k */
         for (int n = n0; n < n1; n++) {
             if (n % X8_ROWS == 0 && n + X8_ROWS <= (n1 < whole ? n1 : whole)) { /* a whole group, as Q4_K's */
@@ -399,7 +469,7 @@ int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk
                 if (n + 2 * X8_ROWS <= whole)
                     for (int t = 1536; t < Q6X8_BYTES; t += 64) __builtin_prefetch(g + (int64_t)ns * Q6X8_BYTES + t);
                 x8_scales S;
-                S.g = g, S.done = 0;
+                S.g = g, S.head = 0, S.done = 0;
                 for (int i = 0; i < nk; i++)
                     q6k_x8_column(&S, ks[i] % 256, outs[i] + (n - n0));
                 n += X8_ROWS - 1;
