@@ -116,7 +116,8 @@ static void attend(const attention_job *j, int r, int h0, int g) {
     const bk_cache *c = j->c;
     int D = a->head_dim, P = j->pos[r];
     int lo = j->L->window && P + 1 > j->L->window ? P + 1 - j->L->window : 0, n = P + 1 - lo;
-    int stride = n + 2 * LANES; /* a head's scores, the spare lanes of its last vector, 8-byte aligned */
+    /* a head's scores and its last vector's spare lanes, an even count: the offsets after them 8-byte aligned */
+    int stride = (n + 2 * LANES + 1) / 2 * 2;
     size_t need = (size_t)stride * (g + 2); /* then each key's offset in the cache (int64) */
     if (score_cap < need) {
         free(score_buf);
