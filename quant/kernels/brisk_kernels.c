@@ -452,13 +452,14 @@ static void stream_outliers(const bk_weight *w, int level, const bk_outlier *o, 
                             int64_t ldy, int n0, int n1, float *slab /* 2 x STREAM_ROWS x 256 */) {
     enum { R = STREAM_ROWS };
     float *cols = slab + R * 256;
+    int by_column = KERNELS[level].columns(w, NULL, 0, 0, 0, NULL); /* one weight a row, a block's columns at once */
     for (int r0 = n0; r0 < n1; r0 += R) {
         int r1 = r0 + R < n1 ? r0 + R : n1, rows = r1 - r0;
         for (int k0 = 0; k0 < w->K; k0 += 256) {
             int any = 0;
             for (int k = k0; k < k0 + 256; k++) any |= at[k] >= 0;
             if (!any) continue;
-            if (KERNELS[level].columns(w, NULL, 0, 0, 0, NULL)) { /* one weight a row, the block's columns at once */
+            if (by_column) {
                 int ks[256], nk = 0;
                 float *outs[256];
                 for (int k = k0; k < k0 + 256; k++)
