@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from . import arch as arch_mod
 from . import config as config_mod
 from . import progress
 from .config import ModelConfig
@@ -167,8 +168,9 @@ def load_hf_folder(name: str, folder: Path, native_blocks: bool = False) -> Chec
     cfg_json = _read_json(folder / "config.json")
     if not cfg_json:
         raise FileError("missing or empty config.json", folder)
-    cfg = config_mod.from_hf_config(cfg_json, str(folder / "config.json"))
+    cfg = arch_mod.from_hf_config(cfg_json, str(folder / "config.json"))
     tensors = {k.removeprefix("language_model."): v for k, v in load_hf_tensors(folder).items()}
+    tensors = arch_mod.by_name(cfg.arch).hf_tensors(tensors, cfg, folder)
     quant = cfg_json.get("quantization_config") or {}
     if not isinstance(quant, dict):
         raise FileError(f"quantization_config must be an object, got {shown(quant)}", folder / "config.json")
@@ -211,7 +213,7 @@ def checked_generation(gen, path) -> dict:
         if key not in gen:
             continue
         v = gen[key]
-        if not (config_mod._number(v) and ok(v)):
+        if not (config_mod.number(v) and ok(v)):
             warnings.warn(f"{path}: {key} {shown(v)} is not a valid setting (ignored)")
             del out[key]
     if "do_sample" in out and not isinstance(out["do_sample"], bool):
@@ -221,63 +223,15 @@ def checked_generation(gen, path) -> dict:
 
 # ---------------------------------------------------------------- GGUF
 
-_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-
-
-def gguf_to_hf_name(name: str, arch: str) -> str | None:
-    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-    if name in top:
-        return top[name]
-    m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-    if not m:
-        return None
-    layer, part, kind = m.groups()
-    if part == "ffn_norm":  # Llama's pre-MLP norm is HF's "post_attention_layernorm"
-        hf = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
-    else:
-        hf = _GGUF_NAMES.get(part)
-    return f"model.layers.{layer}.{hf}.{kind}" if hf else None
-
-
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # llama.cpp stores Llama q/k rows with rotary pairs interleaved; HF groups each head's
-    # halves (rotate-half). Undo the interleave so one rope implementation serves both.
-    out = w.shape[0]
-    if w.dim() > 2 or out % (2 * n_heads):
-        raise FileError(f"a q/k projection of shape {list(w.shape)} does not fit {n_heads} attention heads")
-    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def gguf_to_hf_name(name: str, arch: "arch_mod.Architecture") -> str | None:
+    """A GGUF tensor's Hugging Face name ("rope_freqs" for llama3's rope factors), None if unused."""
+    return "rope_freqs" if name == "rope_freqs.weight" else arch.gguf_to_hf_name(name)
 
 
 def _gguf_cache_dir(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v2".encode()).hexdigest()[:24]
     return CACHE_DIR / "gguf" / key
-
-
-def _convert_tensor(w: torch.Tensor, hf: str, arch: str, cfg: ModelConfig) -> torch.Tensor:
-    """GGUF conventions -> HF ones, for one float tensor."""
-    if arch != "gemma3" and hf.endswith(("q_proj.weight", "q_proj.bias")):
-        return _unpermute(w, cfg.n_heads)
-    if arch != "gemma3" and hf.endswith(("k_proj.weight", "k_proj.bias")):
-        return _unpermute(w, cfg.n_kv_heads)
-    if arch == "gemma3" and hf.endswith("norm.weight"):
-        return w - 1.0  # llama.cpp bakes Gemma's (1 + w) into the stored norm weights
-    return w
-
-
-def _row_order(hf: str, rows: int, arch: str, cfg: ModelConfig) -> torch.Tensor | None:
-    """The row permutation _unpermute applies, for quantized q/k weights (rows move whole)."""
-    if arch == "gemma3" or not hf.endswith(("q_proj.weight", "k_proj.weight")):
-        return None
-    heads = cfg.n_heads if hf.endswith("q_proj.weight") else cfg.n_kv_heads
-    return _unpermute(torch.arange(rows)[:, None], heads)[:, 0]
 
 
 # a GGUF's recommended sampling (llama.cpp's general.sampling.* keys) -> generation_config.json's names
@@ -289,7 +243,7 @@ _GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_
 def gguf_generation(meta: dict) -> dict:
     """The sampling settings a GGUF recommends, where its metadata holds them as numbers."""
     return {name: meta[key] for key, name in _GGUF_SAMPLING.items()
-            if config_mod._number(meta.get(key)) and _SAMPLING_RULES[name](meta[key])}
+            if config_mod.number(meta.get(key)) and _SAMPLING_RULES[name](meta[key])}
 
 
 def _gguf_header(path: Path):
@@ -300,22 +254,26 @@ def _gguf_header(path: Path):
 
     cached = _gguf_cache_dir(path)
     info = _read_json(cached / "brisk.json") if (cached / "brisk.json").exists() else {}
-    if "tensors" in info and "generation" in info:  # (a cache from before brisk read sampling keys: redone)
+    if "tensors" in info and "generation" in info and info.get("layout") == 3:  # older caches are redone
         table = [TensorInfo(n, tuple(shape), q, off, nb) for n, shape, q, off, nb in info["tensors"]]
-        return (ModelConfig(**info["config"]), Tokenizer.from_hf_folder(cached), table, info["arch"],
-                info["generation"])
+        cfg = ModelConfig(**info["config"])
+        return (cfg, Tokenizer.from_hf_folder(cached), arch_mod.split_gguf_table(table, cfg, path),
+                arch_mod.by_name(cfg.arch), info["generation"])
     reader = GGUFFile(path)
     meta = reader.metadata
-    arch = meta.get("general.architecture", "")
     tok = Tokenizer.from_gguf_metadata(meta)
-    cfg = config_mod.from_gguf_metadata(meta, tok.vocab_size, str(path))
+    cfg = arch_mod.from_gguf_metadata(meta, tok.vocab_size, str(path))
     if not any(t.name == "output.weight" for t in reader.tensors):
         cfg.tie_embeddings = True
-    info = {"config": cfg.to_dict(), "arch": arch, "source": str(path.resolve()),
+    if cfg.n_experts:  # layers without a router have a plain MLP (Qwen3-MoE's mlp_only_layers)
+        names = {t.name for t in reader.tensors}
+        cfg.dense_layers = [i for i in range(cfg.n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    info = {"config": cfg.to_dict(), "arch": cfg.arch, "layout": 3, "source": str(path.resolve()),
             "generation": gguf_generation(meta),
             "tensors": [[t.name, list(t.shape), t.qtype, t.offset, t.nbytes] for t in reader.tensors]}
+    table = arch_mod.split_gguf_table(reader.tensors, cfg, path)  # before the cache: a bad table is refused
     _save_cache(cached, info, tok)
-    return cfg, tok, reader.tensors, arch, info["generation"]
+    return cfg, tok, table, arch_mod.by_name(cfg.arch), info["generation"]
 
 
 def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks: bool = False) -> Checkpoint:
@@ -338,10 +296,17 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
     repacking = keep_quantized and not native_blocks and not layers  # the first load this way: slow
     steps = progress.track(table, f"repacking {path.name} for torch's kernels (once)", len(table)) if repacking else table
     for t in steps:
-        hf = gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight" else "rope_freqs"
+        if t.name in arch.gguf_rope_factors:  # Phi-3's longrope factor lists: part of the config
+            factors = dequantize_tensor(data, t)
+            if cfg.rope_scaling is None or factors.shape != (cfg.rotary_dim // 2,):
+                raise FileError(f"tensor {t.name} has shape {list(t.shape)} without a longrope config that "
+                                f"takes {cfg.rotary_dim // 2} factors", path)
+            cfg.rope_scaling[arch.gguf_rope_factors[t.name]] = factors.tolist()
+            continue
+        hf = gguf_to_hf_name(t.name, arch)
         if hf is None:
             continue
-        if len(t.shape) != (2 if hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight")) else 1):
+        if len(t.shape) != (2 if hf.endswith(_MATRICES) else 1):
             raise FileError(f"tensor {t.name} has shape {list(t.shape)}: the model needs a "
                             f"{'matrix' if hf.endswith('.weight') and 'norm' not in hf else 'vector'} there", path)
         layer = hf.removesuffix(".weight")
@@ -349,16 +314,16 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
             modules[layer] = layers[layer]
         elif (native_blocks and len(t.shape) == 2 and native.takes(t.qtype, t.shape[1])
                 and hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))):
-            modules[layer] = _native_layer(data, t, _row_order(hf, t.shape[0], arch, cfg))
+            modules[layer] = _native_layer(data, t, arch.gguf_row_order(hf, t.shape[0], cfg))
         elif (keep_quantized and len(t.shape) == 2 and gguf_blocks.fits(t.qtype, t.shape[1])
                 and hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))):
             raw = data[t.offset:t.offset + t.nbytes]
-            order = _row_order(hf, t.shape[0], arch, cfg)
+            order = arch.gguf_row_order(hf, t.shape[0], cfg)
             if order is not None:
                 raw = gguf_blocks.permute_rows(raw, t.shape[0], order)
             modules[layer] = fresh[layer] = gguf_blocks.to_layer(raw, *t.shape, t.qtype)
         elif t.qtype in (0, 1, 30):  # F32, F16, BF16: cheap to widen here
-            tensors[hf] = _convert_tensor(dequantize_tensor(data, t), hf, arch, cfg)
+            tensors[hf] = arch.convert_gguf_tensor(dequantize_tensor(data, t), hf, cfg)
         else:
             need_cache.append(hf)
             if keep_quantized and len(t.shape) == 2 and hf.endswith("_proj.weight"):
@@ -373,6 +338,13 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
         _save_repacked(path, modules)
     if need_cache:
         tensors.update(_float_cache(path, table, arch, cfg, need_cache))
+    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "longrope" and not {
+            "short_factor", "long_factor"} <= cfg.rope_scaling.keys():
+        raise FileError("a longrope model without its rope_factors_short/long tensors", path)
+    for layer, module in modules.items():  # a kept layer's bias (Qwen2's q/k/v) goes with it
+        bias = tensors.pop(f"{layer}.bias", None)
+        if bias is not None:
+            module.bias = torch.nn.Parameter(bias, requires_grad=False)
     if "rope_freqs" in tensors:
         extra["rope_freqs"] = tensors.pop("rope_freqs")
     if "model.embed_tokens" in modules:
@@ -384,6 +356,10 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
         else:
             modules["lm_head"] = modules.pop("model.embed_tokens")
     return Checkpoint(name, "gguf", path, cfg, tensors, tok, generation, extra, modules=modules)
+
+
+# the GGUF tensors that are matrices (projections, the output layer, the embedding, a router)
+_MATRICES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight", "mlp.gate.weight")
 
 
 def _native_layer(data, t, order: torch.Tensor | None):
@@ -525,7 +501,7 @@ def _save_repacked(path: Path, layers: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _float_cache(path: Path, table, arch: str, cfg: ModelConfig, names: list[str]) -> dict[str, torch.Tensor]:
+def _float_cache(path: Path, table, arch: "arch_mod.Architecture", cfg: ModelConfig, names: list[str]) -> dict[str, torch.Tensor]:
     """The tensors `names` of the GGUF widened to float32 in HF conventions, from a cache beside the
     header. The cache holds what loads have needed so far (only the types without a quantized
     layer, for the default load); a load that needs more widens the rest once, and says so first."""
@@ -535,8 +511,7 @@ def _float_cache(path: Path, table, arch: str, cfg: ModelConfig, names: list[str
 
     file = _gguf_cache_dir(path) / "model.safetensors"
     cached = _load_safetensors(file) if file.exists() else {}
-    missing = [t for t in table if (gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight"
-                                    else "rope_freqs") in set(names) - cached.keys()]
+    missing = [t for t in table if gguf_to_hf_name(t.name, arch) in set(names) - cached.keys()]
     if not missing:
         return {k: cached[k] for k in names}
     nbytes = sum(4 * math.prod(t.shape) for t in missing)
@@ -545,8 +520,8 @@ def _float_cache(path: Path, table, arch: str, cfg: ModelConfig, names: list[str
     data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = dict(cached)
     for t in progress.track(missing, f"widening {path.name} to float32 (once)", len(missing)):
-        hf = gguf_to_hf_name(t.name, arch) if t.name != "rope_freqs.weight" else "rope_freqs"
-        tensors[hf] = _convert_tensor(dequantize_tensor(data, t), hf, arch, cfg)
+        hf = gguf_to_hf_name(t.name, arch)
+        tensors[hf] = arch.convert_gguf_tensor(dequantize_tensor(data, t), hf, cfg)
     _save_tensors(file, tensors)
     return {k: tensors[k] for k in names}
 

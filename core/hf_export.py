@@ -2,7 +2,7 @@
 there is more than one), tokenizer and generation config. Used by `brisk quantize`.
 
 For a GGUF source there is no config.json to copy, so one is built from the ModelConfig in the
-form transformers reads for the Llama family (llama, qwen2) and Gemma 3.
+form transformers reads for its architecture (core/arch).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .arch import by_name
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .errors import BriskError
@@ -40,6 +41,7 @@ def source_config(ckpt: Checkpoint, dtype: torch.dtype) -> dict:
 
 
 def hf_config(c: ModelConfig, tokenizer) -> dict:
+    """config.json for `c`, in the form transformers reads for its architecture (core/arch)."""
     common = {
         "vocab_size": c.vocab_size, "hidden_size": c.dim, "intermediate_size": c.ffn_dim,
         "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
@@ -47,23 +49,7 @@ def hf_config(c: ModelConfig, tokenizer) -> dict:
         "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings,
         "bos_token_id": tokenizer.bos_id, "eos_token_id": _eos_id(tokenizer),
     }
-    if c.arch == "gemma3":
-        return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **common,
-                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": round(c.attn_scale ** -2),
-                "sliding_window": c.sliding_window, "rope_local_base_freq": c.rope_local_theta,
-                "layer_types": [("sliding_attention" if t == "sliding" else "full_attention") for t in c.layer_types],
-                "final_logit_softcapping": c.final_softcap, "attn_logit_softcapping": None}
-    if abs(c.attn_scale - c.head_dim ** -0.5) > 1e-9:
-        raise BriskError("this model's attention scale has no Hugging Face Llama config equivalent")
-    model_type = "qwen2" if c.qkv_bias else "mistral" if c.sliding_window else "llama"
-    arch = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
-    cfg = {"architectures": [arch], "model_type": model_type, **common, "hidden_act": "silu",
-           "rope_scaling": c.rope_scaling}
-    if model_type == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False)
-    if c.sliding_window:  # Llama has no sliding window: Mistral (or Qwen2 with use_sliding_window)
-        cfg.update(sliding_window=c.sliding_window, use_sliding_window=True)
-    return cfg
+    return by_name(c.arch).hf_config(c, common)
 
 
 def _eos_id(tokenizer) -> int | None:

@@ -163,6 +163,8 @@ def join_projections(net: nn.Module, only: type = nn.Module) -> None:
         parts = (a.q_proj, a.k_proj, a.v_proj)
         if isinstance(a.q_proj, only) and (j := concat_linears(list(parts))) is not None:
             a.__dict__["_qkv"] = (j, parts, [p.out_features for p in parts])
+        if not isinstance(m, MLP):  # experts stay apart: a joined copy of each would double their memory
+            continue
         parts = (m.gate_proj, m.up_proj)
         if isinstance(m.gate_proj, only) and (j := concat_linears(list(parts))) is not None:
             m.__dict__["_gate_up"] = (j, parts)

@@ -1,6 +1,7 @@
-"""The transformer: the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) and Gemma 3 in one
-implementation, switched by ModelConfig flags. Module and parameter names follow Hugging Face's,
-so HF state dicts load as they are.
+"""The transformer: every architecture of core/arch in one implementation, switched by ModelConfig
+flags (q/k norms and biases, sandwich norms, GeGLU, sliding windows, partial rotary, mixtures of
+experts). Module and parameter names follow Hugging Face's Llama and Qwen3-MoE ones, so their
+state dicts load as they are (each architecture module maps its own names onto these).
 
 Plain torch modules: one forward for every use. The caller says where the tokens sit (their
 positions) and hands a KV object (core/kv), which stores each layer's keys and values and runs
@@ -37,8 +38,13 @@ class RMSNorm(nn.Module):
         return (y * (self.offset + self.weight.float())).to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None, max_len: int = 0) -> torch.Tensor:
+    inv = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    if scaling and scaling.get("rope_type") == "longrope":
+        # Phi-3: per-frequency factors, the long ones when the context passes the pretrained one
+        # (as llama.cpp picks them by context; transformers by the sequence's length)
+        long = max_len > scaling["original_max_position_embeddings"]
+        return (inv / torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)).float()
     if scaling:  # llama3: stretch low frequencies, keep high ones, blend in between
         factor, lo, hi = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
         old_len = scaling["original_max_position_embeddings"]
@@ -48,12 +54,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return inv.float()
 
 
-def rope_tables(inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(inv_freq: torch.Tensor, max_len: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)  # rotate-half layout, as HF stores q/k
     # The first half of sin carries rotate-half's minus sign, so rope is roll + 2 mul + add.
-    return emb.cos(), torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+    # scale: longrope's attention factor, which multiplies both tables.
+    cos, sin = emb.cos(), torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+    return (cos, sin) if scale == 1.0 else (cos * scale, sin * scale)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -75,6 +83,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset)
         self.window = cfg.sliding_window if cfg.layer_types[layer] == "sliding" else None
+        self.rot = cfg.rotary_dim  # rope turns the first `rot` dimensions of each head, the rest pass
 
     def forward(self, x, cos, sin, kv: KV):
         B, T, _ = x.shape
@@ -92,15 +101,18 @@ class Attention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def rotate(self, x, cos, sin):
+        if self.rot != self.head_dim:
+            return torch.cat([apply_rope(x[..., :self.rot], cos, sin), x[..., self.rot:]], dim=-1)
         return apply_rope(x, cos, sin)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn_dim: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        ffn_dim = ffn_dim or cfg.ffn_dim
+        self.gate_proj = nn.Linear(cfg.dim, ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, ffn_dim, bias=False)
+        self.down_proj = nn.Linear(ffn_dim, cfg.dim, bias=False)
         self.gelu = cfg.act == "gelu_tanh"
 
     def forward(self, x):
@@ -109,10 +121,58 @@ class MLP(nn.Module):
         return self.down_proj(g * self.up_proj(x))
 
 
+class Router(nn.Module):
+    """An MoE layer's router: a float weight [experts, dim], never quantized (a token's choice of
+    experts must not move with the weights' rounding). Not an nn.Linear, so no pass replaces it."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
+
+    def forward(self, x):
+        return F.linear(x.float(), self.weight.float())
+
+
+class MoE(nn.Module):
+    """A mixture of experts: each token's output is the weighted sum of its top-k experts' MLPs.
+
+    Only the experts some token chose run, each on its tokens alone, so a step reads the active
+    experts' weights and no others. A token's weights and its experts' sum (added in expert order)
+    depend on that token alone, never on which other tokens share the pass; the expert products do
+    as much as any product over a varying number of rows (the native kernels give each row the
+    same bits)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_ffn_dim) for _ in range(cfg.n_experts))
+        self.top_k, self.renormalize = cfg.n_experts_used, cfg.norm_topk_prob
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] float32, experts [N, k]) of rows x [N, dim]: softmax, then the top k."""
+        probs = self.gate(x).softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.route(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in experts.unique().tolist():  # ascending: each token adds its experts in the same order
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            y = self.experts[e](x.index_select(0, rows)).float()
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out.to(x.dtype).reshape(shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn, self.mlp = Attention(cfg, layer), MLP(cfg)
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
         # In Llama this norm feeds the MLP; in Gemma it normalizes the attention output.
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
@@ -152,12 +212,13 @@ class Transformer(nn.Module):
     def setup_rope(self, max_len: int, device) -> None:
         """Precompute cos/sin tables; call after weights are loaded (they are not in the checkpoint)."""
         cfg = self.cfg
-        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        inv = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_len)
         if self.rope_factors is not None:
             inv = inv / self.rope_factors.float().cpu()
-        tables = [rope_tables(inv, max_len)]
+        scale = (cfg.rope_scaling or {}).get("attention_factor", 1.0)
+        tables = [rope_tables(inv, max_len, scale)]
         if cfg.rope_local_theta is not None:
-            tables.append(rope_tables(rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None), max_len))
+            tables.append(rope_tables(rope_inv_freq(cfg.rotary_dim, cfg.rope_local_theta, None), max_len))
         dtype = self.model.norm.weight.dtype  # norms stay float when the embedding is quantized
         self.rope = [(c.to(device, dtype), s.to(device, dtype)) for c, s in tables]
         self.max_len = max_len

@@ -143,7 +143,7 @@ def _gguf_info(name: str, path: Path, ctx: int | None) -> ModelInfo:
         kind = _gguf_type_name(gguf, t.qtype)
         u = usage.setdefault(kind, TypeUsage(kind, 0, 0, 0))
         u.tensors, u.bytes, u.elements = u.tensors + 1, u.bytes + t.nbytes, u.elements + math.prod(t.shape)
-    info = _common(name, path, "gguf", arch, cfg, ctx, tok.has_chat_template, generation,
+    info = _common(name, path, "gguf", arch.name, cfg, ctx, tok.has_chat_template, generation,
                    sorted(usage.values(), key=lambda u: -u.bytes), None,
                    parameters=sum(u.elements for u in usage.values()), file_bytes=path.stat().st_size)
     widened = set()
@@ -162,7 +162,7 @@ def _gguf_type_name(gguf, qtype: int) -> str:
         return f"type {qtype}"
 
 
-def _gguf_weight_bytes(table, arch: str, cfg: ModelConfig, device: str, float_size: int,
+def _gguf_weight_bytes(table, arch, cfg: ModelConfig, device: str, float_size: int,
                        widened: set) -> tuple[int, bool]:
     """Bytes of weights as load_gguf and build_model would hold them on `device`, and whether that is
     an estimate. On the CPU with brisk's native kernels, every type they read stays in the file's
@@ -174,7 +174,7 @@ def _gguf_weight_bytes(table, arch: str, cfg: ModelConfig, device: str, float_si
     native_on = device == "cpu" and native.available()
     total, approximate = 0, device != "cpu"
     for t in table:
-        hf = "rope_freqs" if t.name == "rope_freqs.weight" else gguf_to_hf_name(t.name, arch)
+        hf = gguf_to_hf_name(t.name, arch)
         if hf is None:
             continue  # the loader skips tensors it has no use for
         n = math.prod(t.shape)
@@ -207,13 +207,13 @@ def _repacked_bytes(qtype: int, rows: int, cols: int) -> int:
 # ---------------------------------------------------------------- Hugging Face folders
 
 def _hf_info(name: str, folder: Path, ctx: int | None) -> ModelInfo:
-    from . import config as config_mod
+    from .arch import from_hf_config
     from .checkpoint import _read_json
 
     cfg_json = _read_json(folder / "config.json")
     if not cfg_json:
         raise FileError("missing or empty config.json", folder)
-    cfg = config_mod.from_hf_config(cfg_json)
+    cfg = from_hf_config(cfg_json)
     files = _weight_files(folder)
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
     for f in files:

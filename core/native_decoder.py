@@ -64,6 +64,8 @@ class NativeDecoder:
         cfg = model.cfg
         if not native.available() or any(n % 16 for n in (cfg.dim, cfg.head_dim, cfg.ffn_dim)) or cfg.head_dim > 512:
             return False
+        if cfg.n_experts or cfg.rotary_dim != cfg.head_dim:  # decoder.c has no router and rotates whole heads
+            return False
         if need_rope and (getattr(model, "rope", None) is None or model.rope[0][0].dtype != torch.float32
                           or model.rope[0][0].device.type != "cpu"):
             return False

@@ -66,8 +66,10 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
-def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards: bool = False) -> Path:
-    """Write a tiny random model the way transformers saves it (config, safetensors, tokenizer)."""
+def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards: bool = False,
+                        tokens: int = 300) -> Path:
+    """Write a tiny random model the way transformers saves it (config, safetensors, tokenizer).
+    tokens: the tokenizer's size (below the model's 300 where a tokenizer class adds its own)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -84,6 +86,28 @@ def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
         model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif kind in ("qwen3_moe", "qwen3_moe_norm"):
+        # the first with a dense layer and raw top-k weights; the second renormalizes them, as the
+        # released models and llama.cpp's qwen3moe (whose converter takes no dense layer) do
+        norm = kind.endswith("norm")
+        cfg = tf.Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=norm, mlp_only_layers=[] if norm else [1])
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif kind == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        model = tf.MixtralForCausalLM(cfg)
+    elif kind in ("phi3", "phi3_long"):  # Phi-4-mini's partial rotary, Phi-3's longrope and window
+        rot = 8  # of head_dim 16: 4 frequencies, each with its own short and long factor
+        cfg = tf.Phi3Config(**common, pad_token_id=0, partial_rotary_factor=0.5, sliding_window=16,
+                            original_max_position_embeddings=64,
+                            rope_scaling={"rope_type": "longrope", "rope_theta": 10000.0,
+                                          "short_factor": [1.0, 1.3, 2.1, 3.7][:rot // 2],
+                                          "long_factor": [1.5, 2.9, 4.2, 8.5][:rot // 2]})
+        model = tf.Phi3ForCausalLM(cfg)
     elif kind == "gemma3":
         cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 6, "num_key_value_heads": 1}, head_dim=32,
                                   sliding_window=8, query_pre_attn_scalar=32)
@@ -97,7 +121,7 @@ def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
     model.save_pretrained(folder, max_shard_size="200KB" if shards else "5GB")
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(), bos_token="<s>", eos_token="</s>")
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(tokens), bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     return folder
@@ -116,6 +140,11 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=5)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from brisk.core import calibration, config, device, evaluate
+from brisk.core import arch, calibration, device, evaluate
 from brisk.core.checkpoint import load_checkpoint
 from brisk.core.errors import BriskError, FileError, InvalidValue, PromptTooLong, UnsupportedFormat
 from brisk.core.gguf_file import open_gguf
@@ -88,7 +88,7 @@ def test_file_errors_name_the_file(tmp_path):
 
 def test_unsupported_formats_are_file_errors(tmp_path):
     with pytest.raises(UnsupportedFormat, match="unsupported architecture 'mamba'"):
-        config.from_hf_config({"model_type": "mamba"})
+        arch.from_hf_config({"model_type": "mamba"})
     future = tmp_path / "future.gguf"
     future.write_bytes(b"GGUF" + struct.pack("<IQQ", 4, 0, 0))
     with pytest.raises(UnsupportedFormat, match="version 4") as info:

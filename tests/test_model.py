@@ -40,9 +40,9 @@ def _brisk_greedy(llm, ids: list[int], steps: int) -> list[int]:
     return out
 
 
-def check_parity(path, ids, atol, steps=32):
+def check_parity(path, ids, atol, steps=32, ctx=None):
     # quantize="none": transformers widens GGUF weights to float, so brisk must too for exact parity
-    llm = LLM.load(str(path), device="cpu", dtype="float32", quantize="none")
+    llm = LLM.load(str(path), device="cpu", dtype="float32", quantize="none", ctx=ctx)
     hf = _hf_model(path)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()

@@ -531,7 +531,7 @@ def test_built_config_matches_transformers(kind, request):
     import transformers as tf
 
     from brisk.core.checkpoint import load_checkpoint
-    from brisk.core.config import from_hf_config
+    from brisk.core.arch import from_hf_config
     from brisk.core.hf_export import hf_config
 
     folder = request.getfixturevalue(kind)

@@ -147,7 +147,7 @@ def check_input(model: str | None, out: Path):
     """A quantized model is not a base for another format; and OUT must not be the model itself.
     Returns the ModelConfig of an HF folder (read from config.json alone), None for a GGUF."""
     from ..checkpoint import resolve
-    from ..config import from_hf_config
+    from ..arch import from_hf_config
 
     _, path = resolve(model)
     if out.resolve() in (path.resolve(), path.resolve().parent if path.is_file() else None):

@@ -1,0 +1,188 @@
+"""The architectures of core/arch beyond the Llama family and Gemma 3 (Qwen3, Qwen3-MoE, Mixtral,
+Phi-3): logits and greedy output against transformers' own classes, the same models as llama.cpp's
+converter writes them (float and Q8_0, kept quantized), and the mixture-of-experts promises."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from brisk.core import GREEDY, LLM, Session
+from brisk.core.arch import from_hf_config
+from brisk.core.batching import Engine, Request
+from brisk.core.errors import FileError
+from brisk.core.hf_export import hf_config
+from brisk.core.model import MoE
+from brisk.core.speculative import make_speculator
+
+from conftest import write_hf_checkpoint
+from llama_cpp import convert
+from test_model import check_parity
+
+IDS = list(range(3, 43))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """kind -> (HF folder, llama.cpp's F32 GGUF, its Q8_0 GGUF), made once per kind."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            d = tmp_path_factory.mktemp(f"gguf_{kind}")
+            hf = write_hf_checkpoint(d / "hf", kind, seed=4, tokens=296)  # the converter wants ids < 300
+            if kind.startswith("phi3"):  # its converter reads a byte-level BPE only as GPT-2's
+                tc = json.loads((hf / "tokenizer_config.json").read_text())
+                (hf / "tokenizer_config.json").write_text(json.dumps({**tc, "tokenizer_class": "GPT2Tokenizer"}))
+            made[kind] = hf, convert(hf, d / "f32.gguf", "f32"), convert(hf, d / "q8_0.gguf", "q8_0")
+        return made[kind]
+    return get
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_moe_norm", "mixtral", "phi3"])
+def test_tiny_checkpoints_match_transformers(kind, tmp_path):
+    path = write_hf_checkpoint(tmp_path, kind, seed=4)
+    # Phi-3's longrope takes its short factors within the pretrained context (64 here)
+    llm = check_parity(path, IDS, atol=1e-4, steps=16 if kind == "phi3" else 32,
+                       ctx=64 if kind == "phi3" else None)
+    assert llm.config.arch == from_hf_config(json.loads((path / "config.json").read_text())).arch
+
+
+def test_phi3_long_factors_past_the_pretrained_context(tmp_path):
+    """A context past original_max_position_embeddings takes the long factors, as transformers
+    does for a sequence that long (and llama.cpp for such a context); the attention factor is
+    sqrt(1 + ln(256/64) / ln 64) either way."""
+    import transformers as tf
+
+    path = write_hf_checkpoint(tmp_path, "phi3", seed=4)
+    ids = list(range(3, 83))  # 80 tokens > 64
+    llm = LLM.load(str(path), device="cpu", dtype="float32", quantize="none", ctx=256)
+    assert llm.config.rope_scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ref - llm.logits(ids)).abs().max() < 1e-4
+    short = LLM.load(str(path), device="cpu", dtype="float32", quantize="none", ctx=64)
+    assert (ref[:60] - short.logits(ids[:60])).abs().max() > 1e-3  # the factors do matter
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe_norm", "mixtral", "phi3"])
+def test_llama_cpp_gguf_files(kind, converted):
+    """llama.cpp's converter output: the F32 file gives transformers' logits through brisk's GGUF
+    reader (stacked expert tensors, fused q/k/v and gate/up, Qwen's un-interleaved q/k rows,
+    Phi-3's factor tensors); the Q8_0 file stays quantized, experts included, and follows the widened
+    file (Qwen2's q/k/v biases kept beside their quantized layers)."""
+    hf_dir, f32, q8 = converted(kind)
+    ref = LLM.load(str(hf_dir), device="cpu", dtype="float32", quantize="none", ctx=64).logits(IDS)
+    ours = LLM.load(str(f32), device="cpu", dtype="float32", quantize="none", ctx=64)
+    assert ours.config.arch == ("qwen2" if kind == "qwen2" else kind.removesuffix("_norm"))
+    assert (ours.logits(IDS) - ref).abs().max() < 1e-4
+    kept = LLM.load(str(q8), device="cpu", dtype="float32", ctx=64)
+    widened = LLM.load(str(q8), device="cpu", dtype="float32", ctx=64, quantize="none").logits(IDS)
+    layers = [m for n, m in kept.model.named_modules() if n.endswith(("_proj", "lm_head"))]
+    assert layers and all(type(m).__name__ == "GGUFLinear" and m.type_name == "Q8_0" for m in layers)
+    assert (kept.logits(IDS) - widened).abs().max() < 1e-3
+
+
+def test_moe_token_runs_only_its_experts(tiny_qwen3_moe_dir):
+    """A decode step calls exactly top-k experts per MoE layer (the others' weights are never read)."""
+    llm = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32")
+    calls = []
+    moe_layers = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    assert len(moe_layers) == 2  # of 3 layers: layer 1 is dense (mlp_only_layers)
+    hooks = [e.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[0]))
+             for moe in moe_layers for e in moe.experts]
+    cache = llm.new_cache()
+    with torch.inference_mode():
+        llm.model(torch.tensor([IDS]), 0, cache)
+        calls.clear()
+        llm.model(torch.tensor([[7]]), len(IDS), cache)
+    for h in hooks:
+        h.remove()
+    assert calls == [1] * (2 * llm.config.n_experts_used)
+
+
+def test_moe_batched_and_speculative_equal_plain_greedy(tiny_qwen3_moe_dir):
+    """A token's routing and bits never depend on its batch: the batching engine's answers and
+    n-gram speculation's equal plain greedy decoding token for token."""
+    llm = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 300, (int(n),), generator=g).tolist() for n in (5, 17, 30, 9)]
+    want = []
+    for p in prompts:
+        s = Session(llm)
+        list(s.stream(p, GREEDY, 20))
+        want.append(s.last.tokens)
+    got = [s.result.tokens for s in Engine(llm, block_size=4).run([Request(p, GREEDY, 20) for p in prompts])]
+    assert got == want
+    spec = make_speculator(llm, "ngram", 3)
+    for p, w in zip(prompts, want):
+        s = Session(llm, speculator=spec)
+        list(s.stream(p, GREEDY, 20))
+        assert s.last.tokens == w
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_moe_quantized_at_load(tiny_qwen3_moe_dir, quantize):
+    """-q int8|int4 quantizes every expert, never the router, and stays close to the float model."""
+    base = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32")
+    llm = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32", quantize=quantize)
+    experts = [m for n, m in llm.model.named_modules() if ".experts." in n and n.endswith("_proj")]
+    assert experts and all(type(m).__name__ == f"Int{quantize[3]}Linear" for m in experts)
+    assert all(type(m.gate).__name__ == "Router" for m in llm.model.modules() if isinstance(m, MoE))
+    p, q = base.logits(IDS).log_softmax(-1), llm.logits(IDS).log_softmax(-1)
+    assert (p.exp() * (p - q)).sum(-1).mean() < (0.01 if quantize == "int8" else 0.1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "mixtral", "phi3"])
+def test_exported_config_reads_back(kind, tmp_path):
+    """hf_config (what brisk quantize writes for a GGUF source) gives the same ModelConfig back."""
+    llm = LLM.load(str(write_hf_checkpoint(tmp_path, kind, seed=4)), device="cpu", dtype="float32")
+    assert from_hf_config(hf_config(llm.config, llm.tokenizer)) == llm.config
+
+
+def test_inconsistent_experts_are_one_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = write_hf_checkpoint(tmp_path / "m", "mixtral", seed=4)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 3}))
+    with pytest.raises(FileError, match=r"layer 0 holds experts 0\.\.3 \(4\), but the config says 3"):
+        LLM.load(str(path), device="cpu")
+    (path / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 9}))
+    with pytest.raises(FileError, match="num_experts_per_tok must be an integer from 1 to 4, got 9"):
+        LLM.load(str(path), device="cpu")
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(FileError, match="lacks 1 weights, e.g. model.layers.1.mlp.experts.2.up_proj.weight"):
+        LLM.load(str(path), device="cpu")
+
+
+def test_gguf_expert_tensor_of_the_wrong_shape(converted, tmp_path):
+    """A GGUF whose stacked expert tensor holds another number of experts than expert_count."""
+    import gguf
+
+    _, f32, _ = converted("mixtral")
+    reader = gguf.GGUFReader(f32)
+    out = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(out, "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == "llama.expert_count":
+            value = 5
+        vtype = field.types[0]
+        writer.add_key_value(field.name, value, vtype, sub_type=field.types[1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(FileError, match=r"ffn_\w+_exps\.weight has shape \[4, \d+, \d+\]: the model needs 5 experts"):
+        LLM.load(str(out), device="cpu")
