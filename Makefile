@@ -36,16 +36,17 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	-$(MAKE) --no-print-directory $(LLAMA_CPP)/convert_hf_to_gguf.py
 	touch $@
 
-# llama.cpp's converter and gguf-py, from the llama-cpp-python sdist (~77 MB download, 2 MB kept): the
-# tests turn tiny HF models into GGUF files with it, as users get them (tests/llama_cpp.py; they skip
-# without it)
+# llama.cpp's converter, gguf-py and the chat templates it tests, from the llama-cpp-python sdist (~77 MB
+# download, 3 MB kept): the tests turn tiny HF models into GGUF files with it, as users get them, and
+# render real models' templates (tests/llama_cpp.py; they skip without it)
 LLAMA_CPP_SDIST := llama_cpp_python-0.3.36
 LLAMA_CPP := .cache/$(LLAMA_CPP_SDIST)/vendor/llama.cpp
 $(LLAMA_CPP)/convert_hf_to_gguf.py:
 	mkdir -p .cache
 	$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .cache
 	tar xzf .cache/$(LLAMA_CPP_SDIST).tar.gz -C .cache --wildcards '$(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py' \
-		'$(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion/*' '$(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py/*'
+		'$(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion/*' '$(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py/*' \
+		'$(LLAMA_CPP_SDIST)/vendor/llama.cpp/models/templates/*'
 	rm .cache/$(LLAMA_CPP_SDIST).tar.gz
 
 install: $(VENV)/.installed

@@ -51,6 +51,10 @@ def render(i) -> list[str]:
                          + (" · tied embeddings" if i.tie_embeddings else "")),
         ("parameters", count(i.parameters)),
     ]
+    if i.experts:
+        rows.append(("experts", f"{i.experts} per MoE layer, {i.experts_used} routed per token · "
+                                f"{count(i.active_parameters)} parameters active"))
+    rows.append(("per token", f"{size(i.read_bytes_per_token)} of weights read per decode step"))
     if i.quant_method:
         rows.append(("quantization", i.quant_method))
     width = max(len(u.type) for u in i.quantization) if i.quantization else 0

@@ -76,6 +76,10 @@ class ModelInfo:
     kv_dtype: str  # of the CPU cache
     kv_bytes_per_token: int  # on the CPU
     kv_bytes: int  # on the CPU, for ctx tokens
+    experts: int = 0  # a mixture of experts' experts per MoE layer (0: dense)
+    experts_used: int = 0  # routed per token
+    active_parameters: int = 0  # a token's share: all but the experts it is not routed to
+    read_bytes_per_token: int = 0  # weight bytes as stored that a decode step reads (one embedding row)
     memory: list[MemoryFit] = field(default_factory=list)  # the CPU, then each GPU torch sees
     notes: list[str] = field(default_factory=list)
 
@@ -119,7 +123,7 @@ def _locate(model: str | None) -> tuple[str, Path]:
 def _gguf_info(name: str, path: Path, ctx: int | None) -> ModelInfo:
     import gguf
 
-    from .checkpoint import _gguf_header
+    from .checkpoint import _gguf_header, gguf_to_hf_name
 
     if path.suffix in (".safetensors", ".bin", ".pt"):
         raise FileError("pass the checkpoint folder (with config.json), not a weights file", name)
@@ -146,6 +150,7 @@ def _gguf_info(name: str, path: Path, ctx: int | None) -> ModelInfo:
     info = _common(name, path, "gguf", arch.name, cfg, ctx, tok.has_chat_template, generation,
                    sorted(usage.values(), key=lambda u: -u.bytes), None,
                    parameters=sum(u.elements for u in usage.values()), file_bytes=path.stat().st_size)
+    _active(info, cfg, [(gguf_to_hf_name(t.name, arch) or t.name, math.prod(t.shape), t.nbytes) for t in table])
     widened = set()
     info.memory = _fits(info, cfg, lambda device, size: _gguf_weight_bytes(
         table, arch, cfg, device, size, widened if device == "cpu" else set()))
@@ -244,6 +249,8 @@ def _hf_info(name: str, folder: Path, ctx: int | None) -> ModelInfo:
                    sorted(usage.values(), key=lambda u: -u.bytes), quant,
                    parameters=parameters, file_bytes=sum(f.stat().st_size for f in files))
     info.notes.extend(notes)
+    _active(info, cfg, [(k, math.prod(shape), nbytes) for k, (_, shape, nbytes) in tensors.items()],
+            parameters / max(1, sum(u.elements for u in usage.values())))
     info.memory = _fits(info, cfg, lambda device, size: _hf_weight_bytes(tensors, cfg, size, bool(qcfg), device))
     return info
 
@@ -368,6 +375,24 @@ def _common(name, path, fmt, arch, cfg: ModelConfig, ctx, chat_template, samplin
         sliding_window=cfg.sliding_window if sliding else None, sliding_layers=sliding,
         chat_template=bool(chat_template), sampling=dict(sampling), kv_dtype=_dtype_name("cpu"),
         kv_bytes_per_token=per_token, kv_bytes=per_token * chosen, notes=notes)
+
+
+def _active(info: ModelInfo, cfg: ModelConfig, tensors: list[tuple[str, int, int]], per_element: float = 1.0) -> None:
+    """A token's share of the weights: parameters (tensors: name, stored elements, bytes; stored
+    elements times per_element are parameters, for packed quantized checkpoints) and the bytes a
+    decode step reads. An MoE layer's experts count for experts_used of n_experts; an untied
+    embedding for one row."""
+    expert_n = expert_b = embed_b = 0
+    for name, n, nbytes in tensors:
+        if ".experts." in name or "_exps." in name:
+            expert_n, expert_b = expert_n + n, expert_b + nbytes
+        elif "embed_tokens" in name and not cfg.tie_embeddings:
+            embed_b += nbytes
+    idle = 1 - cfg.n_experts_used / cfg.n_experts if cfg.n_experts else 0.0
+    total_b = sum(b for _, _, b in tensors)
+    info.experts, info.experts_used = cfg.n_experts, cfg.n_experts_used
+    info.active_parameters = info.parameters - round(expert_n * per_element * idle)
+    info.read_bytes_per_token = round(total_b - expert_b * idle - embed_b * (1 - 1 / cfg.vocab_size))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:

@@ -41,3 +41,11 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
                        timeout=300)
     assert r.returncode == 0 and out.is_file(), r.stderr[-3000:]
     return out
+
+
+def template(name: str) -> str:
+    """A real model's chat template as llama.cpp keeps it for its tests (models/templates)."""
+    path = converter() / "models" / "templates" / name
+    if not path.is_file():
+        pytest.skip(f"{path} is missing")
+    return path.read_text(encoding="utf-8")

@@ -186,3 +186,43 @@ def test_gguf_expert_tensor_of_the_wrong_shape(converted, tmp_path):
     writer.close()
     with pytest.raises(FileError, match=r"ffn_\w+_exps\.weight has shape \[4, \d+, \d+\]: the model needs 5 experts"):
         LLM.load(str(out), device="cpu")
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen3-0.6B", "microsoft-Phi-3.5-mini-instruct",
+                                  "mistralai-Mistral-Nemo-Instruct-2407", "openai-gpt-oss-120b"])
+def test_shipped_chat_templates_render_as_transformers(name, tmp_path):
+    """The templates these models ship (system prompt, a past turn, Qwen3's think-tag handling)
+    give brisk's prompt text exactly as transformers renders it."""
+    import transformers as tf
+
+    from brisk.core.tokenizer import Tokenizer
+    from conftest import train_tiny_tokenizer
+    from llama_cpp import template
+
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(), bos_token="<s>", eos_token="</s>")
+    fast.chat_template = template(f"{name}.jinja")
+    fast.save_pretrained(tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello!"},
+                {"role": "user", "content": "What is 2+2?"}]
+    want = fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert Tokenizer.from_hf_folder(tmp_path).apply_chat_template(messages) == want
+
+
+def test_info_counts_the_active_experts(converted):
+    """brisk info on an MoE model, from its GGUF and from its folder: experts, a token's active
+    parameters (all but the 6 of 8 experts it is not routed to) and the bytes a decode step reads."""
+    import transformers as tf
+
+    from brisk.core.model_info import model_info
+
+    hf_dir, f32, _ = converted("qwen3_moe_norm")
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    total = sum(p.numel() for p in hf.parameters())
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    embedding = hf.get_input_embeddings().weight.numel()
+    for source in (f32, hf_dir):
+        info = model_info(str(source))
+        assert (info.experts, info.experts_used) == (8, 2)
+        assert info.active_parameters == total - experts * 6 // 8
+        assert info.read_bytes_per_token == 4 * (total - experts * 6 // 8 - embedding + embedding // 300)
