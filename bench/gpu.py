@@ -529,7 +529,7 @@ def fake_llm(net):
     from brisk.core.llm import LLM, LoadInfo
 
     ckpt = SimpleNamespace(name="llama3-8b-shaped (random)")
-    return LLM(net, _Tokens(), ckpt, torch.device("cuda"), torch.bfloat16, 4096, LoadInfo(0, step_bytes(net), 0))
+    return LLM(net, _Tokens(), ckpt, torch.device("cuda"), torch.bfloat16, 4096, LoadInfo(0, step_bytes(net), 0, step_bytes(net)))
 
 
 @section

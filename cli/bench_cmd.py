@@ -44,7 +44,8 @@ def bench(
 ):
     """Measure prompt processing (pp) and token generation (tg) speed, first-token time and memory.
 
-    Each tok/s is the median over -r runs ± half their range; GB/s is model bytes x tg tok/s.
+    Each tok/s is the median over -r runs ± half their range; GB/s is the weight bytes a decode
+    step reads (of a mixture of experts, the routed experts only) x tg tok/s.
     """
     import torch
 

@@ -22,7 +22,7 @@ class BenchRow:
     spread: float  # half the range of the repetitions, tok/s
     ttft_s: float
     model_bytes: int
-    gb_s: float  # bytes the step reads per second (weights for tg, approx.)
+    gb_s: float  # bytes the step reads per second (weights for tg, approx.; an MoE's routed experts only)
     peak_mem_bytes: int
     quant: str = "none"  # the weight formats in use, e.g. "int4+int8"
     acceptance: float | None = None  # speculative decoding rows: drafts accepted / drafted
@@ -97,7 +97,7 @@ def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
         speeds = [n_gen / time_decode(llm, n_gen, step) for _ in range(reps)]
         med = statistics.median(speeds)
         rows.append(BenchRow(test=f"tg{n_gen}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
-                             ttft_s=1 / med, gb_s=model_bytes * med / 1e9,
+                             ttft_s=1 / med, gb_s=llm.load_info.step_bytes * med / 1e9,
                              peak_mem_bytes=peak_memory(llm.device), **common))
     return rows
 

@@ -15,7 +15,7 @@ from .device import pick_device, pick_dtype, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue
 from .kernel_passes import apply_device_kernels
 from .kv import ContiguousKV
-from .model import Transformer
+from .model import MoE, Transformer
 from ..quant import gguf_blocks, native
 from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, replace_linears, replace_modules
@@ -26,6 +26,7 @@ class LoadInfo:
     seconds: float
     param_bytes: int
     file_bytes: int
+    step_bytes: int  # the weight bytes a decode step reads: all but the experts a token is not routed to
 
 
 class LLM:
@@ -66,7 +67,8 @@ class LLM:
         if ctx < 16:
             raise InvalidValue("ctx", ctx, "", template=f"{{option}} {ctx}: too small")
         net.setup_rope(ctx, dev)
-        info = LoadInfo(time.perf_counter() - t0, model_bytes(net), ckpt.file_bytes)
+        held = model_bytes(net)
+        info = LoadInfo(time.perf_counter() - t0, held, ckpt.file_bytes, held - idle_expert_bytes(net))
         ckpt.tensors = {}  # the model owns the weights now
         return cls(net, ckpt.tokenizer, ckpt, dev, dt, ctx, info)
 
@@ -234,6 +236,13 @@ def model_bytes(net: torch.nn.Module) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
+
+
+def idle_expert_bytes(net: Transformer) -> int:
+    """The expert weights a decode step does not read (those of the experts not routed to)."""
+    cfg = net.cfg
+    experts = sum(model_bytes(m.experts) for m in net.modules() if isinstance(m, MoE))
+    return round(experts * (1 - cfg.n_experts_used / cfg.n_experts)) if cfg.n_experts else 0
 
 
 def describe_quantization(net: torch.nn.Module) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -146,7 +147,9 @@ def _gguf_info(name: str, path: Path, ctx: int | None) -> ModelInfo:
     for t in table:
         kind = _gguf_type_name(gguf, t.qtype)
         u = usage.setdefault(kind, TypeUsage(kind, 0, 0, 0))
-        u.tensors, u.bytes, u.elements = u.tensors + 1, u.bytes + t.nbytes, u.elements + math.prod(t.shape)
+        stacked = re.search(r"_exps\.(\d+)\.", t.name)  # one expert's slice of a file tensor: counted once
+        u.tensors += not stacked or stacked.group(1) == "0"
+        u.bytes, u.elements = u.bytes + t.nbytes, u.elements + math.prod(t.shape)
     info = _common(name, path, "gguf", arch.name, cfg, ctx, tok.has_chat_template, generation,
                    sorted(usage.values(), key=lambda u: -u.bytes), None,
                    parameters=sum(u.elements for u in usage.values()), file_bytes=path.stat().st_size)
