@@ -226,3 +226,21 @@ def test_info_counts_the_active_experts(converted):
         assert (info.experts, info.experts_used) == (8, 2)
         assert info.active_parameters == total - experts * 6 // 8
         assert info.read_bytes_per_token == 4 * (total - experts * 6 // 8 - embedding + embedding // 300)
+
+
+def test_moe_on_the_command_line(tiny_qwen3_moe_dir, tmp_path):
+    """generate and info run an MoE folder; quantize refuses it in one line, leaving nothing behind."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    brisk = [str(Path(sys.executable).parent / "brisk")]
+    r = subprocess.run(brisk + ["generate", str(tiny_qwen3_moe_dir), "Hello", "--raw", "-n", "4", "--temperature", "0",
+                                "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout)["generated_tokens"] == 4, r.stderr
+    out = tmp_path / "q"
+    r = subprocess.run(brisk + ["quantize", str(tiny_qwen3_moe_dir), "-o", str(out), "--method", "int8"],
+                       capture_output=True, text=True, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "mixture-of-experts" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and not out.exists() and not out.with_name("q.partial").exists()

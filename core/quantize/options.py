@@ -176,6 +176,9 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
 def check_shapes(opts: QuantOptions, cfg) -> QuantOptions:
     """Pick the default group size for this model, and check that its shapes fit the format
     (and the calibration sequences its context)."""
+    if cfg.n_experts:  # the recipes walk a block's fixed projections; a routed expert sees some tokens only
+        raise BriskError(f"brisk quantize does not take mixture-of-experts models ({cfg.arch}) yet: run the "
+                         "model as it is stored, or quantize it at load with --quantize int8|int4")
     if opts.calibrated and opts.seq_len > cfg.max_seq_len:
         raise InvalidValue("seq_len", opts.seq_len, "", template=f"{{option}} {opts.seq_len} exceeds the model's context ({cfg.max_seq_len})")
     if opts.method not in GROUPED:
