@@ -19,7 +19,7 @@ from torch import nn
 
 from . import blas, fused
 from .device import torch_gets_the_threads
-from .model import MLP, Attention, RMSNorm, Transformer
+from .model import MLP, Attention, RMSNorm, Router, Transformer
 from .native_decoder import NativeDecoder
 from ..quant import native
 from ..quant.gguf_linear import GGUFLinear
@@ -68,6 +68,10 @@ class NativeLinear(BlasLinear):
                 return super().forward(x)
         y = self._native().matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class NativeRouter(Router, NativeLinear):
+    """An MoE router on NativeLinear's kernels: a token's routing never depends on its batch."""
 
 
 class FusedRMSNorm(RMSNorm):
@@ -132,7 +136,7 @@ def apply_device_kernels(net: nn.Module, device: torch.device) -> None:
     """Swap in the kernels for `device`; call once the layers have their final kinds (after any
     quantization at load)."""
     if device.type == "cpu":
-        _swap(net, {nn.Linear: NativeLinear})
+        _swap(net, {nn.Linear: NativeLinear, Router: NativeRouter})
         if any(isinstance(m, GGUFLinear) for m in net.modules()):
             _swap(net, {Attention: JoinedAttention, MLP: JoinedMLP})
             join_projections(net, only=GGUFLinear)

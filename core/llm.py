@@ -15,10 +15,10 @@ from .device import pick_device, pick_dtype, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue
 from .kernel_passes import apply_device_kernels
 from .kv import ContiguousKV
-from .model import MoE, Transformer
+from .model import MoE, Router, Transformer
 from ..quant import gguf_blocks, native
 from ..quant.gguf_linear import GGUFLinear
-from ..quant.linear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, replace_linears, replace_modules
+from ..quant.linear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, replace_modules
 
 
 @dataclass
@@ -188,13 +188,14 @@ def quantize_at_load(net: Transformer, method: str) -> None:
     if method == "nf4":
         from ..quant.bnb_format import NF4Linear
 
-        replace_linears(net, NF4Linear.from_float)  # the head stays float: no NF4 kernel on the CPU
+        # the head stays float (no NF4 kernel on the CPU), and MoE routers always do
+        replace_modules(net, lambda name, m: NF4Linear.from_float(m) if name != "lm_head" and _quantizable(m) else None)
         return
     tied = net.cfg.tie_embeddings
     want = Int4Linear if method == "int4" else Int8Linear
 
     def convert(name, m):
-        if isinstance(m, want) or not isinstance(m, (nn.Linear, QuantLinear)):
+        if isinstance(m, want) or not _quantizable(m):
             return None
         if isinstance(m, GGUFLinear) and gguf_blocks.fits(m.qtype, m.in_features):
             # a GGUF's 4-bit blocks carry over into int4 exactly (Q8_0 into int8 per row), no float copy
@@ -209,12 +210,12 @@ def quantize_at_load(net: Transformer, method: str) -> None:
         return (Int4Linear.from_float(source, 32, keep_codes=tied and name == "lm_head") if method == "int4"
                 else Int8Linear.from_float(source))
 
-    total = sum(isinstance(m, (nn.Linear, QuantLinear)) for m in net.modules())
+    total = sum(_quantizable(m) for m in net.modules())
     done = 0
 
     def counted(name, m):
         nonlocal done
-        if not isinstance(m, (nn.Linear, QuantLinear)):
+        if not _quantizable(m):
             return None
         layer = convert(name, m)
         done += 1
@@ -225,6 +226,11 @@ def quantize_at_load(net: Transformer, method: str) -> None:
     if tied and isinstance(net.lm_head, QuantLinear):
         net.model.embed_tokens = QuantEmbedding(net.lm_head, net.model.norm.weight.dtype)
     _exact_top_logits(net)
+
+
+def _quantizable(m: nn.Module) -> bool:
+    """A linear layer --quantize converts: every one but an MoE router."""
+    return isinstance(m, (nn.Linear, QuantLinear)) and not isinstance(m, Router)
 
 
 def model_bytes(net: torch.nn.Module) -> int:

@@ -121,16 +121,12 @@ class MLP(nn.Module):
         return self.down_proj(g * self.up_proj(x))
 
 
-class Router(nn.Module):
-    """An MoE layer's router: a float weight [experts, dim], never quantized (a token's choice of
-    experts must not move with the weights' rounding). Not an nn.Linear, so no pass replaces it."""
+class Router(nn.Linear):
+    """An MoE layer's router, dim -> experts: never quantized (a token's choice of experts must not
+    move with the weights' rounding); a device pass may still give it a faster float kernel."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
-
-    def forward(self, x):
-        return F.linear(x.float(), self.weight.float())
+        super().__init__(cfg.dim, cfg.n_experts, bias=False)
 
 
 class MoE(nn.Module):
@@ -150,7 +146,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, experts [N, k]) of rows x [N, dim]: softmax, then the top k."""
-        probs = self.gate(x).softmax(dim=-1)
+        probs = self.gate(x).float().softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -161,6 +157,11 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, experts = self.route(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if x.shape[0] == 1:  # a decode step: its k experts straight, the same adds in the same order
+            chosen, slots = experts[0].sort()
+            for e, slot in zip(chosen.tolist(), slots.tolist()):
+                out += self.experts[e](x).float() * weights[:, slot, None]
+            return out.to(x.dtype).reshape(shape)
         for e in experts.unique().tolist():  # ascending: each token adds its experts in the same order
             rows, slot = (experts == e).nonzero(as_tuple=True)
             y = self.experts[e](x.index_select(0, rows)).float()
