@@ -167,8 +167,9 @@ def join_projections(net: nn.Module, only: type = nn.Module) -> None:
         parts = (a.q_proj, a.k_proj, a.v_proj)
         if isinstance(a.q_proj, only) and (j := concat_linears(list(parts))) is not None:
             a.__dict__["_qkv"] = (j, parts, [p.out_features for p in parts])
-        if not isinstance(m, MLP):  # experts stay apart: a joined copy of each would double their memory
-            continue
-        parts = (m.gate_proj, m.up_proj)
-        if isinstance(m.gate_proj, only) and (j := concat_linears(list(parts))) is not None:
-            m.__dict__["_gate_up"] = (j, parts)
+        # an MoE layer's experts only where joining shares the weights (GGUF layers, JoinedGGUF):
+        # other kinds join by copying, which would hold every expert twice
+        for mlp in [m] if isinstance(m, MLP) else list(m.experts) if only is GGUFLinear else []:
+            parts = (mlp.gate_proj, mlp.up_proj)
+            if isinstance(mlp.gate_proj, only) and (j := concat_linears(list(parts))) is not None:
+                mlp.__dict__["_gate_up"] = (j, parts)

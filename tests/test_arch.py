@@ -260,3 +260,39 @@ def test_moe_rows_get_the_same_bits_in_any_batch(tiny_qwen3_moe_dir):
         together = moe(x)
         alone = torch.cat([moe(x[:, i:i + 1]) for i in range(9)], dim=1)
     assert torch.equal(together, alone)
+
+
+def test_gptq_moe_checkpoint(tmp_path, monkeypatch):
+    """A GPTQ checkpoint of Mixtral in GPTQModel's layout (each expert's w1/w2/w3 packed under its own
+    name, the router float): every expert loads as a GPTQ layer, and the logits are those of the float
+    model holding the checkpoint's dequantized weights."""
+    from safetensors.torch import load_file, save_file
+
+    from brisk.quant import gptq_format
+    from brisk.quant.gptq import rtn
+    from brisk.quant.zero_point_linear import ZeroPointLinear
+
+    monkeypatch.setattr(ZeroPointLinear, "exact", True)
+    src = write_hf_checkpoint(tmp_path / "float", "mixtral", seed=4)
+    tensors = load_file(src / "model.safetensors")
+    deq = dict(tensors)
+    for name in [k for k in tensors if ".experts." in k or "self_attn" in k]:
+        r = rtn(tensors[name], 4, 32, True)
+        for suffix, t in r.tensors("gptq").items():
+            tensors[name.replace(".weight", f".{suffix}")] = t
+        del tensors[name]
+        deq[name] = r.dequantized.to(torch.float16).float()  # the scales are stored in float16
+    out = tmp_path / "gptq"
+    out.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, out / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": gptq_format.quantization_config(4, 32)}))
+    save_file(deq, src / "model.safetensors")  # the reference: the float model of the dequantized weights
+    llm = LLM.load(str(out), device="cpu", dtype="float32")
+    experts = [m for n, m in llm.model.named_modules() if ".experts." in n and n.endswith("_proj")]
+    assert len(experts) == 2 * 4 * 3 and all(type(m).__name__ == "GPTQLinear" for m in experts)
+    ref = LLM.load(str(src), device="cpu", dtype="float32", quantize="none").logits(IDS)
+    assert (llm.logits(IDS) - ref).abs().max() < 1e-3
