@@ -17,7 +17,7 @@ FAST_AVX2 ?= $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && grep -qw avx2 /proc
 	&& ! command -v clang >/dev/null 2>&1 && echo "ziglang>=0.11")
 PROMPT ?= What is the capital of France?
 
-.PHONY: install install-test run test check-arm bench bench-llama bench-quant fuzz clean
+.PHONY: install install-test run test check-arm bench bench-llama bench-moe bench-quant fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,21 @@ bench: install-test
 bench-llama: install-test
 	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/llama_compare.py --record
+
+# brisk against llama.cpp's own llama-bench on a Qwen3-30B-A3B-shaped MoE file (12 of its 48 layers,
+# random weights, made Q4_K_M by llama-quantize), each tool in its own process: bench/moe_compare.py.
+# llama-bench and llama-quantize are built once from the llama-cpp-python sdist (~10 min on 2 cores)
+LLAMA_BUILD := .cache/llama.cpp-build
+bench-moe: install-test $(LLAMA_BUILD)/bin/llama-bench
+	$(PY) bench/moe_compare.py --llama-bench $(LLAMA_BUILD)/bin/llama-bench --llama-quantize $(LLAMA_BUILD)/bin/llama-quantize
+
+$(LLAMA_BUILD)/bin/llama-bench:
+	mkdir -p .cache/src
+	$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .cache/src
+	tar xzf .cache/src/$(LLAMA_CPP_SDIST).tar.gz -C .cache/src
+	cmake -S .cache/src/$(LLAMA_CPP_SDIST)/vendor/llama.cpp -B $(LLAMA_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON
+	cmake --build $(LLAMA_BUILD) --target llama-bench llama-quantize -j$$(nproc)
 
 # quantization quality and speed per format (brisk quantize + eval + bench; tens of minutes), then
 # Gemma 3 moved off every quantization grid (its function kept), brisk's 4-bit rows sized against

@@ -19,6 +19,7 @@ import ctypes
 import torch
 
 from .kv import ContiguousKV, PagedStep
+from .model import MoE
 from ..quant import native
 
 
@@ -32,7 +33,8 @@ class NativeDecoder:
     def __init__(self, model):
         cfg = model.cfg
         self.arch = native.Arch(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.norm_eps,
-                                cfg.attn_scale, cfg.qk_norm, cfg.sandwich_norm, cfg.act == "gelu_tanh")
+                                cfg.attn_scale, cfg.qk_norm, cfg.sandwich_norm, cfg.act == "gelu_tanh",
+                                cfg.n_experts_used, cfg.norm_topk_prob, cfg.expert_ffn_dim)
         self.rope = model.rope  # the tables the structs point into (setup_rope replaces the list)
         self.n_layers = cfg.n_layers
         self.layers = (native.Layer * cfg.n_layers)()
@@ -41,8 +43,17 @@ class NativeDecoder:
             a, m, L = block.self_attn, block.mlp, self.layers[i]
             for j, p in enumerate((a.q_proj, a.k_proj, a.v_proj)):
                 L.qkv[j] = self._weight(p)
-            L.o, L.down = self._weight(a.o_proj), self._weight(m.down_proj)
-            L.gate_up[0], L.gate_up[1] = self._weight(m.gate_proj), self._weight(m.up_proj)
+            L.o = self._weight(a.o_proj)
+            if isinstance(m, MoE):  # the router, then each expert's gate, up and down
+                router = native.Weight * 1
+                experts = native.Weight * (3 * len(m.experts))
+                L.router = self._array(router(self._weight(m.gate)))
+                L.experts = self._array(experts(*[self._weight(p) for e in m.experts
+                                                  for p in (e.gate_proj, e.up_proj, e.down_proj)]))
+                L.n_experts = len(m.experts)
+            else:
+                L.down = self._weight(m.down_proj)
+                L.gate_up[0], L.gate_up[1] = self._weight(m.gate_proj), self._weight(m.up_proj)
             L.q_bias, L.k_bias, L.v_bias = (self._floats(p.bias) for p in (a.q_proj, a.k_proj, a.v_proj))
             L.attn_in, L.post_attn = self._norm(block.input_layernorm), self._norm(block.post_attention_layernorm)
             if cfg.sandwich_norm:
@@ -64,14 +75,17 @@ class NativeDecoder:
         cfg = model.cfg
         if not native.available() or any(n % 16 for n in (cfg.dim, cfg.head_dim, cfg.ffn_dim)) or cfg.head_dim > 512:
             return False
-        if cfg.n_experts or cfg.rotary_dim != cfg.head_dim:  # decoder.c has no router and rotates whole heads
+        if cfg.rotary_dim != cfg.head_dim or cfg.expert_ffn_dim % 16:  # decoder.c rotates whole heads
             return False
         if need_rope and (getattr(model, "rope", None) is None or model.rope[0][0].dtype != torch.float32
                           or model.rope[0][0].device.type != "cpu"):
             return False
         for block in model.model.layers:
             a, m = block.self_attn, block.mlp
-            for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            mlps = m.experts if isinstance(m, MoE) else [m]
+            extra = [m.gate] if isinstance(m, MoE) else []
+            for p in [a.q_proj, a.k_proj, a.v_proj, a.o_proj, *extra,
+                      *(q for e in mlps for q in (e.gate_proj, e.up_proj, e.down_proj))]:
                 if not getattr(p, "native", False) or not hasattr(p, "_native"):
                     return False
         return True
@@ -80,6 +94,11 @@ class NativeDecoder:
         nw = layer._native()
         self.keep.append(nw)
         return nw.desc
+
+    def _array(self, descs) -> int:
+        """A ctypes array of weight descriptions, kept alive, as the pointer a bk_layer holds."""
+        self.keep.append(descs)
+        return ctypes.addressof(descs)
 
     def _floats(self, t: torch.Tensor | None) -> int | None:
         if t is None:

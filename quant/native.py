@@ -211,7 +211,7 @@ class Arch(ctypes.Structure):
     """bk_arch (kernels/bk_decoder.h): a model's block shapes and flags."""
     _fields_ = [(n, ctypes.c_int) for n in ("dim", "n_heads", "n_kv", "head_dim", "ffn")] + \
                [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float)] + \
-               [(n, ctypes.c_int) for n in ("qk_norm", "sandwich", "gelu")]
+               [(n, ctypes.c_int) for n in ("qk_norm", "sandwich", "gelu", "n_used", "norm_topk", "expert_ffn")]
 
 
 class Layer(ctypes.Structure):
@@ -219,7 +219,8 @@ class Layer(ctypes.Structure):
     _fields_ = [("qkv", Weight * 3), ("o", Weight), ("gate_up", Weight * 2), ("down", Weight)] + \
                [(n, ctypes.c_void_p) for n in ("q_bias", "k_bias", "v_bias", "attn_in", "post_attn", "pre_ffn",
                                                  "post_ffn", "q_norm", "k_norm", "cos", "sin")] + \
-               [("window", ctypes.c_int)]
+               [("window", ctypes.c_int), ("n_experts", ctypes.c_int), ("router", ctypes.c_void_p),
+                ("experts", ctypes.c_void_p)]
 
 
 class Cache(ctypes.Structure):

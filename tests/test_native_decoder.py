@@ -23,9 +23,10 @@ def _native_logits(llm, ids):
     return llm.logits(ids)
 
 
-@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma3"])
+@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma3", "qwen3_moe"])
 def tiny_int8(request):
-    """A tiny random model of each kind with int8 rows (products on the native kernels)."""
+    """A tiny random model of each kind with int8 rows (products on the native kernels); the MoE
+    one with a dense layer between its MoE layers and unnormalized top-k weights."""
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
@@ -83,9 +84,12 @@ def test_float_model_runs_native_for_short_passes(arch, request):
     torch.testing.assert_close(chunks, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-def test_decode_steps_equal_one_pass_bit_for_bit(tiny_gemma3_dir):
-    """A token's logits do not depend on the pass it is in (one-token steps, chunks, one prefill)."""
-    llm = LLM.load(str(tiny_gemma3_dir), device="cpu", dtype="float32", quantize="int8")
+@pytest.mark.parametrize("model", ["tiny_gemma3_dir", "tiny_qwen3_moe_dir"])
+def test_decode_steps_equal_one_pass_bit_for_bit(model, request):
+    """A token's logits do not depend on the pass it is in (one-token steps, chunks, one prefill):
+    an MoE layer's experts run on the rows routed to them, each row's result its own."""
+    llm = LLM.load(str(request.getfixturevalue(model)), device="cpu", dtype="float32", quantize="int8")
+    assert type(llm.model) is NativeBlocksTransformer
     ids = [(5 * i + 1) % 290 + 2 for i in range(30)]
     one = llm.logits(ids)
     with torch.inference_mode():

@@ -1,4 +1,5 @@
-/* A model's transformer blocks as decoder.c runs them (the Llama family and Gemma 3). */
+/* A model's transformer blocks as decoder.c runs them (every core/arch architecture with full-width
+ * rope: the Llama family, Gemma 3, Qwen3, Phi-3 with full rotary, and the mixtures of experts). */
 #ifndef BRISK_BK_DECODER_H
 #define BRISK_BK_DECODER_H
 
@@ -12,6 +13,9 @@ typedef struct { /* the same for every block */
     int qk_norm;  /* RMSNorm each q and k head (Gemma 3) */
     int sandwich; /* Gemma's norms of the attention and MLP outputs */
     int gelu;     /* GELU (tanh) gate, else SiLU */
+    /* mixtures of experts: experts a token is routed to, whether their weights are renormalized
+     * to sum to 1, an expert's feed-forward width */
+    int n_used, norm_topk, expert_ffn;
 } bk_arch;
 
 typedef struct {
@@ -22,6 +26,10 @@ typedef struct {
     const float *attn_in, *post_attn, *pre_ffn, *post_ffn, *q_norm, *k_norm;
     const float *cos, *sin; /* rope tables [positions, head_dim], sin signed as model.py makes it */
     int window;             /* sliding window length, 0: full attention */
+    /* an MoE layer (n_experts > 0) in place of gate_up/down: the router [n_experts, dim] (float32)
+     * and each expert's gate, up and down, 3 weights an expert */
+    int n_experts;
+    const bk_weight *router, *experts;
 } bk_layer;
 
 /* Where position p of a row's sequence keeps its K (and V) in a layer's cache, head h:

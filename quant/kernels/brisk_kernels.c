@@ -697,5 +697,9 @@ int bk_decoder(const bk_arch *a, const bk_layer *layers, int n_layers, const bk_
     if (N < 1 || a->dim % LANES_OK || a->head_dim % LANES_OK || a->ffn % LANES_OK || a->head_dim > 512 ||
         a->n_kv < 1 || a->n_heads % a->n_kv)
         return -1;
+    for (int l = 0; l < n_layers; l++)
+        if (layers[l].n_experts && (a->expert_ffn % LANES_OK || a->n_used < 1 || a->n_used > layers[l].n_experts ||
+                                    !layers[l].router || !layers[l].experts))
+            return -1;
     return KERNELS[clamp_level(level)].decoder(a, layers, n_layers, c, N, pos, table, x, clamp_level(level));
 }

@@ -208,6 +208,77 @@ static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += LANES) store16(x + i, load16(x + i) + load16(y + i));
 }
 
+/* A row's experts: softmax over the router's logits, the n_used largest (ties: the lower expert),
+ * renormalized if asked; returned in ascending expert order, the order their outputs are added in. */
+static void route(const float *logits, int E, int k, int renorm, int *chosen, float *w) {
+    float m = -INFINITY, sum = 0, picked = 0;
+    for (int e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
+    for (int e = 0; e < E; e++) sum += expf(logits[e] - m);
+    for (int i = 0; i < k; i++) { /* k passes: k is small (2-8), E up to a few hundred */
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < i; j++) taken |= chosen[j] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        chosen[i] = best;
+    }
+    for (int i = 1; i < k; i++) /* ascending expert order */
+        for (int j = i; j > 0 && chosen[j - 1] > chosen[j]; j--) {
+            int t = chosen[j];
+            chosen[j] = chosen[j - 1], chosen[j - 1] = t;
+        }
+    for (int i = 0; i < k; i++) picked += w[i] = expf(logits[chosen[i]] - m) / sum;
+    if (renorm)
+        for (int i = 0; i < k; i++) w[i] /= picked;
+}
+
+/* out [N, dim] = each row's routed experts' MLPs on xn, weighted and added in ascending expert
+ * order. Each expert runs once on the rows routed to it (gathered): its weights are read once a
+ * pass, and since a product's row does not depend on the others, nor does a row's result. */
+static int moe(const bk_arch *a, const bk_layer *L, int N, const float *xn, float *out, int level) {
+    int dim = a->dim, E = L->n_experts, k = a->n_used, F = a->expert_ffn, rc = 0;
+    size_t floats = (size_t)N * E + (size_t)N * k + (size_t)N * dim + (size_t)N * 2 * F + (size_t)N * F + (size_t)N * dim;
+    float *buf = malloc(floats * sizeof(float) + (size_t)N * k * sizeof(int) + (size_t)(E + 1) * sizeof(int) +
+                        (size_t)N * k * 2 * sizeof(int));
+    if (!buf) return -2;
+    float *logits = buf, *w = logits + (size_t)N * E, *g = w + (size_t)N * k, *gu = g + (size_t)N * dim,
+          *act = gu + (size_t)N * 2 * F, *y = act + (size_t)N * F;
+    int *chosen = (int *)(y + (size_t)N * dim), *start = chosen + (size_t)N * k, *rows = start + E + 1,
+        *slot = rows + (size_t)N * k;
+    if ((rc = bk_matmul_many(L->router, 1, N, xn, logits, level))) goto done;
+    for (int r = 0; r < N; r++) route(logits + (size_t)r * E, E, k, a->norm_topk, chosen + (size_t)r * k, w + (size_t)r * k);
+    /* the (row, slot) pairs by expert, rows ascending within each */
+    memset(start, 0, sizeof(int) * (E + 1));
+    for (int i = 0; i < N * k; i++) start[chosen[i] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    int *fill = (int *)logits; /* the logits are read: their room holds the fill counters */
+    memcpy(fill, start, sizeof(int) * E);
+    for (int i = 0; i < N * k; i++) {
+        int at = fill[chosen[i]]++;
+        rows[at] = i / k, slot[at] = i;
+    }
+    memset(out, 0, sizeof(float) * (size_t)N * dim);
+    for (int e = 0; e < E && rc == 0; e++) {
+        int m = start[e + 1] - start[e];
+        if (!m) continue;
+        for (int i = 0; i < m; i++) memcpy(g + (size_t)i * dim, xn + (size_t)rows[start[e] + i] * dim, sizeof(float) * dim);
+        if ((rc = bk_matmul_many(L->experts + 3 * e, 2, m, g, gu, level))) break;
+        for (int i = 0; i < m; i++) gated(gu + (size_t)i * 2 * F, act + (size_t)i * F, F, a->gelu);
+        if ((rc = bk_matmul_many(L->experts + 3 * e + 2, 1, m, act, y, level))) break;
+        for (int i = 0; i < m; i++) {
+            float *o = out + (size_t)rows[start[e] + i] * dim, *yi = y + (size_t)i * dim;
+            v16 s = splat16(w[slot[start[e] + i]]);
+            for (int d = 0; d < dim; d += LANES) {
+                store16(o + d, load16(o + d) + load16(yi + d) * s);
+            }
+        }
+    }
+done:
+    free(buf);
+    return rc;
+}
+
 /* Rows x [N, dim] (in place) through every layer: row r at position pos[r], its sequence's block
  * table at c->tables + table[r]. Every row's K/V are written before any row attends, so a row sees
  * the rows of this call that precede it in its sequence. Returns 0, -1 on a product's shape error,
@@ -268,9 +339,13 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
                 rms_norm(xr, L->post_attn, xnr, dim, a->eps);
             }
         }
-        if ((rc = bk_matmul_many(L->gate_up, 2, N, xn, gu, level))) break;
-        for (int r = 0; r < N; r++) gated(gu + (int64_t)r * 2 * F, act + (int64_t)r * F, F, a->gelu);
-        if ((rc = bk_matmul_many(&L->down, 1, N, act, o, level))) break;
+        if (L->n_experts) {
+            if ((rc = moe(a, L, N, xn, o, level))) break;
+        } else {
+            if ((rc = bk_matmul_many(L->gate_up, 2, N, xn, gu, level))) break;
+            for (int r = 0; r < N; r++) gated(gu + (int64_t)r * 2 * F, act + (int64_t)r * F, F, a->gelu);
+            if ((rc = bk_matmul_many(&L->down, 1, N, act, o, level))) break;
+        }
         for (int r = 0; r < N; r++) {
             float *xr = x + (int64_t)r * dim, *orow = o + (int64_t)r * dim;
             if (a->sandwich) rms_norm(orow, L->post_ffn, orow, dim, a->eps);
@@ -278,5 +353,5 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
         }
     }
     free(buf);
-    return rc ? -1 : 0;
+    return rc == -2 ? -2 : rc ? -1 : 0;
 }
