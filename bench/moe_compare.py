@@ -7,7 +7,8 @@ of Q4_K/Q6_K users get); cached under ~/.cache/brisk/bench/.
 
 Each tool runs as its users run it: `llama-bench -m FILE -t T -p 512 -n 128 -r R -o json` and
 `brisk bench FILE --threads T -p 512 -n 128 -r R --json`, alternating, for 1 and 2 threads; the tables
-give medians over --rounds rounds (each already a mean/median over R repetitions) with the spread.
+give medians over --rounds rounds (each already a mean/median over R repetitions; who runs first
+flips each round) with the spread (half the range).
 
     python bench/moe_compare.py --llama-bench PATH/llama-bench --llama-quantize PATH/llama-quantize
 """
@@ -136,42 +137,67 @@ def run_brisk(path: Path, threads: int, pp: int, tg: int, reps: int) -> tuple[di
     return {row["test"][:2]: row["tok_s"] for row in rows}, peak
 
 
+def read_bandwidth(threads: int) -> float:
+    """GB/s torch.sum reads a 1 GiB float32 tensor at (the machine's read bandwidth, as RESULTS.md
+    measures it), median of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(2**28)
+    x.sum()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bench", required=True)
     ap.add_argument("--llama-quantize", required=True)
     ap.add_argument("--layers", type=int, default=12, help="of Qwen3-30B-A3B's 48 (default 12)")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
     args = ap.parse_args()
     path = build(args.layers, args.llama_quantize)
     size = path.stat().st_size
-    print(f"{path.name}: {size / 2**30:.2f} GiB", flush=True)
+    info = json.loads(subprocess.run([str(Path(sys.executable).parent / "brisk"), "info", str(path), "--json"],
+                                     check=True, capture_output=True, text=True).stdout)
+    step = info["read_bytes_per_token"]
+    print(f"{path.name}: {size / 2**30:.2f} GiB, {step / 2**20:.0f} MiB of weights read per token", flush=True)
     results = []
     for t in map(int, args.threads.split(",")):
         got = {"brisk": {"pp": [], "tg": []}, "llama": {"pp": [], "tg": []}}
         peak = 0
-        for _ in range(args.rounds):  # alternating, each tool in its own process
+        for r in range(args.rounds):  # alternating, each tool in its own process, who goes first flipped
+            if r % 2:
+                ll = run_llama(args.llama_bench, path, t, 512, 128, args.repetitions)
             b, p = run_brisk(path, t, 512, 128, args.repetitions)
             peak = max(peak, p)
-            ll = run_llama(args.llama_bench, path, t, 512, 128, args.repetitions)
+            if r % 2 == 0:
+                ll = run_llama(args.llama_bench, path, t, 512, 128, args.repetitions)
             for k in ("pp", "tg"):
                 got["brisk"][k].append(b[k])
                 got["llama"][k].append(ll[k])
-        row = {"threads": t, "peak_rss_bytes": peak, "file_bytes": size}
+        row = {"threads": t, "peak_rss_bytes": peak, "file_bytes": size, "read_gb_s": read_bandwidth(t)}
         for k in ("pp", "tg"):
             bm, lm = statistics.median(got["brisk"][k]), statistics.median(got["llama"][k])
             row[k] = {"brisk": bm, "brisk_spread": (max(got["brisk"][k]) - min(got["brisk"][k])) / 2,
                       "llama": lm, "llama_spread": (max(got["llama"][k]) - min(got["llama"][k])) / 2, "ratio": bm / lm}
         results.append(row)
         print(json.dumps(row), flush=True)
-    print("| threads | decode tg128 brisk / llama-bench | prefill pp512 brisk / llama-bench | brisk peak RSS / file |")
-    print("|---|---|---|---|")
+    print("| threads | decode tg128 brisk / llama-bench | brisk decode, share of read bandwidth | "
+          "prefill pp512 brisk / llama-bench | brisk peak RSS / file |")
+    print("|---|---|---|---|---|")
     for r in results:
         tg, pp = r["tg"], r["pp"]
+        share = step * tg["brisk"] / 1e9
         print(f"| {r['threads']} | {tg['brisk']:.2f} ± {tg['brisk_spread']:.2f} / {tg['llama']:.2f} ± "
-              f"{tg['llama_spread']:.2f} ({tg['ratio']:.2f}x) | {pp['brisk']:.1f} ± {pp['brisk_spread']:.1f} / "
+              f"{tg['llama_spread']:.2f} ({tg['ratio']:.2f}x) | {share:.1f} of {r['read_gb_s']:.1f} GB/s "
+              f"({share / r['read_gb_s']:.0%}) | {pp['brisk']:.1f} ± {pp['brisk_spread']:.1f} / "
               f"{pp['llama']:.1f} ± {pp['llama_spread']:.1f} ({pp['ratio']:.2f}x) | "
               f"{r['peak_rss_bytes'] / 2**30:.2f} / {r['file_bytes'] / 2**30:.2f} GiB |")
 

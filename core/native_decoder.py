@@ -34,7 +34,7 @@ class NativeDecoder:
         cfg = model.cfg
         self.arch = native.Arch(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.norm_eps,
                                 cfg.attn_scale, cfg.qk_norm, cfg.sandwich_norm, cfg.act == "gelu_tanh",
-                                cfg.n_experts_used, cfg.norm_topk_prob, cfg.expert_ffn_dim)
+                                cfg.n_experts_used, cfg.norm_topk_prob, cfg.expert_ffn_dim, cfg.rotary_dim)
         self.rope = model.rope  # the tables the structs point into (setup_rope replaces the list)
         self.n_layers = cfg.n_layers
         self.layers = (native.Layer * cfg.n_layers)()
@@ -75,7 +75,7 @@ class NativeDecoder:
         cfg = model.cfg
         if not native.available() or any(n % 16 for n in (cfg.dim, cfg.head_dim, cfg.ffn_dim)) or cfg.head_dim > 512:
             return False
-        if cfg.rotary_dim != cfg.head_dim or cfg.expert_ffn_dim % 16:  # decoder.c rotates whole heads
+        if cfg.expert_ffn_dim % 16:
             return False
         if need_rope and (getattr(model, "rope", None) is None or model.rope[0][0].dtype != torch.float32
                           or model.rope[0][0].device.type != "cpu"):

@@ -211,7 +211,7 @@ class Arch(ctypes.Structure):
     """bk_arch (kernels/bk_decoder.h): a model's block shapes and flags."""
     _fields_ = [(n, ctypes.c_int) for n in ("dim", "n_heads", "n_kv", "head_dim", "ffn")] + \
                [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float)] + \
-               [(n, ctypes.c_int) for n in ("qk_norm", "sandwich", "gelu", "n_used", "norm_topk", "expert_ffn")]
+               [(n, ctypes.c_int) for n in ("qk_norm", "sandwich", "gelu", "n_used", "norm_topk", "expert_ffn", "rope_dim")]
 
 
 class Layer(ctypes.Structure):

@@ -148,6 +148,11 @@ def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_phi3"), "phi3", seed=6)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=2)
 

@@ -234,7 +234,7 @@ def test_info_counts_the_active_experts(converted):
 
 
 def test_moe_on_the_command_line(tiny_qwen3_moe_dir, tmp_path):
-    """generate and info run an MoE folder; quantize refuses it in one line, leaving nothing behind."""
+    """generate runs an MoE folder; quantize --method awq refuses it in one line, leaving nothing behind."""
     import subprocess
     import sys
     from pathlib import Path
@@ -244,7 +244,7 @@ def test_moe_on_the_command_line(tiny_qwen3_moe_dir, tmp_path):
                                 "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and json.loads(r.stdout)["generated_tokens"] == 4, r.stderr
     out = tmp_path / "q"
-    r = subprocess.run(brisk + ["quantize", str(tiny_qwen3_moe_dir), "-o", str(out), "--method", "int8"],
+    r = subprocess.run(brisk + ["quantize", str(tiny_qwen3_moe_dir), "-o", str(out), "--method", "awq"],
                        capture_output=True, text=True, timeout=300)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 1 and len(errors) == 1 and "mixture-of-experts" in errors[0], r.stderr
@@ -300,3 +300,36 @@ def test_gptq_moe_checkpoint(tmp_path, monkeypatch):
     assert len(experts) == 2 * 4 * 3 and all(type(m).__name__ == "GPTQLinear" for m in experts)
     ref = LLM.load(str(src), device="cpu", dtype="float32", quantize="none").logits(IDS)
     assert (llm.logits(IDS) - ref).abs().max() < 1e-3
+
+
+def test_gptq_quantize_of_an_moe_model(tiny_qwen3_moe_dir, tmp_path, monkeypatch):
+    """brisk quantize --method gptq of an MoE model: each expert by GPTQ on the tokens routed to it,
+    an expert no calibration token reaches (here expert 7, never routed to while calibrating) on the
+    same grid without compensation; routers float, the dense layer quantized; the folder loads as
+    GPTQ layers and follows the float model."""
+    from safetensors.torch import load_file
+
+    from brisk.core.quantize import QuantOptions, quantize_model
+
+    route = MoE.route
+
+    def never_seven(self, x):
+        logits = self.gate(x).float()
+        logits[:, 7] = -torch.inf
+        probs = logits.softmax(dim=-1)
+        w, e = probs.topk(self.top_k, dim=-1)
+        return (w / w.sum(-1, keepdim=True) if self.renormalize else w), e
+
+    monkeypatch.setattr(MoE, "route", never_seven)
+    out = tmp_path / "gptq"
+    quantize_model(str(tiny_qwen3_moe_dir), out, QuantOptions("gptq", group_size=32, samples=8, seq_len=64))
+    monkeypatch.setattr(MoE, "route", route)
+    stored = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.experts.7.down_proj.qweight" in stored and "model.layers.1.mlp.down_proj.qweight" in stored
+    assert stored["model.layers.0.mlp.gate.weight"].is_floating_point()  # the router stays float
+    llm = LLM.load(str(out), device="cpu", dtype="float32")
+    experts = [m for n, m in llm.model.named_modules() if ".experts." in n and n.endswith("_proj")]
+    assert len(experts) == 2 * 8 * 3 and all(type(m).__name__ == "GPTQLinear" for m in experts)
+    base = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32").logits(IDS).log_softmax(-1)
+    kl = (base.exp() * (base - llm.logits(IDS).log_softmax(-1))).sum(-1).mean()
+    assert kl < 0.05

@@ -1,6 +1,7 @@
 """The native blocks (core/native_decoder.py, quant/kernels/decoder.c) against the torch blocks of the
 same model: logits of a pass, every architecture flag (q/k/v bias, sliding window, Gemma's norms,
-GELU, q/k norms), decode steps against one pass, a paged batch against single sequences."""
+GELU, q/k norms, partial rotary, experts), decode steps against one pass, a paged batch against
+single sequences."""
 import pytest
 import torch
 
@@ -23,10 +24,11 @@ def _native_logits(llm, ids):
     return llm.logits(ids)
 
 
-@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma3", "qwen3_moe"])
+@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma3", "qwen3_moe", "phi3"])
 def tiny_int8(request):
     """A tiny random model of each kind with int8 rows (products on the native kernels); the MoE
-    one with a dense layer between its MoE layers and unnormalized top-k weights."""
+    one with a dense layer between its MoE layers and unnormalized top-k weights, Phi-3 with
+    partial rotary and longrope."""
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 

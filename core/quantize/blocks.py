@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 CHUNK_TOKENS = 4096  # calibration tokens per block call: bounds the block's activation memory
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+LINEARS = ATTENTION + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 # ---------------------------------------------------------------- the model's block API
@@ -50,14 +50,15 @@ class _Stop(Exception):
 
 def capture(block: nn.Module, x: torch.Tensor, rope, kv, feeds: dict, stop_at: nn.Module) -> None:
     """Run the block over the calibration batch, handing the input of each linear in `feeds`
-    ({linear: fn(x)}) to its function, and cut each forward short at `stop_at`'s input."""
+    ({linear: fn(x)}) to its function, and cut each forward short at `stop_at`'s input (None: run
+    it all). An MoE expert's linear sees the tokens routed to that expert only."""
     def hook(mod, args):
         if mod in feeds:
             feeds[mod](args[0])
         if mod is stop_at:
             raise _Stop
 
-    handles = [m.register_forward_pre_hook(hook) for m in {**feeds, stop_at: None}]
+    handles = [m.register_forward_pre_hook(hook) for m in {**feeds, stop_at: None} if m is not None]
     try:
         for c in chunks(x):
             try:
@@ -71,13 +72,23 @@ def capture(block: nn.Module, x: torch.Tensor, rope, kv, feeds: dict, stop_at: n
 
 # ---------------------------------------------------------------- its linears and float tensors
 
+def linear_names(block: nn.Module) -> tuple[str, ...]:
+    """The block's quantized linears: attention's, then its MLP's or each expert's (never an MoE
+    router, which stays float)."""
+    mlp = block.mlp
+    if hasattr(mlp, "experts"):
+        return ATTENTION + tuple(f"mlp.experts.{e}.{p}" for e in range(len(mlp.experts))
+                                 for p in ("gate_proj", "up_proj", "down_proj"))
+    return LINEARS
+
+
 def linears(block: nn.Module) -> dict[str, nn.Linear]:
-    return {n: block.get_submodule(n) for n in LINEARS}
+    return {n: block.get_submodule(n) for n in linear_names(block)}
 
 
 def named_float_params(block: nn.Module):
-    """The block's tensors that stay float in the checkpoint: norms, and biases."""
-    quantized = {f"{n}.weight" for n in LINEARS}
+    """The block's tensors that stay float in the checkpoint: norms, biases, an MoE router."""
+    quantized = {f"{n}.weight" for n in linear_names(block)}
     return [(n, p) for n, p in block.named_parameters() if n not in quantized]
 
 

@@ -166,19 +166,25 @@ LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 
 
 def shapes(cfg) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each linear in a block."""
+    """(out_features, in_features) of each linear in a block (of an MoE block: each expert's)."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return {"self_attn.q_proj": (q, cfg.dim), "self_attn.k_proj": (kv, cfg.dim), "self_attn.v_proj": (kv, cfg.dim),
-            "self_attn.o_proj": (cfg.dim, q), "mlp.gate_proj": (cfg.ffn_dim, cfg.dim),
-            "mlp.up_proj": (cfg.ffn_dim, cfg.dim), "mlp.down_proj": (cfg.dim, cfg.ffn_dim)}
+    out = {"self_attn.q_proj": (q, cfg.dim), "self_attn.k_proj": (kv, cfg.dim), "self_attn.v_proj": (kv, cfg.dim),
+           "self_attn.o_proj": (cfg.dim, q)}
+    if not cfg.n_experts or cfg.dense_layers:
+        out |= {"mlp.gate_proj": (cfg.ffn_dim, cfg.dim), "mlp.up_proj": (cfg.ffn_dim, cfg.dim),
+                "mlp.down_proj": (cfg.dim, cfg.ffn_dim)}
+    for e in range(cfg.n_experts):
+        f = cfg.expert_ffn_dim
+        out |= {f"mlp.experts.{e}.gate_proj": (f, cfg.dim), f"mlp.experts.{e}.up_proj": (f, cfg.dim),
+                f"mlp.experts.{e}.down_proj": (cfg.dim, f)}
+    return out
 
 
 def check_shapes(opts: QuantOptions, cfg) -> QuantOptions:
     """Pick the default group size for this model, and check that its shapes fit the format
     (and the calibration sequences its context)."""
-    if cfg.n_experts:  # the recipes walk a block's fixed projections; a routed expert sees some tokens only
-        raise BriskError(f"brisk quantize does not take mixture-of-experts models ({cfg.arch}) yet: run the "
-                         "model as it is stored, or quantize it at load with --quantize int8|int4")
+    if cfg.n_experts and opts.method == "awq":  # its scales fold into the norm every expert shares
+        raise BriskError(f"awq does not take mixture-of-experts models ({cfg.arch}) yet: use --method gptq")
     if opts.calibrated and opts.seq_len > cfg.max_seq_len:
         raise InvalidValue("seq_len", opts.seq_len, "", template=f"{{option}} {opts.seq_len} exceeds the model's context ({cfg.max_seq_len})")
     if opts.method not in GROUPED:

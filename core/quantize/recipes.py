@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .blocks import capture, linears
+from .blocks import capture, linear_names, linears
 
 AWQ_SEARCH_TOKENS = 512  # tokens (evenly strided) the AWQ scale/clip grid searches see: cost is linear in it
 
@@ -14,6 +14,18 @@ AWQ_SEARCH_TOKENS = 512  # tokens (evenly strided) the AWQ scale/clip grid searc
 # each step's inputs come from the block with the earlier steps' linears already quantized.
 GPTQ_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
               ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def gptq_steps(block) -> list[list[tuple[str, ...]]]:
+    """GPTQ_STEPS for this block: each step a list of input-sharing sets. An MoE block's gate/up
+    step holds every expert's pair, its down step every expert's down: each expert's Hessian from
+    the tokens routed to it."""
+    names = linear_names(block)
+    if "mlp.gate_proj" in names:
+        return [[s] for s in GPTQ_STEPS]
+    experts = sorted({n.rsplit(".", 1)[0] for n in names if ".experts." in n}, key=lambda p: int(p.rsplit(".", 1)[1]))
+    return [[GPTQ_STEPS[0]], [GPTQ_STEPS[1]], [(f"{e}.gate_proj", f"{e}.up_proj") for e in experts],
+            [(f"{e}.down_proj",) for e in experts]]
 
 
 def gptq_block(block, x, rope, kv, opts, prefix: str = ""):
@@ -53,16 +65,22 @@ def _true_sequential(block, x, rope, kv, quantize_one):
 
     lins = linears(block)
     tensors, errors = {}, {}
-    for names in GPTQ_STEPS:
-        first = GPTQ(lins[names[0]].weight)
-        capture(block, x, rope, kv, {lins[names[0]]: first.add_batch}, stop_at=lins[names[0]])
-        for n in names:
-            # the linears of a step read the same input: the Hessian depends on the input only
-            g = first if n == names[0] else GPTQ.with_hessian(lins[n].weight, first.H, first.n)
-            t, deq, err = quantize_one(g, n)
-            tensors.update({f"{n}.{k}": v for k, v in t.items()})
-            errors[n] = float(err)
-            lins[n].weight.copy_(deq)
+    for step in gptq_steps(block):
+        firsts = {names[0]: GPTQ(lins[names[0]].weight) for names in step}
+        # one set (a dense block): its forward cut short at the linear; an MoE step runs the whole block
+        capture(block, x, rope, kv, {lins[n]: g.add_batch for n, g in firsts.items()},
+                stop_at=lins[step[0][0]] if len(step) == 1 else None)
+        for names in step:
+            first = firsts[names[0]]
+            if first.n == 0:  # an expert no calibration token reached: round to nearest on the grid
+                first = GPTQ.with_hessian(first.weight, torch.eye(first.H.shape[0]), 1)
+            for n in names:
+                # the linears of a set read the same input: the Hessian depends on the input only
+                g = first if n == names[0] else GPTQ.with_hessian(lins[n].weight, first.H, first.n)
+                t, deq, err = quantize_one(g, n)
+                tensors.update({f"{n}.{k}": v for k, v in t.items()})
+                errors[n] = float(err)
+                lins[n].weight.copy_(deq)
     return tensors, errors
 
 

@@ -1,5 +1,5 @@
-/* A model's transformer blocks as decoder.c runs them (every core/arch architecture with full-width
- * rope: the Llama family, Gemma 3, Qwen3, Phi-3 with full rotary, and the mixtures of experts). */
+/* A model's transformer blocks as decoder.c runs them (every core/arch architecture: the Llama
+ * family, Gemma 3, Qwen3, Phi-3 with its partial rotary, and the mixtures of experts). */
 #ifndef BRISK_BK_DECODER_H
 #define BRISK_BK_DECODER_H
 
@@ -16,6 +16,7 @@ typedef struct { /* the same for every block */
     /* mixtures of experts: experts a token is routed to, whether their weights are renormalized
      * to sum to 1, an expert's feed-forward width */
     int n_used, norm_topk, expert_ffn;
+    int rope_dim; /* rope turns each head's first rope_dim dimensions (the tables' width), the rest pass */
 } bk_arch;
 
 typedef struct {

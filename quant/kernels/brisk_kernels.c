@@ -695,7 +695,7 @@ int bk_dequant_rows(const bk_weight *w, const int64_t *rows, int n, float *out, 
 int bk_decoder(const bk_arch *a, const bk_layer *layers, int n_layers, const bk_cache *c, int N,
                const int32_t *pos, const int32_t *table, float *x, int level) {
     if (N < 1 || a->dim % LANES_OK || a->head_dim % LANES_OK || a->ffn % LANES_OK || a->head_dim > 512 ||
-        a->n_kv < 1 || a->n_heads % a->n_kv)
+        a->n_kv < 1 || a->n_heads % a->n_kv || a->rope_dim < 0 || a->rope_dim > a->head_dim || a->rope_dim % 2)
         return -1;
     for (int l = 0; l < n_layers; l++)
         if (layers[l].n_experts && (a->expert_ffn % LANES_OK || a->n_used < 1 || a->n_used > layers[l].n_experts ||

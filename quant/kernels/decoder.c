@@ -41,7 +41,7 @@ BK_INLINE void rms_norm(const float *x, const float *w, float *y, int n, float e
     for (int k = 0; k < n; k += LANES) store16(y + k, load16(x + k) * r * load16(w + k));
 }
 
-/* rotate-half rope of one head in place: x[i] cos[i] + x[(i + D/2) mod D] sin[i] */
+/* rotate-half rope of a head's first D dimensions in place: x[i] cos[i] + x[(i + D/2) mod D] sin[i] */
 BK_INLINE void rope(float *x, const float *cos, const float *sin, int D) {
     float t[512];
     int h = D / 2;
@@ -286,6 +286,7 @@ done:
 int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_layers, const bk_cache *c, int N,
                                const int32_t *pos, const int32_t *table, float *x, int level) {
     int dim = a->dim, D = a->head_dim, H = a->n_heads, KV = a->n_kv, F = a->ffn, W = (H + 2 * KV) * D;
+    int R = a->rope_dim ? a->rope_dim : D;
     size_t floats = (size_t)N * (dim + W + H * D + dim + 2 * F + F);
     float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -2;
@@ -310,11 +311,11 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
             for (int i = 0; i < 3; i++)
                 if (bias[i])
                     for (int e = 0; e < width[i]; e++) part[i][e] += bias[i][e];
-            const float *cs = L->cos + (int64_t)pos[r] * D, *sn = L->sin + (int64_t)pos[r] * D;
+            const float *cs = L->cos + (int64_t)pos[r] * R, *sn = L->sin + (int64_t)pos[r] * R;
             for (int h = 0; h < H + KV; h++) { /* q heads, then k heads */
                 float *head = q + (int64_t)h * D;
                 if (a->qk_norm) rms_norm(head, h < H ? L->q_norm : L->k_norm, head, D, a->eps);
-                rope(head, cs, sn, D);
+                rope(head, cs, sn, R);
             }
             const int32_t *tab = c->tables + table[r];
             int64_t at = (int64_t)tab[pos[r] / c->block_size] * c->block_stride +
