@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+USER_ENV = dict(os.environ)  # for both tools' processes: importing llama_compare sets OMP_WAIT_POLICY,
+# which slowed llama-bench's 2-thread decode from ~55 to ~31 tok/s here (its OpenMP threads then sleep)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_compare import BENCH_CACHE, FP16_SCALES, dist_gguf  # noqa: E402
 
@@ -122,7 +124,7 @@ def build(layers: int, quantizer: str, ftype: str = "Q4_K_M") -> Path:
 
 def run_llama(bench: str, path: Path, threads: int, pp: int, tg: int, reps: int) -> dict:
     r = subprocess.run([bench, "-m", str(path), "-t", str(threads), "-p", str(pp), "-n", str(tg), "-r", str(reps),
-                        "-o", "json"], check=True, capture_output=True, text=True)
+                        "-o", "json"], check=True, capture_output=True, text=True, env=USER_ENV)
     rows = json.loads(r.stdout)
     return {("pp" if row["n_prompt"] else "tg"): row["avg_ts"] for row in rows}
 
@@ -131,7 +133,7 @@ def run_brisk(path: Path, threads: int, pp: int, tg: int, reps: int) -> tuple[di
     """(tok/s by test, peak memory of the brisk process in bytes, as brisk bench reports it)."""
     r = subprocess.run([str(Path(sys.executable).parent / "brisk"), "bench", str(path), "--threads", str(threads),
                         "-p", str(pp), "-n", str(tg), "-r", str(reps), "--json"], check=True, capture_output=True,
-                       text=True)
+                       text=True, env=USER_ENV)
     rows = json.loads(r.stdout)
     peak = max(row["peak_mem_bytes"] for row in rows)
     return {row["test"][:2]: row["tok_s"] for row in rows}, peak

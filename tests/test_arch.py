@@ -333,3 +333,21 @@ def test_gptq_quantize_of_an_moe_model(tiny_qwen3_moe_dir, tmp_path, monkeypatch
     base = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32").logits(IDS).log_softmax(-1)
     kl = (base.exp() * (base - llm.logits(IDS).log_softmax(-1))).sum(-1).mean()
     assert kl < 0.05
+
+
+def test_quantized_mixtral_keeps_its_own_names(tmp_path):
+    """brisk quantize writes a Mixtral's experts and routers under Mixtral's names (block_sparse_moe,
+    w1/w2/w3), as transformers and GPTQModel read them, and loads them back."""
+    from safetensors.torch import load_file
+
+    from brisk.core.quantize import QuantOptions, quantize_model
+
+    src = write_hf_checkpoint(tmp_path / "float", "mixtral", seed=4)
+    out = tmp_path / "q"
+    quantize_model(str(src), out, QuantOptions("int8", samples=0))
+    names = set(load_file(out / "model.safetensors"))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
+    assert "model.layers.1.block_sparse_moe.gate.weight" in names and not any(".mlp." in n for n in names)
+    base = LLM.load(str(src), device="cpu", dtype="float32").logits(IDS).log_softmax(-1)
+    q = LLM.load(str(out), device="cpu", dtype="float32").logits(IDS).log_softmax(-1)
+    assert (base.exp() * (base - q)).sum(-1).mean() < 0.01

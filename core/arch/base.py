@@ -60,6 +60,11 @@ class Architecture:
         """A Hugging Face checkpoint's tensors under brisk's module names (fused ones split)."""
         return tensors
 
+    def export_tensors(self, tensors: dict) -> dict:
+        """brisk's tensor names -> the architecture's own checkpoint names (hf_tensors' inverse, for
+        the folders brisk quantize writes)."""
+        return tensors
+
     def gguf_to_hf_name(self, name: str) -> str | None:
         """A GGUF tensor's module name, for a 2-D (or split, see split_gguf_table) tensor."""
         if name in GGUF_TOP:

@@ -2,10 +2,15 @@
 the router's logits, the top 2 renormalized). llama.cpp writes it as "llama" with expert counts."""
 from __future__ import annotations
 
+import re
+
 from ..config import ModelConfig
 from ..errors import FileError
 from .base import check_experts, experts_by_module
 from .llama import Llama, rope_scaling, sliding_window
+
+
+_W = {"gate": "w1", "down": "w2", "up": "w3"}  # Mixtral's names for an expert's projections
 
 
 class Mixtral(Llama):
@@ -39,6 +44,17 @@ class Mixtral(Llama):
         tensors = experts_by_module(renamed, cfg, source)
         check_experts(tensors, cfg, source)
         return tensors
+
+    def export_tensors(self, tensors):
+        out = {}
+        for k, v in tensors.items():
+            m = re.match(r"(model\.layers\.\d+)\.mlp\.(experts\.\d+\.(gate|up|down)_proj|gate)\.(.+)$", k)
+            if m:
+                layer, part, proj, rest = m.groups()
+                part = f"experts.{part.split('.')[1]}.{_W[proj]}" if proj else "gate"
+                k = f"{layer}.block_sparse_moe.{part}.{rest}"
+            out[k] = v
+        return out
 
     def hf_config(self, c, common):
         cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common, "hidden_act": "silu",

@@ -11,6 +11,7 @@ import torch
 
 from ...quant import embedding_format
 from .. import hf_export
+from ..arch import by_name
 from .options import QuantOptions
 from .resume import load_layer
 
@@ -48,7 +49,7 @@ def assemble(net, cfg, ckpt, config, qcfg, opts, dtype, partial: Path, max_shard
     tensors["model.norm.weight"] = net.model.norm.weight.to(dtype)
     if not cfg.tie_embeddings:
         tensors["lm_head.weight"] = net.lm_head.weight.to(dtype)
-    hf_export.write_shards(dest, tensors, max_shard_bytes)
+    hf_export.write_shards(dest, by_name(cfg.arch).export_tensors(tensors), max_shard_bytes)
     extra = {embedding_format.CONFIG_KEY: embedding_format.config_entry()} if table is not None else {}
     hf_export.write_json(dest / "config.json", {**config, "quantization_config": qcfg, **extra})
     if opts.method == "gptq":  # the older AutoGPTQ loaders read it from here
