@@ -391,11 +391,11 @@ class JoinedWeights:
     """Weights on the same input (q/k/v, gate/up) multiplied in one call, outputs side by side: one
     call instead of several, one thread split over all their rows, and no copy of their tensors."""
 
-    MAX = 8  # MAX_JOINED in brisk_kernels.c
+    MAX = 32  # MAX_JOINED in brisk_kernels.c
 
     def __init__(self, weights: list[NativeWeight]):
         if not 1 <= len(weights) <= self.MAX or len({w.K for w in weights}) != 1:
-            raise ValueError("joined weights need the same input size (and at most 8 of them)")
+            raise ValueError(f"joined weights need the same input size (and at most {self.MAX} of them)")
         self.weights = weights  # keeps their tensors alive
         self.descs = (Weight * len(weights))(*[w.desc for w in weights])
         self.N, self.K = sum(w.N for w in weights), weights[0].K

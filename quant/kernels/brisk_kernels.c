@@ -215,7 +215,7 @@ static void parallel_rows(chunk_fn run, const void *args, int n, int min_chunk) 
 void bk_parallel(chunk_fn run, const void *args, int n, int min_chunk) { parallel_rows(run, args, n, min_chunk); }
 
 /* ------------------------------------------------------------------ entry points */
-#define MAX_JOINED 8
+#define MAX_JOINED 32 /* a decode step's routed experts' gate and up (decoder.c moe): up to 16 experts */
 #define LANES_OK 16 /* decoder.c works in whole vectors of 16 floats */
 
 typedef struct {

@@ -259,6 +259,26 @@ static int moe(const bk_arch *a, const bk_layer *L, int N, const float *xn, floa
         rows[at] = i / k, slot[at] = i;
     }
     memset(out, 0, sizeof(float) * (size_t)N * dim);
+    if (N == 1 && 2 * k <= 32) { /* a decode step: every routed expert's gate and up in one call (the
+                                   same input; each weight's rows as alone), then each down */
+        bk_weight ws[32];
+        for (int i = 0; i < k; i++) ws[2 * i] = L->experts[3 * chosen[i]], ws[2 * i + 1] = L->experts[3 * chosen[i] + 1];
+        float *gus = malloc(sizeof(float) * (size_t)k * 2 * F + sizeof(float) * (size_t)k * F);
+        if (!gus) {
+            rc = -2;
+            goto done;
+        }
+        float *acts = gus + (size_t)k * 2 * F;
+        rc = bk_matmul_many(ws, 2 * k, 1, xn, gus, level);
+        for (int i = 0; i < k && rc == 0; i++) {
+            gated(gus + (size_t)i * 2 * F, acts + (size_t)i * F, F, a->gelu);
+            if ((rc = bk_matmul_many(L->experts + 3 * chosen[i] + 2, 1, 1, acts + (size_t)i * F, y, level))) break;
+            v16 s = splat16(w[i]);
+            for (int d = 0; d < dim; d += LANES) store16(out + d, load16(out + d) + load16(y + d) * s);
+        }
+        free(gus);
+        goto done;
+    }
     for (int e = 0; e < E && rc == 0; e++) {
         int m = start[e + 1] - start[e];
         if (!m) continue;
