@@ -230,7 +230,8 @@ def gguf_to_hf_name(name: str, arch: "arch_mod.Architecture") -> str | None:
 
 def _gguf_cache_dir(path: Path) -> Path:
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v2".encode()).hexdigest()[:24]
+    # v3: core/arch's configs, and Qwen2's q/k rows no longer reordered (a v2 cache holds them reordered)
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v3".encode()).hexdigest()[:24]
     return CACHE_DIR / "gguf" / key
 
 
@@ -254,7 +255,7 @@ def _gguf_header(path: Path):
 
     cached = _gguf_cache_dir(path)
     info = _read_json(cached / "brisk.json") if (cached / "brisk.json").exists() else {}
-    if "tensors" in info and "generation" in info and info.get("layout") == 3:  # older caches are redone
+    if "tensors" in info and "generation" in info:  # (a cache from before brisk read sampling keys: redone)
         table = [TensorInfo(n, tuple(shape), q, off, nb) for n, shape, q, off, nb in info["tensors"]]
         cfg = ModelConfig(**info["config"])
         return (cfg, Tokenizer.from_hf_folder(cached), arch_mod.split_gguf_table(table, cfg, path),
@@ -268,7 +269,7 @@ def _gguf_header(path: Path):
     if cfg.n_experts:  # layers without a router have a plain MLP (Qwen3-MoE's mlp_only_layers)
         names = {t.name for t in reader.tensors}
         cfg.dense_layers = [i for i in range(cfg.n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
-    info = {"config": cfg.to_dict(), "arch": cfg.arch, "layout": 3, "source": str(path.resolve()),
+    info = {"config": cfg.to_dict(), "arch": cfg.arch, "source": str(path.resolve()),
             "generation": gguf_generation(meta),
             "tensors": [[t.name, list(t.shape), t.qtype, t.offset, t.nbytes] for t in reader.tensors]}
     table = arch_mod.split_gguf_table(reader.tensors, cfg, path)  # before the cache: a bad table is refused
