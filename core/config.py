@@ -29,7 +29,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     # Gemma 3 specifics; defaults give the Llama family.
-    act: str = "silu"  # or "gelu_tanh" (GeGLU)
+    act: str = "silu"  # or "gelu_tanh" (GeGLU), "swiglu_clamp" (gpt-oss)
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + w)
     qk_norm: bool = False
     sandwich_norm: bool = False  # extra post-attention / post-ffn norms
@@ -45,6 +45,14 @@ class ModelConfig:
     expert_ffn_dim: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to 1
     dense_layers: list[int] = field(default_factory=list)  # layers with a plain MLP (Qwen3-MoE's mlp_only_layers)
+    routing: str = "softmax_topk"  # or "topk_softmax": a softmax over the top k logits only (gpt-oss)
+    router_bias: bool = False
+    expert_bias: bool = False  # biases on every expert's gate, up and down projections
+    # gpt-oss specifics
+    o_bias: bool = False  # a bias on the attention's output projection
+    attn_sinks: bool = False  # a learned logit per head in each softmax, its value vector zero
+    swiglu_limit: float = 7.0  # act "swiglu_clamp": gate clamped above, up clamped both sides
+    swiglu_alpha: float = 1.702  # ... and gate * sigmoid(alpha * gate) * (up + 1)
 
     def __post_init__(self):
         if not self.layer_types:
@@ -100,6 +108,14 @@ class ModelConfig:
             if not isinstance(self.dense_layers, list) or any(
                     not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.n_layers for i in self.dense_layers):
                 bad("mlp_only_layers", self.dense_layers, f"must list layer numbers below {self.n_layers}")
+        if self.act not in ("silu", "gelu_tanh", "swiglu_clamp"):
+            bad("hidden_act", self.act, "must be silu, gelu_pytorch_tanh or gpt-oss's clamped SwiGLU")
+        if self.routing not in ("softmax_topk", "topk_softmax"):
+            bad("routing", self.routing, "must be softmax_topk or topk_softmax")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            v = getattr(self, name)
+            if not number(v) or not 0 < v < 1e30:
+                bad(name, v, "must be a positive number")
         if not isinstance(self.tie_embeddings, bool):
             bad("tie_word_embeddings", self.tie_embeddings, "must be true or false")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):

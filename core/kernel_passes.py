@@ -81,10 +81,13 @@ class FusedRMSNorm(RMSNorm):
 
 class FusedMLP(MLP):
     def forward(self, x):
+        if self.act not in ("silu", "gelu_tanh"):  # gpt-oss's clamped SwiGLU has no fused kernel
+            return JoinedMLP.forward(self, x)
+        gelu = self.act == "gelu_tanh"
         joined = self.__dict__.get("_gate_up")
         if joined is not None and joined[1] == (self.gate_proj, self.up_proj):
-            return self.down_proj(fused.gated_halves(joined[0](x), self.gelu))
-        return self.down_proj(fused.gated(self.gate_proj(x), self.up_proj(x), self.gelu))
+            return self.down_proj(fused.gated_halves(joined[0](x), gelu))
+        return self.down_proj(fused.gated(self.gate_proj(x), self.up_proj(x), gelu))
 
 
 class JoinedAttention(Attention):
@@ -110,9 +113,7 @@ class JoinedMLP(MLP):
         joined = self.__dict__.get("_gate_up")
         if joined is None or joined[1] != (self.gate_proj, self.up_proj):
             return super().forward(x)
-        g, u = joined[0](x).chunk(2, dim=-1)
-        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return self.down_proj(g * u)
+        return self.down_proj(self.activate(*joined[0](x).chunk(2, dim=-1)))
 
 
 class NativeBlocksTransformer(Transformer):

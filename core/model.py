@@ -1,6 +1,6 @@
 """The transformer: every architecture of core/arch in one implementation, switched by ModelConfig
 flags (q/k norms and biases, sandwich norms, GeGLU, sliding windows, partial rotary, mixtures of
-experts). Module and parameter names follow Hugging Face's Llama and Qwen3-MoE ones, so their
+experts, gpt-oss's attention sinks and clamped SwiGLU). Module and parameter names follow Hugging Face's Llama and Qwen3-MoE ones, so their
 state dicts load as they are (each architecture module maps its own names onto these).
 
 Plain torch modules: one forward for every use. The caller says where the tokens sit (their
@@ -45,6 +45,20 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None, max_len: int
         # (as llama.cpp picks them by context; transformers by the sequence's length)
         long = max_len > scaling["original_max_position_embeddings"]
         return (inv / torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)).float()
+    if scaling and scaling.get("rope_type") == "yarn":
+        # YaRN: high frequencies (many turns within the pretrained context) kept, low ones divided
+        # by the factor, a linear ramp over the dimensions in between
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+
+        def dim_of(turns):  # the dimension whose frequency turns `turns` times over old_len
+            return rot_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = dim_of(scaling.get("beta_fast", 32.0)), dim_of(scaling.get("beta_slow", 1.0))
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, rot_dim - 1)
+        ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+        return (inv / factor * ramp + inv * (1 - ramp)).float()
     if scaling:  # llama3: stretch low frequencies, keep high ones, blend in between
         factor, lo, hi = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
         old_len = scaling["original_max_position_embeddings"]
@@ -77,7 +91,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset)
@@ -94,7 +109,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-        y = kv.attend(self.layer, q, k, v, self.window, self.scale)  # [B, T, H, D]
+        y = kv.attend(self.layer, q, k, v, self.window, self.scale, self.sinks)  # [B, T, H, D]
         return self.o_proj(y.reshape(B, T, -1))
 
     def project(self, x):
@@ -107,18 +122,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ffn_dim: int | None = None):
+    def __init__(self, cfg: ModelConfig, ffn_dim: int | None = None, bias: bool = False):
         super().__init__()
         ffn_dim = ffn_dim or cfg.ffn_dim
-        self.gate_proj = nn.Linear(cfg.dim, ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, ffn_dim, bias=False)
-        self.down_proj = nn.Linear(ffn_dim, cfg.dim, bias=False)
-        self.gelu = cfg.act == "gelu_tanh"
+        self.gate_proj = nn.Linear(cfg.dim, ffn_dim, bias=bias)
+        self.up_proj = nn.Linear(cfg.dim, ffn_dim, bias=bias)
+        self.down_proj = nn.Linear(ffn_dim, cfg.dim, bias=bias)
+        self.act, self.limit, self.alpha = cfg.act, cfg.swiglu_limit, cfg.swiglu_alpha
 
     def forward(self, x):
-        g = self.gate_proj(x)
-        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return self.down_proj(g * self.up_proj(x))
+        return self.down_proj(self.activate(self.gate_proj(x), self.up_proj(x)))
+
+    def activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The gated activation of gate and up projections."""
+        if self.act == "swiglu_clamp":  # gpt-oss: both halves clamped, a sharper sigmoid, up shifted by 1
+            g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+            return g * torch.sigmoid(g * self.alpha) * (u + 1)
+        g = F.gelu(g, approximate="tanh") if self.act == "gelu_tanh" else F.silu(g)
+        return g * u
 
 
 class Router(nn.Linear):
@@ -126,7 +147,7 @@ class Router(nn.Linear):
     move with the weights' rounding); a device pass may still give it a faster float kernel."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.dim, cfg.n_experts, bias=False)
+        super().__init__(cfg.dim, cfg.n_experts, bias=cfg.router_bias)
 
 
 class MoE(nn.Module):
@@ -141,12 +162,18 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_ffn_dim) for _ in range(cfg.n_experts))
+        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_ffn_dim, cfg.expert_bias) for _ in range(cfg.n_experts))
         self.top_k, self.renormalize = cfg.n_experts_used, cfg.norm_topk_prob
+        self.softmax_of_top = cfg.routing == "topk_softmax"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [N, k] float32, experts [N, k]) of rows x [N, dim]: softmax, then the top k."""
-        probs = self.gate(x).float().softmax(dim=-1)
+        """(weights [N, k] float32, experts [N, k]) of rows x [N, dim]: softmax, then the top k
+        (or gpt-oss's top k logits, then their softmax)."""
+        logits = self.gate(x).float()
+        if self.softmax_of_top:
+            top, experts = logits.topk(self.top_k, dim=-1)
+            return top.softmax(dim=-1), experts
+        probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -33,8 +33,9 @@ class NativeDecoder:
     def __init__(self, model):
         cfg = model.cfg
         self.arch = native.Arch(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.norm_eps,
-                                cfg.attn_scale, cfg.qk_norm, cfg.sandwich_norm, cfg.act == "gelu_tanh",
-                                cfg.n_experts_used, cfg.norm_topk_prob, cfg.expert_ffn_dim, cfg.rotary_dim)
+                                cfg.attn_scale, cfg.qk_norm, cfg.sandwich_norm, native.Arch.ACTS[cfg.act],
+                                cfg.n_experts_used, cfg.norm_topk_prob, cfg.expert_ffn_dim, cfg.rotary_dim,
+                                cfg.routing == "topk_softmax", cfg.swiglu_limit, cfg.swiglu_alpha)
         self.rope = model.rope  # the tables the structs point into (setup_rope replaces the list)
         self.n_layers = cfg.n_layers
         self.layers = (native.Layer * cfg.n_layers)()
@@ -51,10 +52,14 @@ class NativeDecoder:
                 L.experts = self._array(experts(*[self._weight(p) for e in m.experts
                                                   for p in (e.gate_proj, e.up_proj, e.down_proj)]))
                 L.n_experts = len(m.experts)
+                L.router_bias = self._floats(m.gate.bias)
+                L.expert_bias = self._expert_biases(m)
             else:
                 L.down = self._weight(m.down_proj)
                 L.gate_up[0], L.gate_up[1] = self._weight(m.gate_proj), self._weight(m.up_proj)
-            L.q_bias, L.k_bias, L.v_bias = (self._floats(p.bias) for p in (a.q_proj, a.k_proj, a.v_proj))
+            L.q_bias, L.k_bias, L.v_bias, L.o_bias = (self._floats(p.bias) for p in
+                                                      (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
+            L.sinks = self._floats(a.sinks)
             L.attn_in, L.post_attn = self._norm(block.input_layernorm), self._norm(block.post_attention_layernorm)
             if cfg.sandwich_norm:
                 L.pre_ffn = self._norm(block.pre_feedforward_layernorm)
@@ -106,6 +111,15 @@ class NativeDecoder:
         t = t.detach().float().contiguous()
         self.keep.append(t)
         return t.data_ptr()
+
+    def _expert_biases(self, moe) -> int | None:
+        """Every expert's gate, up and down biases in one array, expert by expert (bk_layer's
+        expert_bias; a missing one as zeros), or None where no expert has any."""
+        parts = [(p.bias, p.out_features) for e in moe.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
+        if all(b is None for b, _ in parts):
+            return None
+        return self._floats(torch.cat([torch.zeros(n) if b is None else b.detach().float().reshape(-1)
+                                       for b, n in parts]))
 
     def _norm(self, norm) -> int:
         return self._floats(norm.weight.detach().float() + norm.offset)  # Gemma's (1 + w), as multiplied

@@ -33,13 +33,14 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _decode_kernel(Q, K, V, BT, LENS, O, LSE,
+    def _decode_kernel(Q, K, V, BT, LENS, O, LSE, SINKS,
                        s_qr, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt,
                        s_or, s_oh, s_os, s_lr, s_lh,
                        qk_scale, window, n_splits, len_add,
                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                       PARTIAL: tl.constexpr, PREC: tl.constexpr, F32_DOT: tl.constexpr):
+                       PARTIAL: tl.constexpr, PREC: tl.constexpr, F32_DOT: tl.constexpr,
+                       HAS_SINKS: tl.constexpr):
         r, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         gi = tl.arange(0, G_PAD)  # query heads of this group (padded: tl.dot wants >= 16 rows)
         d = tl.arange(0, D_PAD)
@@ -65,6 +66,12 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), tl.float32)  # running max (base 2)
         l = tl.zeros([G_PAD], tl.float32)  # running sum of exp2
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        if HAS_SINKS:
+            # Each head's sink, a key of logit sinks[h] (not scaled) and value 0, as if seen first:
+            # max = sink, sum = 1. In split 0 only, so the combine counts it once.
+            sink = tl.load(SINKS + heads, mask=gi < G, other=0.0).to(tl.float32) * 1.4426950408889634
+            m = tl.where(s == 0, sink, m)
+            l = tl.where(s == 0, 1.0, l)
         n = tl.arange(0, BLOCK_N)
         for t in range(t_start, t_end):
             p = t * BLOCK_N + n  # key positions of this tile
@@ -92,7 +99,8 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
             m = m_new
 
-        # l == 0 only for an empty split or a length-0 (padding) row: write 0, not NaN.
+        # l == 0 only for an empty split or a length-0 (padding) row: write 0, not NaN (with
+        # sinks, such a row's split 0 holds the sink alone: 0 too).
         o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         o_ptr = O + r * s_or + heads[:, None] * s_oh + s * s_os + d[None, :]
         if PARTIAL:
@@ -138,7 +146,8 @@ def _auto_splits(rows: int, kv: int, max_keys: int, device: torch.device) -> int
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
                            window: int | None = None, out: torch.Tensor | None = None,
-                           splits: int | None = None, lengths_add: int = 0) -> torch.Tensor:
+                           splits: int | None = None, lengths_add: int = 0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged pool.
 
     q [R, H, D]; k_pool, v_pool [n_blocks, block_size, KV, D] (one layer, q's dtype);
@@ -146,6 +155,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     window: attend only to positions > length - 1 - window. Returns out [R, H, D] in q's dtype.
     splits: chunks per row's keys (None: chosen from the shapes; 1: no combine pass).
     lengths_add: added to every length (pass positions as lengths with 1: no extra kernel for +1).
+    sinks: None, or [H] logits (gpt-oss): each head's softmax also spans a key of logit sinks[h]
+    (not scaled) whose value is zero.
     """
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton (pip install triton)")
@@ -158,6 +169,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    assert sinks is None or (sinks.shape == (H,) and sinks.stride(0) == 1), (None if sinks is None else sinks.shape)
     if R == 0:
         return out
     G = H // KV
@@ -167,20 +179,21 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if splits is None:
         splits = _auto_splits(R, KV, block_tables.shape[1] * block_size, q.device)
     meta = dict(G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-                HAS_WINDOW=window is not None and window > 0,
+                HAS_WINDOW=window is not None and window > 0, HAS_SINKS=sinks is not None,
                 PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding
                 F32_DOT=q.device.type == "cpu",  # CPU tensors: TRITON_INTERPRET=1
                 num_warps=4, num_stages=2)
     qk_scale = scale * 1.4426950408889634  # exp2 in the kernel: fold in log2(e)
+    sink_ptr = q if sinks is None else sinks  # never read without sinks
     strides = (q.stride(0), q.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3], block_tables.stride(0))
     if splits == 1:
-        _decode_kernel[(R, KV, 1)](q, k_pool, v_pool, block_tables, lengths, out, out, *strides,
+        _decode_kernel[(R, KV, 1)](q, k_pool, v_pool, block_tables, lengths, out, out, sink_ptr, *strides,
                                    out.stride(0), out.stride(1), 0, 0, 0,
                                    qk_scale, window or 0, 1, lengths_add, PARTIAL=False, **meta)
         return out
     part = torch.empty((R, H, splits, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((R, H, splits), dtype=torch.float32, device=q.device)
-    _decode_kernel[(R, KV, splits)](q, k_pool, v_pool, block_tables, lengths, part, lse, *strides,
+    _decode_kernel[(R, KV, splits)](q, k_pool, v_pool, block_tables, lengths, part, lse, sink_ptr, *strides,
                                     part.stride(0), part.stride(1), part.stride(2),
                                     lse.stride(0), lse.stride(1),
                                     qk_scale, window or 0, splits, lengths_add, PARTIAL=True, **meta)

@@ -1,6 +1,6 @@
 """Quantized checkpoint formats: which one a config.json names, and the layer each one loads into.
 
-Every format module (gptq_format, awq_format, bnb_format) exposes the same two functions:
+Every format module (gptq_format, awq_format, bnb_format, mxfp4_format) exposes the same two functions:
 
     detect(qcfg: dict) -> bool
         True when config.json's `quantization_config` is this format's.
@@ -21,7 +21,7 @@ from torch import nn
 from .errors import FormatError
 from .linear import replace_modules
 
-_MODULES = ("gptq_format", "awq_format", "bnb_format")
+_MODULES = ("gptq_format", "awq_format", "bnb_format", "mxfp4_format")
 
 
 
@@ -34,7 +34,7 @@ def find_format(qcfg: dict):
             return mod
     method = qcfg.get("quant_method", "?")
     raise FormatError(f"unsupported quantization_config (quant_method={method!r}); "
-                      "brisk reads gptq, awq (GEMM) and bitsandbytes (nf4, fp4, int8)")
+                      "brisk reads gptq, awq (GEMM), bitsandbytes (nf4, fp4, int8) and mxfp4 (gpt-oss)")
 
 
 def load_quantized_linears(model: nn.Module, tensors: dict[str, torch.Tensor], qcfg: dict) -> list[str]:

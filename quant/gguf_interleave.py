@@ -1,4 +1,4 @@
-"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows interleaved 8 at a time: the layouts brisk's fastest kernels
+"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved 8 at a time: the layouts brisk's fastest kernels
 for them read (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
 group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size and rows past the last
 whole group stay where they were."""
@@ -12,7 +12,7 @@ ROWS = 8
 BLOCK = 144  # Q4_K: bytes per super-block of 256 weights
 Q5_BLOCK = 176  # Q5_K's
 Q6_BLOCK = 210  # Q6_K's
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39
 # The 32-weight types, per block: (bytes, fp16 fields at its start, code bytes after them). Interleaved,
 # a group's block holds its codes in vectors of 64 bytes (_small), Q5_0/Q5_1 then their fifth bits as
 # 8 lane masks (_q5_masks), then each fp16 field of rows 0..7.
@@ -37,11 +37,12 @@ MOVED = {Q3_K: (110, _moved(110, [(o, 8) for p in range(4) for o in (32 + 8 * p,
                             + [(96, 4), (100, 4), (104, 4), (108, 2)])),
          Q2_K: (84, _moved(84, [(o, 8) for p in range(4) for o in (16 + 8 * p, 48 + 8 * p)]
                           + [(0, 4), (4, 4), (8, 4), (12, 4), (80, 2), (82, 2)]))}
-TYPES = (Q4_K, Q5_K, Q6_K, *SMALL, *MOVED)  # the types with an interleaved layout (native.X8)
+TYPES = (Q4_K, Q5_K, Q6_K, *SMALL, *MOVED, MXFP4)  # the types with an interleaved layout (native.X8)
 
 
 def packable(qtype: int, rows: int, cols: int) -> bool:
-    return rows >= ROWS and (qtype in (Q4_K, Q5_K, Q6_K, *MOVED) and cols % 256 == 0 or qtype in SMALL and cols % 32 == 0)
+    return rows >= ROWS and (qtype in (Q4_K, Q5_K, Q6_K, *MOVED) and cols % 256 == 0
+                             or qtype in (*SMALL, MXFP4) and cols % 32 == 0)
 
 
 CHUNK = 4096  # rows packed at a time: the temporaries (a strided view's reshape copies) stay small
@@ -71,6 +72,8 @@ def _pack_groups(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         return _moved_bytes(blocks, qtype, pack=True)
     if qtype in SMALL:
         return _small(blocks, qtype, pack=True)
+    if qtype == MXFP4:
+        return _mxfp4(blocks, pack=True)
     if qtype == Q6_K:
         return _pack_q6_k(blocks)
     return _k_groups(blocks, qtype, pack=True)
@@ -82,6 +85,8 @@ def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
         return _moved_bytes(packed, qtype, pack=False)
     if qtype in SMALL:
         return _small(packed, qtype, pack=False)
+    if qtype == MXFP4:
+        return _mxfp4(packed, pack=False)
     if qtype == Q6_K:
         return _unpack_q6_k(packed)
     return _k_groups(packed, qtype, pack=False)
@@ -199,6 +204,29 @@ def _small(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
     for f in range(fields):
         at = x8[..., ROWS * (nc + fifth + 2 * f):ROWS * (nc + fifth + 2 * f + 2)].view(G, nb, ROWS, 2)
         (at.copy_(file_side[..., 2 * f:2 * f + 2]) if pack else file_side[..., 2 * f:2 * f + 2].copy_(at))
+    out[G * ROWS:] = src[G * ROWS:]
+    return out
+
+
+def _mxfp4(src: torch.Tensor, pack: bool) -> torch.Tensor:
+    """pack/unpack of MXFP4 (17-byte blocks: e, then 16 code bytes): per group and block, the codes in
+    two 64-byte vectors whose nibbles, looked up, are Q8_0's interleaved int8 vectors (kernels/q8_x8.h),
+    then e of rows 0..7."""
+    N, row_bytes = src.shape
+    G, nb = N // ROWS, row_bytes // 17
+    out = torch.empty_like(src, memory_format=torch.contiguous_format)
+    file_side = (out if not pack else src)[:G * ROWS].reshape(G, ROWS, nb, 17).transpose(1, 2)  # [group, block, row, byte]
+    x8 = (out if pack else src)[:G * ROWS].view(G, nb, ROWS * 17)
+    if pack:  # weight 8c + i of row 4h + r -> vector c // 2, byte 2 (8r + i) + h, nibble c % 2
+        codes = torch.cat([file_side[..., 1:] & 15, file_side[..., 1:] >> 4], -1).view(G, nb, 2, 4, 2, 2, 8)  # [h, r, V, t, i]
+        nib = codes.permute(0, 1, 4, 3, 6, 2, 5)  # [V, r, i, h, t]
+        x8[..., :128].view(G, nb, 2, 4, 8, 2).copy_(nib[..., 0] | nib[..., 1] << 4)
+        x8[..., 128:].copy_(file_side[..., 0])
+    else:
+        b = x8[..., :128].reshape(G, nb, 2, 4, 8, 2)  # [V, r, i, h]
+        nib = torch.stack([b & 15, b >> 4], -1).permute(0, 1, 5, 3, 2, 6, 4).reshape(G, nb, ROWS, 32)  # [h, r, V, t, i]
+        file_side[..., 1:].copy_(nib[..., :16] | nib[..., 16:] << 4)
+        file_side[..., 0].copy_(x8[..., 128:])
     out[G * ROWS:] = src[G * ROWS:]
     return out
 

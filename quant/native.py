@@ -2,7 +2,7 @@
 compiler (20-40 s with GCC on 2 cores), cached, loaded with ctypes; None where that cannot be done, and brisk
 then runs torch's kernels, saying so once.
 
-One product for every weight format (GGUF's Q4_0..Q8_0 and K-quants, brisk's int4 groups and int8
+One product for every weight format (GGUF's Q4_0..Q8_0, K-quants and MXFP4, brisk's int4 groups and int8
 rows), read in place from the blocks. The integer-code types (INT_DOT_TYPES) multiply their codes
 with the activations quantized to 16 bits per block of 32, exact int32 sums scaled in float
 (kernels/int_dot.h), except the K-quants Q2_K..Q6_K (ACT8_TYPES), whose activations are 8-bit
@@ -46,14 +46,14 @@ F32 = 0  # GGUF's id for plain float32 rows: a float model's weights, read in pl
 F32_MAX_ROWS = 64
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
 # the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
-INT_DOT_TYPES = {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
+INT_DOT_TYPES = {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
 SUPER_TYPES = {10, 11, 12, 13, 14}  # of those, the ones whose activations are quantized per 256 (the K-quants), not per 32
 INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 # of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, 2.6x faster on
 # Q4_K than 16-bit ones); BRISK_ACT8=0 keeps them 16-bit, except Q2_K and Q3_K (10, 11): they have no 16-bit
 # path and take float32 activations then
 ACT8_TYPES = {10, 11, 12, 13, 14}
-X8 = 8  # bk_weight's layout of K-quant, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows interleaved by 8 (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h): the kernels' fastest
+X8 = 8  # bk_weight's layout of K-quant, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved by 8 (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h): the kernels' fastest
 ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
 # BRISK_ACT8_SPLIT=1e-3: an 8-bit activation row that rounds coarsely (relative squared error above it,
 # brisk_kernels.c split_err: the MLP's down projection's heavy-tailed input) also runs its remainder.
@@ -71,9 +71,9 @@ ACT8_OUTLIERS = float(os.environ.get("BRISK_ACT8_OUTLIERS", DEFAULT_ACT8_OUTLIER
 # is dequantized again, to the same floats: brisk_kernels.c bk_columns)
 OUTLIER_CACHE = float(os.environ.get("BRISK_OUTLIER_CACHE", "0.0625"))
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
-              13: "Q5_K", 14: "Q6_K"}
+              13: "Q5_K", 14: "Q6_K", 39: "MXFP4"}
 BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
-         12: (256, 144), 13: (256, 176), 14: (256, 210)}  # (weights, bytes) per block
+         12: (256, 144), 13: (256, 176), 14: (256, 210), 39: (32, 17)}  # (weights, bytes) per block
 
 
 def _cache_dir() -> Path:
@@ -211,16 +211,20 @@ class Arch(ctypes.Structure):
     """bk_arch (kernels/bk_decoder.h): a model's block shapes and flags."""
     _fields_ = [(n, ctypes.c_int) for n in ("dim", "n_heads", "n_kv", "head_dim", "ffn")] + \
                [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float)] + \
-               [(n, ctypes.c_int) for n in ("qk_norm", "sandwich", "gelu", "n_used", "norm_topk", "expert_ffn", "rope_dim")]
+               [(n, ctypes.c_int) for n in ("qk_norm", "sandwich", "act", "n_used", "norm_topk", "expert_ffn", "rope_dim",
+                                            "topk_softmax")] + \
+               [("swiglu_limit", ctypes.c_float), ("swiglu_alpha", ctypes.c_float)]
+    ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2}  # the act field's values (BK_SILU, ...)
 
 
 class Layer(ctypes.Structure):
     """bk_layer: one block's weights, norms and rope tables."""
     _fields_ = [("qkv", Weight * 3), ("o", Weight), ("gate_up", Weight * 2), ("down", Weight)] + \
-               [(n, ctypes.c_void_p) for n in ("q_bias", "k_bias", "v_bias", "attn_in", "post_attn", "pre_ffn",
+               [(n, ctypes.c_void_p) for n in ("q_bias", "k_bias", "v_bias", "o_bias", "attn_in", "post_attn", "pre_ffn",
                                                  "post_ffn", "q_norm", "k_norm", "cos", "sin")] + \
-               [("window", ctypes.c_int), ("n_experts", ctypes.c_int), ("router", ctypes.c_void_p),
-                ("experts", ctypes.c_void_p)]
+               [("window", ctypes.c_int), ("sinks", ctypes.c_void_p), ("n_experts", ctypes.c_int),
+                ("router", ctypes.c_void_p), ("experts", ctypes.c_void_p), ("router_bias", ctypes.c_void_p),
+                ("expert_bias", ctypes.c_void_p)]
 
 
 class Cache(ctypes.Structure):
@@ -338,7 +342,7 @@ class NativeWeight:
     def __init__(self, kind: int, N: int, K: int, data: torch.Tensor, scales: torch.Tensor | None = None,
                  zeros: torch.Tensor | None = None, group: int = 0, row_scales: torch.Tensor | None = None,
                  layout: int = 0):
-        """layout: 0, the rows as the format stores them, or X8 (Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 rows interleaved by 8:
+        """layout: 0, the rows as the format stores them, or X8 (Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or MXFP4 rows interleaved by 8:
         quant/gguf_interleave.py)."""
         if layout not in (0, X8) or layout == X8 and kind not in gguf_interleave.TYPES:
             raise ValueError(f"layout {layout} for a weight of kind {kind}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from importlib import metadata
 from pathlib import Path
 
@@ -108,6 +109,15 @@ def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards
                                           "short_factor": [1.0, 1.3, 2.1, 3.7][:rot // 2],
                                           "long_factor": [1.5, 2.9, 4.2, 8.5][:rot // 2]})
         model = tf.Phi3ForCausalLM(cfg)
+    elif kind == "gpt_oss":
+        # YaRN within a small pretrained context, 4 layers alternating sliding (window 8) and full
+        # attention; large gate/up weights (below) so that SwiGLU's clamps at 7 bite
+        cfg = tf.GptOssConfig(**{**common, "num_hidden_layers": 4, "intermediate_size": 32}, head_dim=16,
+                              num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                               "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False})
+        model = tf.GptOssForCausalLM(cfg)
     elif kind == "gemma3":
         cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 6, "num_key_value_heads": 1}, head_dim=32,
                                   sliding_window=8, query_pre_attn_scalar=32)
@@ -120,6 +130,8 @@ def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards
                 p.normal_(1.0 if kind != "gemma3" else 0.0, 0.2)
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
+            if name.endswith(("sinks", "experts.gate_up_proj", "experts.down_proj")):  # gpt-oss: left uninitialized
+                p.normal_(0, 0.1 if name.endswith("down_proj") else 1.0)
     model.save_pretrained(folder, max_shard_size="200KB" if shards else "5GB")
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(tokens), bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
@@ -145,6 +157,46 @@ def tiny_mistral_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=5)
+
+
+def write_gpt_oss_mxfp4(folder: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny gpt-oss as OpenAI released gpt-oss: experts in MXFP4 (`*_blocks`, `*_scales`, quantized
+    here by gguf-py's reference quantizer), the rest float; and beside it the same model in float, its
+    experts dequantized by transformers' own MXFP4 code (an independent reader of that layout).
+    Returns (the MXFP4 folder, the float one)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    float_dir = write_hf_checkpoint(folder / "float", "gpt_oss", seed=seed, tokens=296)
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    mx = {}
+    for name, w in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            mx[name] = w
+            continue
+        rows = w.transpose(1, 2).contiguous()  # [experts, out, in]: Linear's rows, MXFP4's groups along `in`
+        g = gguf.quants.quantize(rows.numpy(), gguf.GGMLQuantizationType.MXFP4)
+        g = torch.from_numpy(np.ascontiguousarray(g)).view(*rows.shape[:2], -1, 17)
+        codes = torch.stack([g[..., 1:] & 15, g[..., 1:] >> 4], dim=-2).flatten(-2)  # GGUF: j and j + 16
+        blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # Hugging Face: 2i low, 2i + 1 high
+        mx[name + "_blocks"], mx[name + "_scales"] = blocks.contiguous(), g[..., 0].contiguous()
+        tensors[name] = convert_moe_packed_tensors(blocks, g[..., 0], dtype=torch.float32)
+    save_file(tensors, str(float_dir / "model.safetensors"), metadata={"format": "pt"})
+    mx_dir = folder / "mxfp4"
+    shutil.copytree(float_dir, mx_dir)
+    save_file(mx, str(mx_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((mx_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (mx_dir / "config.json").write_text(json.dumps(cfg))
+    return mx_dir, float_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_gpt_oss"), "gpt_oss", seed=7)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The architectures of core/arch beyond the Llama family and Gemma 3 (Qwen3, Qwen3-MoE, Mixtral,
-Phi-3): logits and greedy output against transformers' own classes, the same models as llama.cpp's
+Phi-3, gpt-oss): logits and greedy output against transformers' own classes, the same models as llama.cpp's
 converter writes them (float and Q8_0, kept quantized), and the mixture-of-experts promises."""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def converted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_moe_norm", "mixtral", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_moe_norm", "mixtral", "phi3", "gpt_oss"])
 def test_tiny_checkpoints_match_transformers(kind, tmp_path):
     path = write_hf_checkpoint(tmp_path, kind, seed=4)
     # Phi-3's longrope takes its short factors within the pretrained context (64 here)
@@ -68,7 +68,48 @@ def test_phi3_long_factors_past_the_pretrained_context(tmp_path):
     assert (ref[:60] - short.logits(ids[:60])).abs().max() > 1e-3  # the factors do matter
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe_norm", "mixtral", "phi3"])
+def test_gpt_oss_parts_all_bite(tiny_gpt_oss_dir):
+    """The tiny gpt-oss that matches transformers exercises what sets the architecture apart: SwiGLU
+    clamps some gate values, and the sinks, YaRN and the top-k softmax each move the logits."""
+    from brisk.core.model import Transformer
+
+    llm = LLM.load(str(tiny_gpt_oss_dir), device="cpu", dtype="float32")
+    llm.model.__class__ = Transformer
+    gates = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: gates.append(out.detach()))
+             for n, m in llm.model.named_modules() if n.endswith("experts.0.gate_proj")]
+    ref = llm.logits(IDS)
+    for h in hooks:
+        h.remove()
+    assert any((g > llm.config.swiglu_limit).any() for g in gates)
+    with torch.no_grad():
+        for layer in llm.model.model.layers:
+            layer.self_attn.sinks.zero_()
+    assert (llm.logits(IDS) - ref).abs().max() > 1e-2
+    assert llm.config.rope_scaling["rope_type"] == "yarn" and llm.config.routing == "topk_softmax"
+
+
+def test_gpt_oss_mxfp4_as_released_and_as_llama_cpp_converts_it(tmp_path):
+    """OpenAI's layout (MXFP4 `*_blocks` / `*_scales` experts in a Hugging Face folder) stays MXFP4 on
+    load and gives the logits of the same model with its experts dequantized by transformers' own
+    MXFP4 code; llama.cpp's converter repacks that folder into GGUF MXFP4 experts, which brisk keeps
+    too, with the same values."""
+    from conftest import write_gpt_oss_mxfp4
+
+    mx_dir, float_dir = write_gpt_oss_mxfp4(tmp_path, seed=4)
+    ref = LLM.load(str(float_dir), device="cpu", dtype="float32", ctx=64).logits(IDS)
+    hf = LLM.load(str(mx_dir), device="cpu", dtype="float32", ctx=64)
+    gguf = LLM.load(str(convert(mx_dir, tmp_path / "mxfp4.gguf", "f32")), device="cpu", dtype="float32", ctx=64)
+    for llm in (hf, gguf):
+        experts = [m for n, m in llm.model.named_modules() if ".experts." in n and n.endswith("_proj")]
+        assert len(experts) == 4 * 4 * 3 and all(getattr(m, "type_name", None) == "MXFP4" for m in experts)
+    got = hf.logits(IDS)
+    p, q = ref.log_softmax(-1), got.log_softmax(-1)
+    assert (p.exp() * (p - q)).sum(-1).mean() < 1e-4  # the kernels' 16-bit activations, nothing else
+    assert (gguf.logits(IDS) - got).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe_norm", "mixtral", "phi3", "gpt_oss"])
 def test_llama_cpp_gguf_files(kind, converted):
     """llama.cpp's converter output: the F32 file gives transformers' logits through brisk's GGUF
     reader (stacked expert tensors, fused q/k/v and gate/up, Qwen's un-interleaved q/k rows,
@@ -108,10 +149,12 @@ def test_moe_token_runs_only_its_experts(tiny_qwen3_moe_dir):
     assert calls == [1] * (2 * llm.config.n_experts_used)
 
 
-def test_moe_batched_and_speculative_equal_plain_greedy(tiny_qwen3_moe_dir):
+@pytest.mark.parametrize("folder", ["tiny_qwen3_moe_dir", "tiny_gpt_oss_dir"])
+def test_moe_batched_and_speculative_equal_plain_greedy(folder, request):
     """A token's routing and bits never depend on its batch: the batching engine's answers and
-    n-gram speculation's equal plain greedy decoding token for token."""
-    llm = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32")
+    n-gram speculation's equal plain greedy decoding token for token (gpt-oss: sinks in the paged
+    and contiguous caches alike)."""
+    llm = LLM.load(str(request.getfixturevalue(folder)), device="cpu", dtype="float32")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 300, (int(n),), generator=g).tolist() for n in (5, 17, 30, 9)]
     want = []
@@ -128,11 +171,13 @@ def test_moe_batched_and_speculative_equal_plain_greedy(tiny_qwen3_moe_dir):
         assert s.last.tokens == w
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_moe_quantized_at_load(tiny_qwen3_moe_dir, quantize):
+@pytest.mark.parametrize("quantize,folder", [("int8", "tiny_qwen3_moe_dir"), ("int4", "tiny_qwen3_moe_dir"),
+                                             ("int8", "tiny_gpt_oss_dir")])
+def test_moe_quantized_at_load(quantize, folder, request):
     """-q int8|int4 quantizes every expert, never the router, and stays close to the float model."""
-    base = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32")
-    llm = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32", quantize=quantize)
+    path = request.getfixturevalue(folder)
+    base = LLM.load(str(path), device="cpu", dtype="float32")
+    llm = LLM.load(str(path), device="cpu", dtype="float32", quantize=quantize)
     experts = [m for n, m in llm.model.named_modules() if ".experts." in n and n.endswith("_proj")]
     assert experts and all(type(m).__name__ == f"Int{quantize[3]}Linear" for m in experts)
     assert all(type(m.gate).__name__ == "NativeRouter" and m.gate.weight.dtype == torch.float32
@@ -165,6 +210,27 @@ def test_inconsistent_experts_are_one_clear_error(tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(FileError, match="lacks 1 weights, e.g. model.layers.1.mlp.experts.2.up_proj.weight"):
         LLM.load(str(path), device="cpu")
+
+
+def test_inconsistent_gpt_oss_experts_are_one_clear_error(tmp_path):
+    """gpt-oss's stacked experts, float or MXFP4, of a shape the config does not give: one line."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import write_gpt_oss_mxfp4
+
+    mx_dir, float_dir = write_gpt_oss_mxfp4(tmp_path, seed=4)
+    mx = load_file(mx_dir / "model.safetensors")
+    for folder, name in ((float_dir, "model.layers.2.mlp.experts.down_proj"),
+                         (mx_dir, "model.layers.2.mlp.experts.down_proj_blocks")):
+        tensors = load_file(folder / "model.safetensors")
+        tensors[name] = tensors[name][:3].contiguous()
+        save_file(tensors, folder / "model.safetensors")
+        with pytest.raises(FileError, match=rf"{name} has shape \[3, .*: this model's experts need \[4, "):
+            LLM.load(str(folder), device="cpu")
+    del mx["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    save_file(mx, mx_dir / "model.safetensors")
+    with pytest.raises(FileError, match="gate_up_proj_scales has no gate_up_proj_blocks beside it"):
+        LLM.load(str(mx_dir), device="cpu")
 
 
 def test_gguf_expert_tensor_of_the_wrong_shape(converted, tmp_path):
@@ -251,13 +317,14 @@ def test_moe_on_the_command_line(tiny_qwen3_moe_dir, tmp_path):
     assert "Traceback" not in r.stderr and not out.exists() and not out.with_name("q.partial").exists()
 
 
-def test_moe_rows_get_the_same_bits_in_any_batch(tiny_qwen3_moe_dir):
+@pytest.mark.parametrize("folder", ["tiny_qwen3_moe_dir", "tiny_gpt_oss_dir"])
+def test_moe_rows_get_the_same_bits_in_any_batch(folder, request):
     """Each row of an MoE pass, alone (the decode path) or among others (prefill, batches): equal bits."""
     from brisk.quant import native
 
     if not native.available():
         pytest.skip("torch's float kernels may give a row other bits in a longer product")
-    llm = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32")
+    llm = LLM.load(str(request.getfixturevalue(folder)), device="cpu", dtype="float32")
     moe = next(m for m in llm.model.modules() if isinstance(m, MoE))
     x = torch.randn(1, 9, llm.config.dim, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():

@@ -1,7 +1,7 @@
 """The native blocks (core/native_decoder.py, quant/kernels/decoder.c) against the torch blocks of the
 same model: logits of a pass, every architecture flag (q/k/v bias, sliding window, Gemma's norms,
-GELU, q/k norms, partial rotary, experts), decode steps against one pass, a paged batch against
-single sequences."""
+GELU, q/k norms, partial rotary, experts, gpt-oss's sinks, biases, clamped SwiGLU and top-k
+softmax), decode steps against one pass, a paged batch against single sequences."""
 import pytest
 import torch
 
@@ -24,11 +24,12 @@ def _native_logits(llm, ids):
     return llm.logits(ids)
 
 
-@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma3", "qwen3_moe", "phi3"])
+@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma3", "qwen3_moe", "phi3", "gpt_oss"])
 def tiny_int8(request):
     """A tiny random model of each kind with int8 rows (products on the native kernels); the MoE
     one with a dense layer between its MoE layers and unnormalized top-k weights, Phi-3 with
-    partial rotary and longrope."""
+    partial rotary and longrope, gpt-oss with YaRN, sinks, biases everywhere and gate weights large
+    enough for SwiGLU's clamps to bite."""
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
@@ -86,7 +87,48 @@ def test_float_model_runs_native_for_short_passes(arch, request):
     torch.testing.assert_close(chunks, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("model", ["tiny_gemma3_dir", "tiny_qwen3_moe_dir"])
+def test_gpt_oss_runs_native_and_each_part_counts(tiny_gpt_oss_dir):
+    """gpt-oss's blocks run natively, and the parity test above would catch any of its parts
+    ignored: dropping one from the native description moves the logits far past its tolerance.
+    The top-k softmax equals a softmax over all logits renormalized over the top k (gpt-oss's
+    norm_topk_prob), so it is checked with that flag off, which its routing ignores."""
+    from brisk.core.native_decoder import NativeDecoder
+    from brisk.quant import native
+
+    llm = LLM.load(str(tiny_gpt_oss_dir), device="cpu", dtype="float32", quantize="int8")
+    assert type(llm.model) is NativeBlocksTransformer and NativeDecoder.takes(llm.model)
+    llm.model.cfg.norm_topk_prob = False  # read by the native description only: made on the first pass
+    ids = [(7 * i + 3) % 290 + 2 for i in range(40)]
+    native.set_int_dot(False)
+    try:
+        got = llm.logits(ids)
+        made = llm.model.__dict__["_native_decoder"][1]
+        assert made is not None and not made.arch.norm_topk
+        want = LLM.logits(_with(llm, _torch_blocks(llm.model)), ids)
+        llm.model.__class__ = NativeBlocksTransformer
+        tol = 1e-4 * want.abs().max().item()
+        assert (got - want).abs().max() < tol
+
+        def off(structs, field, value):  # the logits' error with one part dropped, then restored
+            old = [getattr(s, field) for s in structs]
+            for s in structs:
+                setattr(s, field, value)
+            try:
+                return (llm.logits(ids) - want).abs().max()
+            finally:
+                for s, v in zip(structs, old):
+                    setattr(s, field, v)
+
+        for field in ("sinks", "o_bias", "router_bias", "expert_bias"):
+            assert all(getattr(L, field) for L in made.layers)
+            assert off(made.layers, field, None) > 100 * tol, field
+        for field, value in (("act", native.Arch.ACTS["silu"]), ("swiglu_limit", 1e30), ("topk_softmax", 0)):
+            assert off([made.arch], field, value) > 100 * tol, field
+    finally:
+        native.set_int_dot(True)
+
+
+@pytest.mark.parametrize("model", ["tiny_gemma3_dir", "tiny_qwen3_moe_dir", "tiny_gpt_oss_dir"])
 def test_decode_steps_equal_one_pass_bit_for_bit(model, request):
     """A token's logits do not depend on the pass it is in (one-token steps, chunks, one prefill):
     an MoE layer's experts run on the rows routed to them, each row's result its own."""
@@ -103,13 +145,15 @@ def test_decode_steps_equal_one_pass_bit_for_bit(model, request):
     assert torch.equal(chunks, one)
 
 
-def test_a_paged_batch_gives_each_sequence_its_own_bits(tiny_mistral_dir):
+@pytest.mark.parametrize("model", ["tiny_mistral_dir", "tiny_gpt_oss_dir"])
+def test_a_paged_batch_gives_each_sequence_its_own_bits(model, request):
     """The batching engine's paged steps (decode rows beside prefill chunks) against each prompt
     alone on a contiguous cache: the same logits, bit for bit, so the same greedy tokens."""
     from brisk.core import GREEDY, Session
     from brisk.core.batching import Engine, Request
 
-    llm = LLM.load(str(tiny_mistral_dir), device="cpu", dtype="float32", quantize="int8")
+    llm = LLM.load(str(request.getfixturevalue(model)), device="cpu", dtype="float32", quantize="int8")
+    assert type(llm.model) is NativeBlocksTransformer
     prompts = [[(3 * i + j) % 290 + 2 for i in range(n)] for j, n in enumerate((5, 23, 11, 40))]
     alone = []
     for p in prompts:

@@ -12,9 +12,10 @@ from typing import Any
 from ..config import GGUF_KEY_NAMES, KEY_NAMES, ModelConfig, check_fields, shown_value
 from ..errors import FileError, UnsupportedFormat
 from .base import Architecture, split_gguf_table
-from . import gemma3, llama, mixtral, phi3, qwen3
+from . import gemma3, gpt_oss, llama, mixtral, phi3, qwen3
 
-ARCHITECTURES: tuple[Architecture, ...] = (llama.ARCH, llama.QWEN2, mixtral.ARCH, gemma3.ARCH, qwen3.DENSE, qwen3.MOE, phi3.ARCH)
+ARCHITECTURES: tuple[Architecture, ...] = (llama.ARCH, llama.QWEN2, mixtral.ARCH, gemma3.ARCH, qwen3.DENSE, qwen3.MOE, phi3.ARCH,
+                                           gpt_oss.ARCH)
 SUPPORTED = sorted({t for a in ARCHITECTURES for t in a.hf_types})
 
 __all__ = ["ARCHITECTURES", "Architecture", "SUPPORTED", "by_name", "from_gguf_metadata", "from_hf_config",

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, number, shown_value
 from ..errors import FileError, UnsupportedFormat
 
 # GGUF tensor names (llama.cpp's) -> brisk's module names inside a block (Hugging Face's)
@@ -99,6 +99,15 @@ class Architecture:
         return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
+def attention_factor(scaling: dict, default: float, source) -> float:
+    """rope_scaling's attention_factor (what scales cos and sin), else the scheme's default, checked."""
+    v = scaling.get("attention_factor")
+    v = default if v is None else v
+    if not number(v) or v <= 0:
+        raise FileError(f"{source}: rope_scaling.attention_factor must be a positive number, got {shown_value(v)}")
+    return float(v)
+
+
 # ---------------------------------------------------------------- GGUF tensor tables
 
 def rows_of(t, name: str, start: int, count: int, shape_tail: tuple[int, ...]):
@@ -125,7 +134,15 @@ def split_gguf_table(table: list, cfg: ModelConfig, source) -> list:
     for t in table:
         m = _BLOCK_TENSOR.match(t.name)
         part = m.group(2) if m else None
-        if part and part.endswith("_exps"):
+        if part and part.endswith("_exps") and m.group(4) == "bias":  # gpt-oss: [experts, rows], a row each
+            if len(t.shape) != 2 or t.shape[0] != cfg.n_experts:
+                raise FileError(f"tensor {t.name} has shape {list(t.shape)}: the model needs "
+                                f"{cfg.n_experts or 'no'} experts' biases there", source)
+            row = t.nbytes // t.shape[0]
+            for e in range(t.shape[0]):
+                out.append(dataclasses.replace(t, name=t.name.replace(f".{part}.", f".{part}.{e}."),
+                                               shape=(t.shape[1],), offset=t.offset + e * row, nbytes=row))
+        elif part and part.endswith("_exps"):
             if len(t.shape) != 3 or t.shape[0] != cfg.n_experts:
                 raise FileError(f"tensor {t.name} has shape {list(t.shape)}: the model needs "
                                 f"{cfg.n_experts or 'no'} experts of [rows, columns] there", source)

@@ -9,7 +9,7 @@ import math
 
 from ..config import ModelConfig, number, shown_value
 from ..errors import BriskError, FileError, UnsupportedFormat
-from .base import Architecture, split_rows
+from .base import Architecture, attention_factor, split_rows
 
 
 def longrope(scaling: dict | None, max_pos: int, original: int | None, rope_dim: int, source) -> dict | None:
@@ -31,12 +31,8 @@ def longrope(scaling: dict | None, max_pos: int, original: int | None, rope_dim:
             raise FileError(f"{source}: rope_scaling.{key} must list {rope_dim // 2} positive numbers")
         out[key] = [float(f) for f in v]
     factor = max_pos / original
-    attn = scaling.get("attention_factor")
-    if attn is None:
-        attn = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    if not number(attn) or attn <= 0:
-        raise FileError(f"{source}: rope_scaling.attention_factor must be a positive number, got {shown_value(attn)}")
-    out["attention_factor"] = float(attn)
+    out["attention_factor"] = attention_factor(
+        scaling, math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0, source)
     return out
 
 

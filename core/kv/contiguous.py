@@ -7,22 +7,26 @@ rejected drafts or a rewritten chat turn the caller simply writes the next step 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import paged_attention_kernel
-from .base import KV, attention_masks, tree_positions
+from .base import KV, attention_masks, sdpa, softmax_with_sinks, tree_positions
 
 
-def decode_attention(q, k, v, scale, mask=None):
+def decode_attention(q, k, v, scale, mask=None, sinks=None):
     """One query token against the cache, grouped-query heads folded into the batch of a bmm.
-    mask: None, or bool [1, keys]. On the CPU this is about 3x cheaper than SDPA for one query."""
+    mask: None, or bool [1, keys]; sinks: None, or [H]. On the CPU this is about 3x cheaper than
+    SDPA for one query."""
     B, H, _, D = q.shape
     KV = k.shape[1]
     qg = q.reshape(B * KV, H // KV, D)  # the query heads that share one KV head
     scores = torch.bmm(qg, k.reshape(B * KV, -1, D).transpose(1, 2)).float() * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    y = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v.reshape(B * KV, -1, D))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # batch row b * KV + g holds heads g*G..(g+1)*G-1
+        probs = softmax_with_sinks(scores, sinks.float().view(1, KV, -1).expand(B, -1, -1).reshape(B * KV, -1, 1))
+    y = torch.bmm(probs.to(v.dtype), v.reshape(B * KV, -1, D))
     return y.view(B, 1, H, D)
 
 
@@ -69,7 +73,7 @@ class ContiguousKV(KV):
             self._masks[window] = attention_masks(pos, self.keys, window, self.tree)[window is not None]
         return self._masks[window]
 
-    def attend(self, layer, q, k, v, window, scale):
+    def attend(self, layer, q, k, v, window, scale, sinks=None):
         B, H, T, D = q.shape
         kc, vc = self.k[layer], self.v[layer]
         fixed = torch.is_tensor(self.start)
@@ -80,18 +84,17 @@ class ContiguousKV(KV):
             kc[:, :, self.start:self.keys] = k
             vc[:, :, self.start:self.keys] = v
         if T == 1 and fixed and q.is_cuda and paged_attention_kernel.available():
-            return self._paged_kernel(layer, q, window, scale)
+            return self._paged_kernel(layer, q, window, scale, sinks)
         keys, values = kc[:, :, :self.keys], vc[:, :, :self.keys]
         mask = self._mask(window, q.device)
         if mask is None and window and self.keys > window and T == 1:  # one query: its window is the last keys
             keys, values = keys[:, :, -window:], values[:, :, -window:]
-        if T == 1 and (mask is not None or q.device.type == "cpu"):
-            return decode_attention(q, keys, values, scale, mask)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
-                                           scale=scale, enable_gqa=k.shape[1] != H)
-        return y.transpose(1, 2)
+        # one query with sinks: the bmm's extra score column, not SDPA's copy of the cache plus a key
+        if T == 1 and (mask is not None or q.device.type == "cpu" or sinks is not None):
+            return decode_attention(q, keys, values, scale, mask, sinks)
+        return sdpa(q, keys, values, mask, scale, sinks, is_causal=mask is None and T > 1).transpose(1, 2)
 
-    def _paged_kernel(self, layer, q, window, scale):
+    def _paged_kernel(self, layer, q, window, scale, sinks=None):
         """One query per sequence through the paged-attention kernel, each sequence's cache one
         block of max_len slots read up to its position: no mask, no reading past it."""
         B = q.shape[0]
@@ -99,7 +102,7 @@ class ContiguousKV(KV):
         vc = self.v[layer].transpose(1, 2)
         pos = self.start.expand(B) if self.start.numel() == 1 else self.start
         y = paged_attention_kernel.paged_decode_attention(q[:, :, 0], kc, vc, self.block_table, pos, scale,
-                                                          window, lengths_add=1)
+                                                          window, lengths_add=1, sinks=sinks)
         return y[:, None]  # [B, 1, H, D]
 
     def keep_path(self, start: int, slots: list[int]) -> None:
@@ -131,8 +134,8 @@ class FixedKeys(KV):
     def begin(self, start, T, tree=None):
         self.kv.begin(start, T, None, keys=self.keys)
 
-    def attend(self, layer, q, k, v, window, scale):
-        return self.kv.attend(layer, q, k, v, window, scale)
+    def attend(self, layer, q, k, v, window, scale, sinks=None):
+        return self.kv.attend(layer, q, k, v, window, scale, sinks)
 
 
 class FixedTree(KV):
@@ -163,10 +166,8 @@ class FixedTree(KV):
             self._masks[window] = self.full & (self.k_pos[None, :] > self.pos[:, None] - window)
         return self._masks[window]
 
-    def attend(self, layer, q, k, v, window, scale):
+    def attend(self, layer, q, k, v, window, scale, sinks=None):
         kc, vc = self.kv.k[layer], self.kv.v[layer]
         kc.index_copy_(2, self.slots, k)
         vc.index_copy_(2, self.slots, v)
-        y = F.scaled_dot_product_attention(q, kc[:, :, :self.keys], vc[:, :, :self.keys], attn_mask=self._mask(window),
-                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-        return y.transpose(1, 2)
+        return sdpa(q, kc[:, :, :self.keys], vc[:, :, :self.keys], self._mask(window), scale, sinks).transpose(1, 2)

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .base import KV, attention_masks
+from .base import KV, attention_masks, sdpa
 
 
 class NoKV(KV):
@@ -13,11 +12,9 @@ class NoKV(KV):
             raise ValueError("NoKV runs whole sequences from position 0")
         self.T, self.tree, self._masks = T, tree, {}
 
-    def attend(self, layer, q, k, v, window, scale):
+    def attend(self, layer, q, k, v, window, scale, sinks=None):
         key = window if window and window < self.T else None
         if key not in self._masks:  # made once per step, shared by the layers
             pos = torch.arange(self.T, device=q.device)
             self._masks[key] = attention_masks(pos, self.T, key, self.tree)[key is not None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self._masks[key], scale=scale,
-                                           enable_gqa=k.shape[1] != q.shape[1])
-        return y.transpose(1, 2)
+        return sdpa(q, k, v, self._masks[key], scale, sinks).transpose(1, 2)

@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .. import paged_attention_kernel
-from .base import KV
+from .base import KV, sdpa, softmax_with_sinks
 
 BLOCK_SIZE = 8  # tokens per block: the unfilled end of a last block is the waste (measured: 8 is as fast as 16)
 
@@ -116,7 +115,7 @@ class PagedStep(KV):
         if tree is not None:
             raise NotImplementedError("tree steps run on a contiguous cache")
 
-    def attend(self, layer, q, k, v, window, scale):
+    def attend(self, layer, q, k, v, window, scale, sinks=None):
         """q [1, H, N, D], k/v [1, KV, N, D]: the step's tokens, written to their slots first.
 
         Decode rows (one query each) run the Triton paged-attention kernel on CUDA, which reads the
@@ -134,21 +133,22 @@ class PagedStep(KV):
         nd, G = self.n_decode, H // KV
         if nd and q.is_cuda and paged_attention_kernel.available():
             paged_attention_kernel.paged_decode_attention(q[:nd], kc, vc, self.decode_blocks,
-                                                          self.decode_lens, scale, window, out=out[:nd])
+                                                          self.decode_lens, scale, window, out=out[:nd], sinks=sinks)
         elif nd:
             keys, values = self.gather(kc), self.gather(vc, second=True)  # [rows, keys, KV, D]
             mask = self.decode_mask(window, q.dtype)
             for h in range(KV):  # a strided [rows, keys, D] slice per KV head: no copy for bmm
                 heads = slice(h * G, (h + 1) * G)
                 scores = torch.baddbmm(mask, q[:nd, heads], keys[:, :, h].transpose(1, 2), alpha=scale)
-                probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+                if sinks is None:
+                    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+                else:
+                    probs = softmax_with_sinks(scores.float(), sinks[heads].float()[:, None]).to(q.dtype)
                 out[:nd, heads] = torch.bmm(probs, values[:, :, h])
         for i, (s, T, _, blocks) in enumerate(self.prefills):
             keys = kc.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]  # [1, KV, keys, D]
             values = vc.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]
-            y = F.scaled_dot_product_attention(q[s:s + T].transpose(0, 1)[None], keys, values,
-                                               attn_mask=self.prefill_mask(i, window), scale=scale,
-                                               enable_gqa=KV != H)
+            y = sdpa(q[s:s + T].transpose(0, 1)[None], keys, values, self.prefill_mask(i, window), scale, sinks)
             out[s:s + T] = y[0].transpose(0, 1)
         return out[None]  # [1, N, H, D]
 

@@ -1,5 +1,6 @@
 /* A model's transformer blocks as decoder.c runs them (every core/arch architecture: the Llama
- * family, Gemma 3, Qwen3, Phi-3 with its partial rotary, and the mixtures of experts). */
+ * family, Gemma 3, Qwen3, Phi-3 with its partial rotary, and the mixtures of experts, gpt-oss's
+ * sinks, biases and clamped SwiGLU among them). */
 #ifndef BRISK_BK_DECODER_H
 #define BRISK_BK_DECODER_H
 
@@ -12,25 +13,35 @@ typedef struct { /* the same for every block */
     float eps, attn_scale;
     int qk_norm;  /* RMSNorm each q and k head (Gemma 3) */
     int sandwich; /* Gemma's norms of the attention and MLP outputs */
-    int gelu;     /* GELU (tanh) gate, else SiLU */
+    int act;      /* the gate's activation: BK_SILU, BK_GELU (tanh) or BK_SWIGLU_CLAMP (gpt-oss) */
     /* mixtures of experts: experts a token is routed to, whether their weights are renormalized
      * to sum to 1, an expert's feed-forward width */
     int n_used, norm_topk, expert_ffn;
-    int rope_dim; /* rope turns each head's first rope_dim dimensions (the tables' width), the rest pass */
+    int rope_dim;     /* rope turns each head's first rope_dim dimensions (the tables' width), the rest pass */
+    int topk_softmax; /* routing: the top n_used logits, then a softmax over them (gpt-oss), else
+                       * a softmax over all, then the top n_used (norm_topk applies) */
+    /* BK_SWIGLU_CLAMP: g = min(g, limit), u = clamp(u, -limit, limit), g sigmoid(alpha g) (u + 1) */
+    float swiglu_limit, swiglu_alpha;
 } bk_arch;
+
+enum { BK_SILU = 0, BK_GELU = 1, BK_SWIGLU_CLAMP = 2 };
 
 typedef struct {
     bk_weight qkv[3], o, gate_up[2], down; /* q/k/v and gate/up: one call each */
-    const float *q_bias, *k_bias, *v_bias; /* or NULL */
+    const float *q_bias, *k_bias, *v_bias, *o_bias; /* or NULL */
     /* RMSNorm weights as multiplied (Gemma's 1 + w already added): attn_in, post_attn, and with
      * sandwich pre_ffn, post_ffn; q_norm, k_norm with qk_norm */
     const float *attn_in, *post_attn, *pre_ffn, *post_ffn, *q_norm, *k_norm;
     const float *cos, *sin; /* rope tables [positions, head_dim], sin signed as model.py makes it */
     int window;             /* sliding window length, 0: full attention */
+    const float *sinks;     /* or NULL: [n_heads] logits, one more key per head whose value is zero */
     /* an MoE layer (n_experts > 0) in place of gate_up/down: the router [n_experts, dim] (float32)
      * and each expert's gate, up and down, 3 weights an expert */
     int n_experts;
     const bk_weight *router, *experts;
+    /* or NULL: the router's bias [n_experts]; each expert's gate, up and down biases, expert e's
+     * at expert_bias + e (2 expert_ffn + dim) in that order */
+    const float *router_bias, *expert_bias;
 } bk_layer;
 
 /* Where position p of a row's sequence keeps its K (and V) in a layer's cache, head h:

@@ -26,7 +26,7 @@ typedef struct {
                                        columns (the exact outlier inputs' products, brisk_kernels.c), shared by
                                        every copy of the struct */
     };
-    int layout;                     /* 0: rows as the format stores them; BK_X8: Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 rows interleaved by 8 (q4k_x8.h, q3k_x8.h, q8_x8.h) */
+    int layout;                     /* 0: rows as the format stores them; BK_X8: Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or MXFP4 rows interleaved by 8 (q4k_x8.h, q3k_x8.h, q8_x8.h) */
 } bk_weight;
 
 #define BK_X8 8

@@ -6,7 +6,7 @@
  *    (gguf_types.h knows the formats), then float32 sums: the widened model's floats up to summation
  *    order (float32 rows, int4 groups of other sizes);
  *  - 16-bit activations (int_dot.h): exact int32 sums of codes times activations rounded to 2^-16 of
- *    their block's largest, scaled in float (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, int8 rows, int4 groups of 32k);
+ *    their block's largest, scaled in float (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, int8 rows, int4 groups of 32k);
  *    8-bit ones per block cost SmolLM2-135M KL 0.02 to its float self and flipped its greedy answer;
  *  - 8-bit activations (int8_dot.h, and the interleaved q4k_x8.h / q3k_x8.h) for the K-quants, llama.cpp's grid: KL ~0.008 on Gemma 3 270M
  *    Q4_K_M, and the 16-bit path left a 1.1B Q4_K_M model at 0.38x llama.cpp's decode speed.

@@ -107,8 +107,10 @@ BK_INLINE void value_tile(const float *vc, const int64_t *at, int n, int k0, int
 
 /* Query heads h0..h0+g-1 of one row (g a power of 2 <= ATT_CHAINS, sharing one K/V head) against its
  * sequence's keys: softmax(q k / sqrt) v over the positions the row sees (its own and before; with a
- * window, the last `window` of them). The heads of a group read each key and value once (in a
- * prefill they come from L2: the loads, not the arithmetic, bound it). Each score is summed as dot()
+ * window, the last `window` of them); with sinks (gpt-oss) the softmax's denominator also holds
+ * e^sink, a key whose value is zero, so the real keys' weights sum below 1. The heads of a group
+ * read each key and value once (in a prefill they come from L2: the loads, not the arithmetic,
+ * bound it). Each score is summed as dot()
  * sums it and each output over the keys in order, however many run side by side: a head's bits do
  * not depend on its group. */
 static void attend(const attention_job *j, int r, int h0, int g) {
@@ -152,9 +154,11 @@ static void attend(const attention_job *j, int r, int h0, int g) {
         }
     for (; i < n; i++)
         for (int e = 0; e < g; e++) s[e][i] = dot(q[e], kc + at[i], D) * a->attn_scale;
+    const float *sinks = j->L->sinks;
     for (int e = 0; e < g; e++) {
-        float m = -INFINITY, *se = s[e];
+        float m = -INFINITY, *se = s[e], sink = sinks ? sinks[h0 + e] : 0;
         for (i = 0; i < n; i++) m = se[i] > m ? se[i] : m;
+        if (sinks) m = sink > m ? sink : m;
         for (i = n; i < n + LANES; i++) se[i] = -INFINITY; /* the last vector's spare lanes: e^-inf = 0 */
         v16 sum = {0};
         for (i = 0; i < n; i += LANES) {
@@ -162,7 +166,9 @@ static void attend(const attention_job *j, int r, int h0, int g) {
             store16(se + i, x);
             sum += x;
         }
-        inv[e] = 1.0f / reduce16(sum);
+        float total = reduce16(sum);
+        if (sinks) total += expf(sink - m);
+        inv[e] = 1.0f / total;
     }
     int vecs = ATT_CHAINS / g, k0 = 0;
     for (; k0 + vecs * LANES <= D; k0 += vecs * LANES)
@@ -190,8 +196,19 @@ static void attention_chunk(const void *p, int i0, int i1) {
     for (int i = i0; i < i1; i++) attend(j, i / per, i % per * j->group, j->group);
 }
 
-/* gate/up [N, 2 F] -> act(gate) * up [N, F] */
-BK_INLINE void gated(const float *gu, float *out, int F, int gelu) {
+/* a row's gate/up [2 F] -> act(gate) * up [F] */
+BK_INLINE void gated(const bk_arch *a, const float *gu, float *out, int F) {
+    if (a->act == BK_SWIGLU_CLAMP) { /* gpt-oss: min(g, l) sigmoid(alpha min(g, l)) (clamp(u, -l, l) + 1) */
+        v16 lim = splat16(a->swiglu_limit), alpha = splat16(a->swiglu_alpha);
+        for (int k = 0; k < F; k += LANES) {
+            v16 g = load16(gu + k), u = load16(gu + F + k);
+            g = select16(g > lim, lim, g);
+            u = select16(u > lim, lim, select16(u < -lim, -lim, u));
+            store16(out + k, g / (1.0f + exp16(-(g * alpha))) * (u + 1.0f));
+        }
+        return;
+    }
+    int gelu = a->act == BK_GELU;
     for (int k = 0; k < F; k += LANES) {
         v16 g = load16(gu + k), u = load16(gu + F + k);
         if (gelu) { /* 0.5 g (1 + tanh(z)), tanh(z) = 1 - 2 / (e^2z + 1) */
@@ -208,12 +225,11 @@ static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += LANES) store16(x + i, load16(x + i) + load16(y + i));
 }
 
-/* A row's experts: softmax over the router's logits, the n_used largest (ties: the lower expert),
- * renormalized if asked; returned in ascending expert order, the order their outputs are added in. */
-static void route(const float *logits, int E, int k, int renorm, int *chosen, float *w) {
+/* A row's experts: the n_used largest logits (ties: the lower expert), in ascending expert order,
+ * the order their outputs are added in; weighted by the softmax over all logits, renormalized if
+ * asked, or (of_top, gpt-oss) by the softmax over the chosen ones alone. */
+static void route(const float *logits, int E, int k, int renorm, int of_top, int *chosen, float *w) {
     float m = -INFINITY, sum = 0, picked = 0;
-    for (int e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
-    for (int e = 0; e < E; e++) sum += expf(logits[e] - m);
     for (int i = 0; i < k; i++) { /* k passes: k is small (2-8), E up to a few hundred */
         int best = -1;
         for (int e = 0; e < E; e++) {
@@ -228,14 +244,23 @@ static void route(const float *logits, int E, int k, int renorm, int *chosen, fl
             int t = chosen[j];
             chosen[j] = chosen[j - 1], chosen[j - 1] = t;
         }
+    if (of_top) {
+        for (int i = 0; i < k; i++) m = logits[chosen[i]] > m ? logits[chosen[i]] : m;
+        for (int i = 0; i < k; i++) sum += w[i] = expf(logits[chosen[i]] - m);
+        for (int i = 0; i < k; i++) w[i] /= sum;
+        return;
+    }
+    for (int e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
+    for (int e = 0; e < E; e++) sum += expf(logits[e] - m);
     for (int i = 0; i < k; i++) picked += w[i] = expf(logits[chosen[i]] - m) / sum;
     if (renorm)
         for (int i = 0; i < k; i++) w[i] /= picked;
 }
 
-/* out [N, dim] = each row's routed experts' MLPs on xn, weighted and added in ascending expert
- * order. Each expert runs once on the rows routed to it (gathered): its weights are read once a
- * pass, and since a product's row does not depend on the others, nor does a row's result. */
+/* out [N, dim] = each row's routed experts' MLPs on xn (with their biases, if any), weighted and
+ * added in ascending expert order. Each expert runs once on the rows routed to it (gathered): its
+ * weights are read once a pass, and since a product's row does not depend on the others, nor does
+ * a row's result. */
 static int moe(const bk_arch *a, const bk_layer *L, int N, const float *xn, float *out, int level) {
     int dim = a->dim, E = L->n_experts, k = a->n_used, F = a->expert_ffn, rc = 0;
     size_t floats = (size_t)N * E + (size_t)N * k + (size_t)N * dim + (size_t)N * 2 * F + (size_t)N * F + (size_t)N * dim;
@@ -247,7 +272,13 @@ static int moe(const bk_arch *a, const bk_layer *L, int N, const float *xn, floa
     int *chosen = (int *)(y + (size_t)N * dim), *start = chosen + (size_t)N * k, *rows = start + E + 1,
         *slot = rows + (size_t)N * k;
     if ((rc = bk_matmul_many(L->router, 1, N, xn, logits, level))) goto done;
-    for (int r = 0; r < N; r++) route(logits + (size_t)r * E, E, k, a->norm_topk, chosen + (size_t)r * k, w + (size_t)r * k);
+    for (int r = 0; r < N; r++) {
+        float *lr = logits + (size_t)r * E;
+        if (L->router_bias)
+            for (int e = 0; e < E; e++) lr[e] += L->router_bias[e];
+        route(lr, E, k, a->norm_topk, a->topk_softmax, chosen + (size_t)r * k, w + (size_t)r * k);
+    }
+    int B = 2 * F + dim; /* an expert's biases */
     /* the (row, slot) pairs by expert, rows ascending within each */
     memset(start, 0, sizeof(int) * (E + 1));
     for (int i = 0; i < N * k; i++) start[chosen[i] + 1]++;
@@ -271,8 +302,11 @@ static int moe(const bk_arch *a, const bk_layer *L, int N, const float *xn, floa
         float *acts = gus + (size_t)k * 2 * F;
         rc = bk_matmul_many(ws, 2 * k, 1, xn, gus, level);
         for (int i = 0; i < k && rc == 0; i++) {
-            gated(gus + (size_t)i * 2 * F, acts + (size_t)i * F, F, a->gelu);
+            const float *b = L->expert_bias ? L->expert_bias + (size_t)chosen[i] * B : NULL;
+            if (b) add_rows(gus + (size_t)i * 2 * F, b, 2 * F);
+            gated(a, gus + (size_t)i * 2 * F, acts + (size_t)i * F, F);
             if ((rc = bk_matmul_many(L->experts + 3 * chosen[i] + 2, 1, 1, acts + (size_t)i * F, y, level))) break;
+            if (b) add_rows(y, b + 2 * F, dim);
             v16 s = splat16(w[i]);
             for (int d = 0; d < dim; d += LANES) store16(out + d, load16(out + d) + load16(y + d) * s);
         }
@@ -283,11 +317,16 @@ static int moe(const bk_arch *a, const bk_layer *L, int N, const float *xn, floa
         int m = start[e + 1] - start[e];
         if (!m) continue;
         for (int i = 0; i < m; i++) memcpy(g + (size_t)i * dim, xn + (size_t)rows[start[e] + i] * dim, sizeof(float) * dim);
+        const float *b = L->expert_bias ? L->expert_bias + (size_t)e * B : NULL;
         if ((rc = bk_matmul_many(L->experts + 3 * e, 2, m, g, gu, level))) break;
-        for (int i = 0; i < m; i++) gated(gu + (size_t)i * 2 * F, act + (size_t)i * F, F, a->gelu);
+        for (int i = 0; i < m; i++) {
+            if (b) add_rows(gu + (size_t)i * 2 * F, b, 2 * F);
+            gated(a, gu + (size_t)i * 2 * F, act + (size_t)i * F, F);
+        }
         if ((rc = bk_matmul_many(L->experts + 3 * e + 2, 1, m, act, y, level))) break;
         for (int i = 0; i < m; i++) {
             float *o = out + (size_t)rows[start[e] + i] * dim, *yi = y + (size_t)i * dim;
+            if (b) add_rows(yi, b + 2 * F, dim);
             v16 s = splat16(w[slot[start[e] + i]]);
             for (int d = 0; d < dim; d += LANES) {
                 store16(o + d, load16(o + d) + load16(yi + d) * s);
@@ -351,6 +390,7 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
         if ((rc = bk_matmul_many(&L->o, 1, N, att, o, level))) break;
         for (int r = 0; r < N; r++) {
             float *xr = x + (int64_t)r * dim, *orow = o + (int64_t)r * dim, *xnr = xn + (int64_t)r * dim;
+            if (L->o_bias) add_rows(orow, L->o_bias, dim);
             if (a->sandwich) {
                 rms_norm(orow, L->post_attn, orow, dim, a->eps);
                 add_rows(xr, orow, dim);
@@ -364,7 +404,7 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
             if ((rc = moe(a, L, N, xn, o, level))) break;
         } else {
             if ((rc = bk_matmul_many(L->gate_up, 2, N, xn, gu, level))) break;
-            for (int r = 0; r < N; r++) gated(gu + (int64_t)r * 2 * F, act + (int64_t)r * F, F, a->gelu);
+            for (int r = 0; r < N; r++) gated(a, gu + (int64_t)r * 2 * F, act + (int64_t)r * F, F);
             if ((rc = bk_matmul_many(&L->down, 1, N, act, o, level))) break;
         }
         for (int r = 0; r < N; r++) {

@@ -10,8 +10,11 @@
  *   Q5_0  32 weights, 22 bytes: d (fp16), qh (32 high bits), 16 code bytes   w = d (q - 16)
  *   Q5_1  32 weights, 24 bytes: d, m (fp16), qh, 16 code bytes       w = d q + m
  *   Q8_0  32 weights, 34 bytes: d (fp16), 32 int8                    w = d q
+ *   MXFP4 32 weights, 17 bytes: e (E8M0), 16 code bytes              w = kvalue[q] 2^(e - 128)
  * In the 4/5-bit types, code byte j holds weight j (low nibble) and weight j + 16 (high nibble);
- * bit j of qh is weight j's fifth bit. The K-quants (256 weights per super-block) are described
+ * bit j of qh is weight j's fifth bit. MXFP4 (gpt-oss's experts): kvalue[q] is the e2m1 value
+ * doubled, {0, 1, 2, 3, 4, 6, 8, 12} then the same negated, and 2^(e - 128) is the E8M0 scale
+ * halved, a float denormal for e < 2. The K-quants (256 weights per super-block) are described
  * where they are defined below.
  */
 #ifndef BRISK_GGUF_TYPES_H
@@ -25,13 +28,13 @@
 enum {
     BK_F32 = 0, /* plain float32 rows (a float model's weights, read in place) */
     BK_Q4_0 = 2, BK_Q4_1 = 3, BK_Q5_0 = 6, BK_Q5_1 = 7, BK_Q8_0 = 8,
-    BK_Q2_K = 10, BK_Q3_K = 11, BK_Q4_K = 12, BK_Q5_K = 13, BK_Q6_K = 14,
+    BK_Q2_K = 10, BK_Q3_K = 11, BK_Q4_K = 12, BK_Q5_K = 13, BK_Q6_K = 14, BK_MXFP4 = 39,
 };
 
 /* Weights and bytes per block of a type; 0 for a type brisk cannot read. */
 BK_INLINE int bk_block_weights(int type) {
     switch (type) {
-    case BK_Q4_0: case BK_Q4_1: case BK_Q5_0: case BK_Q5_1: case BK_Q8_0: return 32;
+    case BK_Q4_0: case BK_Q4_1: case BK_Q5_0: case BK_Q5_1: case BK_Q8_0: case BK_MXFP4: return 32;
     case BK_Q2_K: case BK_Q3_K: case BK_Q4_K: case BK_Q5_K: case BK_Q6_K: return 256;
     default: return 0;
     }
@@ -44,6 +47,7 @@ BK_INLINE int bk_block_bytes(int type) {
     case BK_Q5_0: return 22;
     case BK_Q5_1: return 24;
     case BK_Q8_0: return 34;
+    case BK_MXFP4: return 17;
     case BK_Q2_K: return 84;
     case BK_Q3_K: return 110;
     case BK_Q4_K: return 144;
@@ -58,6 +62,13 @@ BK_INLINE float bk_f32_bits(uint32_t u) {
     memcpy(&f, &u, 4);
     return f;
 }
+
+#if defined(__SSSE3__)
+#include <tmmintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -164,6 +175,37 @@ BK_INLINE void dq_q8_0(const uint8_t *b, float *y) {
     bk_store16(y + 16, bk_i8_to_f32(b + 18) * d);
 }
 
+/* MXFP4's kvalues as bytes (int8): the table of its 16 codes */
+BK_INLINE bk_u8x16 bk_mxfp4_kvalues(void) { return (bk_u8x16){0, 1, 2, 3, 4, 6, 8, 12, 0, 255, 254, 253, 252, 250, 248, 244}; }
+
+/* The kvalues of 16 codes (0..15): one byte shuffle where there is one (pshufb, tbl; clang has no
+ * variable-shuffle builtin, so intrinsics); else computed in byte lanes (plain x86-64 has no byte
+ * shuffle for GCC's __builtin_shuffle to use): magnitude m = q & 7 for m <= 4, 6 / 8 / 12 for 5 / 6 / 7 */
+BK_INLINE bk_u8x16 bk_mxfp4_k(bk_u8x16 q) {
+#if defined(__SSSE3__)
+    return (bk_u8x16)_mm_shuffle_epi8((__m128i)bk_mxfp4_kvalues(), (__m128i)q);
+#elif defined(__aarch64__)
+    return (bk_u8x16)vqtbl1q_u8((uint8x16_t)bk_mxfp4_kvalues(), (uint8x16_t)q);
+#else
+    bk_u8x16 m = q & 7, neg = (bk_u8x16)((q & 8) != 0);
+    bk_u8x16 mag = m + ((bk_u8x16)(m > 4) & (m - 4)) + ((bk_u8x16)(m == 7) & 2);
+    return (mag ^ neg) - neg;
+#endif
+}
+
+/* 2^(e - 128) for every e, as ggml's e8m0 half (e < 2: the denormals 2^-128, 2^-127), without a
+ * branch: 2^(a - 64) 2^(e - a - 64) with a = e / 2, two normal floats whose product is exact */
+BK_INLINE float bk_e8m0_half(uint32_t e) { return bk_f32_bits(((e >> 1) + 63) << 23) * bk_f32_bits((e - (e >> 1) + 63) << 23); }
+
+BK_INLINE void dq_mxfp4(const uint8_t *b, float *y) {
+    float d = bk_e8m0_half(b[0]);
+    bk_u8x16 c = bk_load_u8x16(b + 1);
+    /* offset to 0..24 (GCC 12 vectorizes only unsigned byte widening); (k + 12) - 12, and k times a
+     * power of two, are exact: gguf's floats bit for bit */
+    bk_store16(y, (bk_u8_to_f32(bk_mxfp4_k(c & 15) + 12) - 12.f) * d);
+    bk_store16(y + 16, (bk_u8_to_f32(bk_mxfp4_k(c >> 4) + 12) - 12.f) * d);
+}
+
 /* ---------------------------------------------------------------- K-quants (256 weights) */
 /* Filled in below (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). */
 BK_INLINE void dq_q2_k(const uint8_t *b, float *y);
@@ -182,6 +224,7 @@ BK_INLINE void bk_dequant_block(int type, const uint8_t *b, float *y) {
     case BK_Q5_0: dq_q5_0(b, y); break;
     case BK_Q5_1: dq_q5_1(b, y); break;
     case BK_Q8_0: dq_q8_0(b, y); break;
+    case BK_MXFP4: dq_mxfp4(b, y); break;
     case BK_Q2_K: dq_q2_k(b, y); break;
     case BK_Q3_K: dq_q3_k(b, y); break;
     case BK_Q4_K: dq_q4_k(b, y); break;

@@ -1,5 +1,5 @@
 /* Products with the activations as 16-bit integers, for the types whose blocks are small integer
- * codes with scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, brisk's int8 rows; Q4_K, Q5_K, Q6_K): the codes times
+ * codes with scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, brisk's int8 rows; Q4_K, Q5_K, Q6_K): the codes times
  * the activations' codes summed exactly in int32 (one multiply-add instruction per 32 pairs), then
  * scaled in float. About half the instructions of dequantizing to float32 first.
  *
@@ -47,7 +47,7 @@ typedef struct {
 
 BK_INLINE int bk_int_type(int type) {
     return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q5_0 || type == BK_Q5_1 || type == BK_Q8_0 || type == BK_Q4_K || type == BK_Q5_K ||
-           type == BK_Q6_K || type == BK_I8R;
+           type == BK_Q6_K || type == BK_I8R || type == BK_MXFP4;
 }
 
 /* whether this weight's products take the integer path: its type's, or int4 groups whose groups are
@@ -168,6 +168,29 @@ BK_INLINE i16x32 fifth_bits(i16x32 q, uint32_t mask) {
 #endif
 }
 
+/* MXFP4's 16 code bytes as their 32 kvalues (-12..12): looked up on the bytes, then widened */
+BK_INLINE i16x32 mxfp4_codes(const uint8_t *p) {
+#if defined(__AVX2__)
+    /* low nibbles in the low 16 bytes, high ones in the high 16: one 32-byte lookup */
+    __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    __m256i n = _mm256_and_si256(_mm256_blend_epi32(c, _mm256_srli_epi16(c, 4), 0xF0), _mm256_set1_epi8(15));
+    __m256i k = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)bk_mxfp4_kvalues()), n);
+#if defined(__AVX512BW__)
+    return (i16x32)_mm512_cvtepi8_epi16(k);
+#else
+    __m256i h[2] = {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(k)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(k, 1))};
+    i16x32 q;
+    memcpy(&q, h, 64);
+    return q;
+#endif
+#else
+    bk_u8x16 c = bk_load_u8x16(p); /* offset by 12: GCC widens unsigned bytes well, signed ones poorly */
+    i16x16 lo = __builtin_convertvector(bk_mxfp4_k(c & 15) + 12, i16x16), hi = __builtin_convertvector(bk_mxfp4_k(c >> 4) + 12, i16x16);
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24,
+                                   25, 26, 27, 28, 29, 30, 31) - 12;
+#endif
+}
+
 /* Block b of row n as 32 integer codes (weight j = d code_j + m), its d and m. */
 BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d, float *m) {
     const uint8_t *p = w->data + (int64_t)n * w->row_bytes;
@@ -198,6 +221,12 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
 #endif
         q = fifth_bits(q, qh);
         return one ? q : q - 16;
+    }
+    if (type == BK_MXFP4) { /* weight = kvalue 2^(e - 128): exact products, as Q4_0's */
+        p += b * 17;
+        *d = bk_e8m0_half(p[0]);
+        *m = 0.0f;
+        return mxfp4_codes(p + 1);
     }
     if (type == BK_I4G) { /* weight = (code - 8) s + z = s code + (z - 8 s), s and z per group */
         int g = b * QK / w->group, groups = w->K / w->group;

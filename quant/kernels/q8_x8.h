@@ -1,4 +1,4 @@
-/* Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 with their rows interleaved 8 at a time (layout BK_X8), times 16-bit
+/* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 with their rows interleaved 8 at a time (layout BK_X8), times 16-bit
  * activations (int_dot.h's grid: one scale per 32 inputs).
  *
  * Why: Gemma 3 270M's tied 262144 x 640 Q8_0 table is most of a decode step, and the file layout's
@@ -18,7 +18,9 @@
  *           vector V is weight 8c + i of row 4h + r, where 2c + h = 4V + k (q4x8_read)
  *           Q5_0/Q5_1: Q4_0's nibbles, then 8 uint32 lane masks (bit 8r + i of mask j: the fifth bit of
  *           the code at lane 8r + i of code vector j), added as 16 (gguf_interleave._q5_masks)
- *   then d of rows 0..7 (fp16), and for Q4_1/Q5_1 m of rows 0..7 (fp16)
+ *           MXFP4: 2 vectors of 64 bytes, 2 codes to a byte: nibble t of byte p of vector V is the code
+ *           of byte p of Q8_0's vector 2V + t, so that two byte lookups give Q8_0's int8 layout
+ *   then d of rows 0..7 (fp16), and for Q4_1/Q5_1 m of rows 0..7 (fp16); MXFP4: e of rows 0..7 (a byte)
  * Rows past the last whole group follow in the file's layout, at the file's offsets.
  *
  * The int32 sums are exact and the float epilogue is one function for one activation row or many:
@@ -29,7 +31,7 @@
 #include "q4k_x8.h"
 
 BK_INLINE int x8i16_bytes(int type) { /* a group's block */
-    return type == BK_Q8_0 ? 272 : type == BK_Q4_1 ? 160 : type == BK_Q5_0 ? 176 : type == BK_Q5_1 ? 192 : 144;
+    return type == BK_Q8_0 ? 272 : type == BK_Q4_1 ? 160 : type == BK_Q5_0 ? 176 : type == BK_Q5_1 ? 192 : type == BK_MXFP4 ? 136 : 144;
 }
 
 #define X8_FIFTH(type) ((type) == BK_Q5_0 || (type) == BK_Q5_1)
@@ -54,15 +56,58 @@ typedef struct {
     v16 d0, d1;
 } q8x8_block_t;
 
-BK_INLINE void q8x8_read(const uint8_t *g, q8x8_block_t *b) {
-    for (int c = 0; c < 4; c++) {
-        i16x32 v = load_i16x32((const int16_t *)(g + 64 * c));
-        b->w[2 * c] = (i16x32)((u16x32)v << 8) >> 8; /* the low bytes, sign-extended */
-        b->w[2 * c + 1] = v >> 8;
-    }
-    bk_v8 d = half8(g + 256);
+/* Q8_0's vector c (two rows' codes to a 16-bit lane) as the int16 codes of rows 0..3 and 4..7 */
+BK_INLINE void q8x8_split(i16x32 v, q8x8_block_t *b, int c) {
+    b->w[2 * c] = (i16x32)((u16x32)v << 8) >> 8; /* the low bytes, sign-extended */
+    b->w[2 * c + 1] = v >> 8;
+}
+
+BK_INLINE void x8_scales_d(bk_v8 d, q8x8_block_t *b) {
     b->d0 = __builtin_shufflevector(d, d, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     b->d1 = __builtin_shufflevector(d, d, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+}
+
+BK_INLINE void q8x8_read(const uint8_t *g, q8x8_block_t *b) {
+    for (int c = 0; c < 4; c++) q8x8_split(load_i16x32((const int16_t *)(g + 64 * c)), b, c);
+    x8_scales_d(half8(g + 256), b);
+}
+
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+/* 64 MXFP4 codes (0..15) as their kvalues (int8 bytes) */
+BK_INLINE u8x64 mxfp4_k64(u8x64 q) {
+#if defined(__AVX512BW__)
+    return (u8x64)_mm512_shuffle_epi8(_mm512_broadcast_i32x4((__m128i)bk_mxfp4_kvalues()), (__m512i)q);
+#elif defined(__AVX2__)
+    __m256i t = _mm256_broadcastsi128_si256((__m128i)bk_mxfp4_kvalues()), h[2];
+    memcpy(h, &q, 64);
+    h[0] = _mm256_shuffle_epi8(t, h[0]), h[1] = _mm256_shuffle_epi8(t, h[1]);
+    u8x64 k;
+    memcpy(&k, h, 64);
+    return k;
+#else
+    u8x64 k;
+    for (int i = 0; i < 64; i += 16) {
+        bk_u8x16 part;
+        memcpy(&part, (uint8_t *)&q + i, 16);
+        part = bk_mxfp4_k(part);
+        memcpy((uint8_t *)&k + i, &part, 16);
+    }
+    return k;
+#endif
+}
+
+/* MXFP4: each nibble of the 2 code vectors looked up to Q8_0's int8 vectors; e of rows 0..7 as 2^(e - 128) */
+BK_INLINE void mxfp4x8_read(const uint8_t *g, q8x8_block_t *b) {
+    for (int V = 0; V < 2; V++) {
+        u8x64 v;
+        memcpy(&v, g + 64 * V, 64);
+        q8x8_split((i16x32)mxfp4_k64(v & 15), b, 2 * V);
+        q8x8_split((i16x32)mxfp4_k64(v >> 4), b, 2 * V + 1);
+    }
+    const uint8_t *h = g + 128;
+    u32x8 e = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]}, a = e >> 1; /* bk_e8m0_half in lanes */
+    x8_scales_d((bk_v8)((a + 63) << 23) * (bk_v8)((e - a + 63) << 23), b);
 }
 
 /* The same for Q4_0 / Q4_1 (codes 0..15; Q4_0's minus 8), and Q4_1's m at lanes 4r' (else 0) of m0, m1.
@@ -82,9 +127,7 @@ BK_INLINE void q4x8_read(const uint8_t *g, int type, q8x8_block_t *b, v16 *m0, v
         }
         b->w[j] = type == BK_Q4_0 ? q - 8 : type == BK_Q5_0 ? q - 16 : q;
     }
-    bk_v8 d = half8(g + fields);
-    b->d0 = __builtin_shufflevector(d, d, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    b->d1 = __builtin_shufflevector(d, d, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    x8_scales_d(half8(g + fields), b);
     if (X8_MIN(type)) {
         bk_v8 m = half8(g + fields + 16), z = {0};
         *m0 = __builtin_shufflevector(m, z, 0, 8, 8, 8, 1, 8, 8, 8, 2, 8, 8, 8, 3, 8, 8, 8);
@@ -126,6 +169,7 @@ BK_INLINE void x8i16_rows(const bk_weight *w, int type, int n0, int n1, int M, c
             q8x8_block_t blk;
             v16 m0 = {0}, m1 = {0};
             if (type == BK_Q8_0) q8x8_read(g, &blk);
+            else if (type == BK_MXFP4) mxfp4x8_read(g, &blk);
             else q4x8_read(g, type, &blk, &m0, &m1);
             for (int mi = 0; mi < M; mi++) {
                 int64_t at = (int64_t)mi * nb + b;
@@ -148,13 +192,23 @@ BK_INLINE void x8i16_rows(const bk_weight *w, int type, int n0, int n1, int M, c
     }
 }
 
-/* Row n's block b back in the file's bytes (Q8_0 34, Q4_0 18, Q4_1 20, Q5_0 22, Q5_1 24) */
+/* Row n's block b back in the file's bytes (Q8_0 34, Q4_0 18, Q4_1 20, Q5_0 22, Q5_1 24, MXFP4 17) */
 BK_INLINE const uint8_t *x8i16_block(const bk_weight *w, int n, int b, uint8_t *out) {
     int type = w->type, nb = w->K / QK, whole = w->N / X8_ROWS * X8_ROWS, bytes = x8i16_bytes(type);
     int fields = X8_MIN(type) ? 2 : 1, codes = type == BK_Q8_0 ? 32 : 16, fifth = X8_FIFTH(type) ? 4 : 0;
     if (n >= whole) return w->data + (int64_t)n * w->row_bytes + (int64_t)b * (bytes / X8_ROWS);
     const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * nb + b) * bytes;
     int r = n % X8_ROWS;
+    if (type == BK_MXFP4) { /* weight 8c + i: nibble c % 2 of byte 2 (8 (r % 4) + i) + r / 4 of vector c / 2 */
+        out[0] = g[128 + r];
+        memset(out + 1, 0, 16);
+        for (int c = 0; c < 4; c++)
+            for (int i = 0; i < 8; i++) {
+                int w8 = 8 * c + i, code = g[64 * (c / 2) + 2 * (8 * (r % 4) + i) + r / 4] >> 4 * (c % 2) & 15;
+                out[1 + w8 % 16] |= (uint8_t)(code << (w8 >= 16 ? 4 : 0));
+            }
+        return out;
+    }
     for (int f = 0; f < fields; f++) memcpy(out + 2 * f, g + 8 * (codes + fifth) + 16 * f + 2 * r, 2);
     if (type == BK_Q8_0) {
         for (int c = 0; c < 4; c++)

@@ -75,6 +75,7 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
             else if (w->type == BK_Q4_1) dq_q4_1(x8i16_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q5_0) dq_q5_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
             else if (w->type == BK_Q5_1) dq_q5_1(x8i16_block(w, n, b, blk), y + b * bw - k0);
+            else if (w->type == BK_MXFP4) dq_mxfp4(x8i16_block(w, n, b, blk), y + b * bw - k0);
             else dq_q4_0(x8i16_block(w, n, b, blk), y + b * bw - k0);
         }
         return;
@@ -86,6 +87,7 @@ BK_INLINE void dequant_row(const bk_weight *w, int n, int k0, int k1, float *y) 
     case BK_Q5_0: ROWS_OF(dq_q5_0);
     case BK_Q5_1: ROWS_OF(dq_q5_1);
     case BK_Q8_0: ROWS_OF(dq_q8_0);
+    case BK_MXFP4: ROWS_OF(dq_mxfp4);
     case BK_Q2_K: ROWS_OF(dq_q2_k);
     case BK_Q3_K: ROWS_OF(dq_q3_k);
     case BK_Q4_K: ROWS_OF(dq_q4_k);
@@ -224,6 +226,7 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
         case BK_Q4_1: x8i16_rows(w, BK_Q4_1, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q5_0: x8i16_rows(w, BK_Q5_0, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         case BK_Q5_1: x8i16_rows(w, BK_Q5_1, n0, n1, M, x, y, ldy, (v16 *)buf); break;
+        case BK_MXFP4: x8i16_rows(w, BK_MXFP4, n0, n1, M, x, y, ldy, (v16 *)buf); break;
         default: x8i16_rows(w, BK_Q4_0, n0, n1, M, x, y, ldy, (v16 *)buf);
         }
         return;
@@ -249,6 +252,7 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
         case BK_Q5_K: ONE(BK_Q5_K);
         case BK_Q5_0: ONE(BK_Q5_0);
         case BK_Q5_1: ONE(BK_Q5_1);
+        case BK_MXFP4: ONE(BK_MXFP4);
         case BK_Q6_K: ONE(BK_Q6_K);
         case BK_I8R: ONE(BK_I8R);
         case BK_I4G: ONE(BK_I4G);
@@ -266,6 +270,7 @@ void CAT(bk_int_rows, BK_SUFFIX)(const bk_weight *w, int n0, int n1, int M, cons
     case BK_Q5_K: MANY(BK_Q5_K);
     case BK_Q5_0: MANY(BK_Q5_0);
     case BK_Q5_1: MANY(BK_Q5_1);
+    case BK_MXFP4: MANY(BK_MXFP4);
     case BK_Q6_K: MANY(BK_Q6_K);
     case BK_I8R: MANY(BK_I8R);
     case BK_I4G: MANY(BK_I4G);
