@@ -79,11 +79,13 @@ bench-llama: install-test
 	$(PY) bench/llama_compare.py --record
 
 # brisk against llama.cpp's own llama-bench on a Qwen3-30B-A3B-shaped MoE file (12 of its 48 layers,
-# random weights, made Q4_K_M by llama-quantize), each tool in its own process: bench/moe_compare.py.
+# random weights, made Q4_K_M by llama-quantize) and a gpt-oss-20b-shaped one (12 of 24 layers, made
+# MXFP4_MOE), each tool in its own process: bench/moe_compare.py.
 # llama-bench and llama-quantize are built once from the llama-cpp-python sdist (~10 min on 2 cores)
 LLAMA_BUILD := .cache/llama.cpp-build
 bench-moe: install-test $(LLAMA_BUILD)/bin/llama-bench
 	$(PY) bench/moe_compare.py --llama-bench $(LLAMA_BUILD)/bin/llama-bench --llama-quantize $(LLAMA_BUILD)/bin/llama-quantize
+	$(PY) bench/moe_compare.py --model gpt-oss --llama-bench $(LLAMA_BUILD)/bin/llama-bench --llama-quantize $(LLAMA_BUILD)/bin/llama-quantize
 
 $(LLAMA_BUILD)/bin/llama-bench:
 	mkdir -p .cache/src
