@@ -28,7 +28,7 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "loop": "stop", "ca
 # OpenAI fields brisk does not implement: refused (400) rather than silently ignored, unless they
 # hold their "off" value (false, null, an empty list, a plain-text response format)
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
-               "logit_bias", "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty")
+               "best_of", "echo", "suffix")
 
 
 def _is_off(key: str, value) -> bool:

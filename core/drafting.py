@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, Seen
 
 # Tokens one tree pass may hold (the pending token and the nodes), for every tree drafter: beyond it
 # float32 passes leave the native kernels' batch-invariant products (native.F32_MAX_ROWS) and greedy
@@ -68,9 +68,9 @@ class Drafter:
         return 0
 
     def propose(self, ctx: list[int], k: int, params: SamplingParams, gen: torch.Generator,
-                seen: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
+                seen: Seen | None) -> tuple[list[int], torch.Tensor | None]:
         """Up to k tokens to follow ctx, and the distributions they were drawn from ([n, V], or
-        None for point masses). seen: the ids the repetition penalty looks at."""
+        None for point masses). seen: the ids the penalties look at (sampling.Seen)."""
         raise NotImplementedError
 
     def capacity(self) -> int:
@@ -83,7 +83,7 @@ class Drafter:
         return []
 
     def propose_tree(self, ctx: list[int], option, depth: int, size: int, params: SamplingParams,
-                     gen: torch.Generator, seen: torch.Tensor | None) -> "Draft | None":
+                     gen: torch.Generator, seen: Seen | None) -> "Draft | None":
         """A tree to follow ctx (ctx[-1] is the pending token): Draft(tokens, parents=...,
         candidate=...) of at most `size` nodes whose candidate nodes lie at most `depth` deep
         (depth 1: children of the pending token), or None for a plain step this round."""

@@ -14,7 +14,7 @@ from .cuda_graph import decode_step, verify_pass
 from .errors import BriskError, PromptTooLong
 from .model import LAST
 from .output_stream import GenerationResult, OutputStream
-from .sampling import Sampler, SamplingParams, extend_seen
+from .sampling import Sampler, SamplingParams, Seen, extend_seen
 
 PREFILL_CHUNK = 512  # long prompts are prefilled in pieces: bounded activation memory
 
@@ -102,12 +102,12 @@ class Session:
         hidden_needed = sp is not None and sp.needs_hidden
         logits = self.prefill(prompt_ids, return_hidden=hidden_needed)
         logits, hidden = logits if hidden_needed else (logits, None)
-        seen = torch.tensor(prompt_ids, device=self.llm.device) if sampler.params.repetition_penalty != 1.0 else None
+        seen = Seen.of(prompt_ids, len(prompt_ids), self.llm.device) if sampler.params.penalized else None
         if sp is not None:
             sp.new_stats()
         return self._tokens(sampler(logits, seen), sampler, seen, budget, (logits, hidden))
 
-    def _tokens(self, token: int, sampler: Sampler, seen: torch.Tensor | None, budget: int,
+    def _tokens(self, token: int, sampler: Sampler, seen: Seen | None, budget: int,
                 first: tuple) -> Iterator[int]:
         """The generated tokens, one by one. A token enters the cache only when the consumer asks
         for the next one, so the cache never holds the last token handed out (self.ids is what it
@@ -125,7 +125,7 @@ class Session:
             sp.start(ids, cache)  # catching up with the prompt is not a per-token cost
             sp.observe_prefill(*first)
         while True:
-            if seen is not None:  # the repetition penalty sees the context, then each draft
+            if seen is not None:  # the penalties see the context, then each draft
                 seen = extend_seen(seen, [token])
             draft, drafts = None, []
             if sp is not None:  # room: what the budget and the cache leave after the pending token

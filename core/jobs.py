@@ -13,9 +13,9 @@ from .sampling import SamplingParams
 from .batching import Request
 
 SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                   "repetition_penalty": float, "seed": int}
+                   "repetition_penalty": float, "seed": int, "presence_penalty": float, "frequency_penalty": float}
 # what a `generate --batch` line may hold; anything else is most likely a typo ("temprature")
-BATCH_KEYS = {"prompt", "messages", "raw", "system", "id", "max_tokens", "stop", *SAMPLING_FIELDS}
+BATCH_KEYS = {"prompt", "messages", "raw", "system", "id", "max_tokens", "stop", "logit_bias", *SAMPLING_FIELDS}
 
 
 def unknown_keys(obj: dict) -> list[str]:
@@ -32,6 +32,23 @@ def _typed(obj: dict, key: str, kind, default=None):
     if kind is float and not math.isfinite(v):
         raise InvalidValue(key, v, "must be finite")
     return kind(v)
+
+
+def logit_bias(value, vocab_size: int) -> dict:
+    """OpenAI's logit_bias, {"token id": bias} (JSON keys are strings), with int keys, each within
+    the model's vocabulary (SamplingParams.validate checks the biases and their number)."""
+    if not isinstance(value, dict):
+        raise InvalidValue("logit_bias", value, "must be an object mapping token ids to biases")
+    out = {}
+    for key, bias in value.items():
+        try:
+            t = int(key)
+        except (TypeError, ValueError):
+            raise InvalidValue("logit_bias", key, "keys must be token ids (integers)") from None
+        if not 0 <= t < vocab_size:
+            raise InvalidValue("logit_bias", key, f"token ids must be in [0, {vocab_size})")
+        out[t] = bias
+    return out
 
 
 def text_content(content, name: str = "content") -> str:
@@ -112,6 +129,8 @@ def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop
     n = _typed(obj, max_tokens_key, int, max_tokens)
     if n < 1:
         raise InvalidValue(max_tokens_key, n, "must be >= 1")
+    if obj.get("logit_bias") is not None:
+        fields["logit_bias"] = logit_bias(obj["logit_bias"], llm.config.vocab_size)
     sampling = replace(sampling, **fields).validate()
     ids = prompt_ids(llm, obj, template_prompt, system)
     if len(ids) >= llm.ctx:  # as the engine would refuse it: no room left to generate

@@ -1,7 +1,8 @@
-"""Turning logits into the next token: greedy, temperature, top-k, top-p, min-p, repetition penalty."""
+"""Turning logits into the next token: greedy, temperature, top-k, top-p, min-p, repetition penalty,
+presence and frequency penalties, logit bias."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +21,11 @@ class SamplingParams:
     min_p: float = 0.1  # 0 disables
     repetition_penalty: float = 1.0  # 1 disables
     seed: int | None = None
+    # OpenAI's: logits[t] -= presence * (c[t] > 0) + frequency * c[t], c[t] counting t among the
+    # tokens generated so far in this answer (not the prompt); 0 disables
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     # Not a sampling rule, but it travels with them per request: end the answer when it falls into
     # an exact repetition loop (output_stream.LoopGuard). Off in the API, on in generate and chat.
     stop_loops: bool = False
@@ -35,7 +41,24 @@ class SamplingParams:
             raise InvalidValue("min_p", self.min_p, "must be in [0, 1)")
         if not self.repetition_penalty > 0:
             raise InvalidValue("repetition_penalty", self.repetition_penalty, "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidValue(name, getattr(self, name), "must be in [-2, 2]")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidValue("logit_bias", f"{len(self.logit_bias)} entries" if isinstance(self.logit_bias, dict)
+                               else self.logit_bias, f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidValue("logit_bias", t, "keys must be token ids (integers >= 0)")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise InvalidValue("logit_bias", b, "biases must be numbers in [-100, 100]")
         return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed before sampling (then the caller tracks the history)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +66,7 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -55,9 +79,48 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return logits
 
 
-def extend_seen(seen: torch.Tensor, extra: list[int]) -> torch.Tensor:
-    """The repetition penalty's ids with `extra` appended (drafts, the next context token)."""
-    return torch.cat([seen, torch.tensor(extra, dtype=seen.dtype, device=seen.device)]) if extra else seen
+@dataclass(frozen=True)
+class Seen:
+    """The ids the penalties look at: the context (prompt, then the answer so far) and where the
+    answer starts in it (presence and frequency penalties count only the answer's tokens)."""
+    ids: torch.Tensor
+    start: int
+
+    @classmethod
+    def of(cls, ids: list[int], start: int, device=None) -> "Seen":
+        return cls(torch.tensor(ids, dtype=torch.long, device=device), start)
+
+
+def extend_seen(seen: Seen, extra: list[int]) -> Seen:
+    """The penalties' ids with `extra` appended (drafts, the next context token)."""
+    if not extra:
+        return seen
+    return Seen(torch.cat([seen.ids, torch.tensor(extra, dtype=seen.ids.dtype, device=seen.ids.device)]), seen.start)
+
+
+def apply_presence_frequency(logits: torch.Tensor, generated: torch.Tensor, presence: float,
+                             frequency: float) -> torch.Tensor:
+    """OpenAI's: logits[t] -= presence * (c[t] > 0) + frequency * c[t], c counting `generated`."""
+    if (presence == 0 and frequency == 0) or generated.numel() == 0:
+        return logits
+    counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+    counts.index_add_(0, generated.to(logits.device), torch.ones(generated.numel(), device=logits.device))
+    return logits - (presence * (counts > 0) + frequency * counts).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    if not bias:
+        return logits
+    ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+    return logits.index_add(-1, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, seen: Seen, p: SamplingParams) -> torch.Tensor:
+    """All of p's changes to one position's logits [V] before sampling: the repetition penalty
+    (over the whole context), presence and frequency penalties (over the answer), the logit bias."""
+    logits = apply_repetition_penalty(logits, seen.ids, p.repetition_penalty)
+    logits = apply_presence_frequency(logits, seen.ids[seen.start:], p.presence_penalty, p.frequency_penalty)
+    return apply_logit_bias(logits, p.logit_bias)
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -89,10 +152,10 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
-        """logits: [V] for one position; seen: ids so far (for the repetition penalty)."""
+    def __call__(self, logits: torch.Tensor, seen: Seen | None = None) -> int:
+        """logits: [V] for one position; seen: ids so far (for the penalties; None: none apply)."""
         if seen is not None:
-            logits = apply_repetition_penalty(logits, seen, self.params.repetition_penalty)
+            logits = apply_penalties(logits, seen, self.params)
         if self.params.greedy:
             return int(logits.argmax())
         probs = probabilities(logits, self.params).cpu()

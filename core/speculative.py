@@ -39,7 +39,7 @@ from .generate import common_prefix, prefill
 from .drafting import MAX_TREE, Draft, Drafter  # the interface drafters implement (re-exported)
 from .kv import ContiguousKV
 from .kv.base import ancestor_mask  # noqa: F401 (tree drafts' mask, re-exported)
-from .sampling import SamplingParams, apply_repetition_penalty, extend_seen, probabilities
+from .sampling import SamplingParams, Seen, apply_penalties, extend_seen, probabilities
 
 K_MAX = 12  # most drafts per round for --draft-k auto: beyond it acceptance^K makes drafts worthless
 
@@ -107,7 +107,7 @@ class ModelDrafter(Drafter):
         while True:
             logits = self._logits(logits.float())
             if seen is not None:
-                logits = apply_repetition_penalty(logits, extend_seen(seen, out), params.repetition_penalty)
+                logits = apply_penalties(logits, extend_seen(seen, out), params)
             if params.greedy:
                 tok = int(logits.argmax())
             else:
@@ -389,13 +389,12 @@ def acceptance_probability(p_x: float, q_x: float) -> float:
 
 
 def verify(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params: SamplingParams,
-           gen: torch.Generator, seen: torch.Tensor | None) -> tuple[int, int]:
+           gen: torch.Generator, seen: Seen | None) -> tuple[int, int]:
     """logits [K+1, V]: the target after each prefix of [t, d1..dK]. Returns (how many drafts are
     kept, the target's next token after them)."""
     k = len(drafts)
     if seen is not None:  # each position sees the drafts before it, as plain decoding would
-        logits = torch.stack([apply_repetition_penalty(logits[i], extend_seen(seen, drafts[:i]), params.repetition_penalty)
-                              for i in range(k + 1)])
+        logits = torch.stack([apply_penalties(logits[i], extend_seen(seen, drafts[:i]), params) for i in range(k + 1)])
     if params.greedy:
         best = logits.argmax(dim=-1).tolist()
         n = 0
@@ -421,7 +420,7 @@ def verify(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
 
 
 def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], candidate: list[bool] | None,
-                params: SamplingParams, gen: torch.Generator, seen: torch.Tensor | None) -> tuple[list[int], int]:
+                params: SamplingParams, gen: torch.Generator, seen: Seen | None) -> tuple[list[int], int]:
     """A tree of deterministic candidates against the target. logits [1 + len(tokens), V]: the
     target after the pending token (row 0) and after node i (row 1 + i); parents[i]: node i's
     parent (-1: the pending token); only nodes with candidate[i] (None: all) may be accepted.
@@ -443,7 +442,7 @@ def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], can
     while True:
         row = logits[node + 1]
         if seen is not None:
-            row = apply_repetition_penalty(row, extend_seen(seen, [tokens[i] for i in path]), params.repetition_penalty)
+            row = apply_penalties(row, extend_seen(seen, [tokens[i] for i in path]), params)
         kids = children.get(node, ())
         if params.greedy:
             best = int(row.argmax())
@@ -527,7 +526,7 @@ class Speculator:
             self.trees.discard()
         self.drafter.start(ids, kv)
 
-    def propose(self, ctx: list[int], room: int, sampler, seen: torch.Tensor | None,
+    def propose(self, ctx: list[int], room: int, sampler, seen: Seen | None,
                 slots: int | None = None) -> Draft:
         """Drafts to follow ctx (the context and the pending token): at most `room` tokens accepted
         (the budget) and `slots` drafted (the cache; default room)."""
@@ -560,7 +559,7 @@ class Speculator:
         self.stats["options"][key] = self.stats["options"].get(key, 0) + 1
         return draft
 
-    def verify(self, draft: Draft, logits: torch.Tensor, sampler, seen: torch.Tensor | None) -> tuple[list[int], int]:
+    def verify(self, draft: Draft, logits: torch.Tensor, sampler, seen: Seen | None) -> tuple[list[int], int]:
         """logits [len(draft)+1, V] from the target pass; (the accepted drafts' indices in order,
         the target's next token)."""
         if draft.parents is not None:

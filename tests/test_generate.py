@@ -57,10 +57,27 @@ def test_probabilities_truncation():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1.0),
-                                 dict(top_k=-3), dict(repetition_penalty=0)])
+                                 dict(top_k=-3), dict(repetition_penalty=0), dict(presence_penalty=2.5),
+                                 dict(frequency_penalty=-2.1), dict(logit_bias={1: 101}), dict(logit_bias={-1: 1}),
+                                 dict(logit_bias={i: 1 for i in range(301)})])
 def test_invalid_sampling_values_are_refused(bad):
     with pytest.raises(BriskError):
         SamplingParams(**bad).validate()
+
+
+def test_presence_frequency_and_bias_by_hand():
+    """logits[t] -= p * (c[t] > 0) + f * c[t] over the answer's tokens only, then + bias[t]."""
+    from brisk.core.sampling import Seen, apply_penalties
+    logits = torch.tensor([1.0, 2.0, -1.0, 0.5, 3.0])
+    # prompt [4, 4], answer [1, 1, 2]: c = [0, 2, 1, 0, 0] (the prompt's 4s do not count)
+    seen = Seen(torch.tensor([4, 4, 1, 1, 2]), start=2)
+    p = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={0: 10, 4: -100})
+    out = apply_penalties(logits, seen, p)
+    assert out.tolist() == pytest.approx([1.0 + 10, 2.0 - 0.5 - 0.5, -1.0 - 0.5 - 0.25, 0.5, 3.0 - 100])
+    assert logits.tolist() == [1.0, 2.0, -1.0, 0.5, 3.0]  # not changed in place
+    assert not SamplingParams().penalized and p.penalized
+    # at their defaults the penalties are the identity, the very tensor
+    assert apply_penalties(logits, seen, SamplingParams()) is logits
 
 
 def test_stop_matcher_never_leaks_a_stop_string():

@@ -16,6 +16,7 @@ from brisk.core import GREEDY, LLM, BriskError, SamplingParams, Session
 from brisk.core import speculative as spec
 from brisk.core.drafting import Draft, Drafter
 from brisk.core.kv.base import ancestor_mask
+from brisk.core.sampling import Seen
 from brisk.core.lookahead import LookaheadDrafter, Shape, parse_lookahead
 from brisk.core.speculative import Speculator, TreePolicy, make_speculator, verify_tree
 
@@ -62,7 +63,7 @@ def test_verify_tree_greedy_cases():
     # the repetition penalty at a node sees the context (3) and the path's tokens (1 and 2 at
     # node 2): were 1 not penalized there, it (0.15) would beat 0
     pen = SamplingParams(temperature=0.0, repetition_penalty=100.0)
-    assert verify_tree(logits, tokens, parents, None, pen, g, torch.tensor([3])) == ([0, 2], 0)
+    assert verify_tree(logits, tokens, parents, None, pen, g, Seen(torch.tensor([3]), 1)) == ([0, 2], 0)
 
 
 def _exact_two(tokens, parents, p):

@@ -105,7 +105,11 @@ def test_per_request_sampling_stop_and_max_tokens(tiny):
     pen = SamplingParams(temperature=0.0, repetition_penalty=1.5)
     greedy_text = single_stream(tiny, ps[2], max_tokens=30).text
     stop = greedy_text[len(greedy_text) // 2:][:3]
-    cases = [(ps[0], hot, 30, ()), (ps[1], pen, 30, ()), (ps[2], GREEDY, 30, (stop,)), (ps[3], GREEDY, 5, ())]
+    # presence / frequency penalties count the answer only, the logit bias applies throughout
+    hot_pen = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3, presence_penalty=1.5,
+                             frequency_penalty=0.5, logit_bias={7: 2.0, 9: -50})
+    cases = [(ps[0], hot, 30, ()), (ps[1], pen, 30, ()), (ps[2], GREEDY, 30, (stop,)), (ps[3], GREEDY, 5, ()),
+             (ps[0], hot_pen, 30, ())]
     engine = Engine(tiny, max_batch=4)
     seqs = engine.run([Request(p, s, n, st) for p, s, n, st in cases])
     for seq, (p, s, n, st) in zip(seqs, cases):

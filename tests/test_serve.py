@@ -241,13 +241,13 @@ def test_health_needs_no_key(server):
 
 
 @pytest.mark.parametrize("field,value", [("logprobs", True), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("response_format", {"type": "json_object"}), ("presence_penalty", 0.5)])
+                                         ("response_format", {"type": "json_object"}), ("best_of", 2)])
 def test_unsupported_fields_are_refused(server, field, value):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
     status, out = server.raw("POST", "/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == field and "not supported" in out["error"]["message"]
     off = {**body, field: {"logprobs": False, "tools": [], "response_format": {"type": "text"},
-                           "presence_penalty": 0}[field]}
+                           "best_of": 1}[field]}
     assert server.raw("POST", "/v1/chat/completions", off)[0] == 200
 
 
@@ -277,6 +277,18 @@ def test_serve_refuses_a_busy_port_before_loading(tiny_llama_dir):
      "messages"),
     ("/v1/completions", {"prompt": "x " * 400}, "context_length_exceeded", "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}, None, None),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "invalid_value", "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, "invalid_value", "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": "high"}, "invalid_value", "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "invalid_value", "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "invalid_value", "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 1}}, "invalid_value", "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}},
+     "invalid_value", "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, "invalid_value", "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": [5]}, "invalid_value", "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "invalid_value",
+     "logit_bias"),
 ])
 def test_core_errors_map_to_openai_codes_by_class(server, path, body, code, param):
     """The error's class picks the code and names the field (param); messages name fields, not flags."""
@@ -374,3 +386,68 @@ def test_serve_draft_arguments_fail_before_loading(tiny_llama_dir, args, words):
     r = subprocess.run([sys.executable, "-c", "from brisk.cli.main import run; run()", "serve", "no/such-model",
                         "--port", str(free_port()), *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and words in r.stderr, r.stderr
+
+
+def greedy_tokens(server, **kw) -> list[int]:
+    """The token ids of a greedy completion of a fixed prompt, with kw's extra fields."""
+    server.client.completions.create(model="tiny", prompt="the the the the", max_tokens=24, temperature=0, **kw)
+    return server.submitted[-1].result.tokens
+
+
+def test_presence_and_frequency_penalties(server):
+    """Greedy with a strong penalty answers differently; presence and frequency at their most
+    (2 + 2 per repeat) keep a token from coming back on the tiny model; 0 is plain greedy."""
+    plain = greedy_tokens(server)
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself unpenalized
+    assert greedy_tokens(server, presence_penalty=0, frequency_penalty=0) == plain
+    for kw in (dict(frequency_penalty=2.0), dict(presence_penalty=2.0)):
+        assert greedy_tokens(server, **kw) != plain
+    penalized = greedy_tokens(server, presence_penalty=2.0, frequency_penalty=2.0)
+    assert len(set(penalized)) == len(penalized) == 24
+    # negative penalties favour repeats
+    assert len(set(greedy_tokens(server, presence_penalty=-2.0))) <= len(set(plain))
+
+
+def test_logit_bias(server):
+    plain = greedy_tokens(server)
+    other = next(t for t in range(3, 100) if t not in plain)
+    assert greedy_tokens(server, logit_bias={str(other): 100})[0] == other
+    assert greedy_tokens(server, logit_bias={str(plain[0]): -100})[0] != plain[0]
+    assert greedy_tokens(server, logit_bias={}) == plain
+
+
+def sampled(server, chat: bool, stream: bool, **kw) -> str:
+    kw = dict(model="tiny", max_tokens=20, temperature=1.0, top_p=1.0, extra_body={"top_k": 0, "min_p": 0}, **kw)
+    if chat:
+        r = server.client.chat.completions.create(messages=[{"role": "user", "content": "tell me"}], stream=stream, **kw)
+        return "".join(ch.choices[0].delta.content or "" for ch in r) if stream else r.choices[0].message.content
+    r = server.client.completions.create(prompt="Once upon a time", stream=stream, **kw)
+    return "".join(ch.choices[0].text for ch in r) if stream else r.choices[0].text
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_same_seed_same_sampled_answer(server, chat):
+    """A seed gives the same answer again, streamed or not; another seed (almost surely) another."""
+    answers = {sampled(server, chat, stream, seed=1234) for stream in (False, True, False)}
+    assert len(answers) == 1
+    others = {sampled(server, chat, False, seed=s) for s in range(3)}
+    assert len(others | answers) > 1
+
+
+def test_seeded_penalized_answer_alone_or_batched(tiny):
+    """The engine gives a seeded, penalized request the same answer alone as alongside other
+    requests in the same steps (each sequence has its own generator and its own counts)."""
+    s = Server(tiny, step_delay=0.01)
+    try:
+        kw = dict(seed=7, presence_penalty=1.0, frequency_penalty=0.5)
+        alone = sampled(s, False, False, **kw)
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(sampled, s, i % 2 == 0, i % 3 == 0, seed=100 + i, frequency_penalty=1.0)
+                       for i in range(5)]
+            time.sleep(0.05)
+            batched = pool.submit(sampled, s, False, True, **kw)
+            [f.result(120) for f in futures]
+            assert batched.result(120) == alone
+        assert s.runner.engine.stats.decode_tokens > s.runner.engine.stats.decode_steps  # they did share steps
+    finally:
+        s.close()

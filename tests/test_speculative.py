@@ -71,10 +71,13 @@ def test_greedy_identical_to_plain(tiny, prompts, speculators, draft, k):
             assert st["accepted"] > 0  # they do draft, and usefully, on this repetitive text
 
 
+@pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.5),
+                                       dict(presence_penalty=1.5, frequency_penalty=1.0, logit_bias={5: 3.0})],
+                         ids=["repetition", "presence-frequency-bias"])
 @pytest.mark.parametrize("draft", DRAFTS)
-def test_greedy_with_repetition_penalty_identical(tiny, prompts, speculators, draft):
-    """The penalty at each verified position counts the drafts before it, as plain decoding would."""
-    params = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+def test_greedy_with_penalties_identical(tiny, prompts, speculators, draft, penalties):
+    """The penalties at each verified position count the drafts before it, as plain decoding would."""
+    params = SamplingParams(temperature=0.0, **penalties)
     for ids in prompts:
         plain, _ = run(tiny, ids, params)
         for k in (4, "auto"):

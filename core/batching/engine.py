@@ -20,6 +20,7 @@ from ..kv.paged import BLOCK_SIZE
 from .block_pool import BlockPool
 from .kv_manager import KVManager
 from .scheduler import STEP_TOKENS, Request, Scheduler, Sequence
+from ..sampling import Seen
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Engine:
             if not row.want_logits:
                 continue
             p = seq.request.sampling
-            seen = None if p.repetition_penalty == 1.0 else torch.tensor(seq.tokens, device=self.device)
+            seen = Seen.of(seq.tokens, len(seq.request.prompt_ids), self.device) if p.penalized else None
             token = greedy[j] if p.greedy and seen is None else seq.sampler(logits[j], seen)
             j += 1
             piece = seq.out.push(token)
