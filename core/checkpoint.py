@@ -382,12 +382,10 @@ def _kept_layer(blocks: torch.Tensor, qtype: int, rows: int, cols: int, source=N
     from ..quant import gguf_interleave, native
     from ..quant.gguf_linear import GGUFLinear
 
-    if (gguf_interleave.packable(qtype, rows, cols) and (native.ACT8 or qtype not in native.ACT8_TYPES)
-            and os.environ.get("BRISK_INTERLEAVE", "1") != "0"):
+    if native.interleaves(qtype, rows, cols):
         # K-quant, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved for the kernels (one core's GEMV: Q4_K 2x,
         # Q5_K 2.1x, Q6_K 1.3x, Q8_0 2.1x, Q4_0/Q4_1 2x, Q3_K/Q2_K ~2-4x; Q5_0 prefill 1.6x); the file's pages it was read from are handed back chunk by chunk, else memory
         # would hold the weight twice (at the peak: Gemma 3's 178 MB table, +120 MB of peak RSS).
-        # BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs).
         release = (lambda a, b: _release_pages(source[a:b])) if source is not None else None
         packed = gguf_interleave.pack(blocks, qtype, out=_huge_page_empty(blocks.shape), done=release)
         _trim_heap(packed.numel())

@@ -9,8 +9,6 @@ j's low nibble and j + 16 in its high one, w = 2 e2m1(code) * 2^(e - 128): the s
 code and e, so only the nibbles move."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 MXFP4 = 39  # ggml type id
@@ -48,7 +46,6 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict, bias:
     if rows is None:
         return None
     N, K = rows.shape[0], rows.shape[1] // BLOCK_BYTES * 32
-    if (native.available() and gguf_interleave.packable(MXFP4, N, K)
-            and os.environ.get("BRISK_INTERLEAVE", "1") != "0"):  # as a GGUF's MXFP4 loads: 8 rows interleaved
+    if native.available() and native.interleaves(MXFP4, N, K):  # as a GGUF's MXFP4 loads
         return GGUFLinear(gguf_interleave.pack(rows.contiguous(), MXFP4), MXFP4, N, K, bias, layout=native.X8)
     return GGUFLinear(rows.contiguous(), MXFP4, N, K, bias)

@@ -331,6 +331,13 @@ def takes(qtype: int, K: int) -> bool:
     return qtype in BLOCK and K % BLOCK[qtype][0] == 0 and usable(K)
 
 
+def interleaves(qtype: int, rows: int, cols: int) -> bool:
+    """Whether a kept GGUF weight of this type and shape is loaded with its rows interleaved by 8
+    (X8: the faster layout, gguf_interleave.py). BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs)."""
+    return (gguf_interleave.packable(qtype, rows, cols) and (ACT8 or qtype not in ACT8_TYPES)
+            and os.environ.get("BRISK_INTERLEAVE", "1") != "0")
+
+
 def outlier_columns(row_bytes: int) -> int:
     """How many float columns a weight's outlier cache keeps: OUTLIER_CACHE of the weight's bytes."""
     return min(1 << 30, max(16, int(OUTLIER_CACHE * row_bytes / 4)))  # the C side caps it at K
