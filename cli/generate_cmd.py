@@ -10,6 +10,7 @@ import typer
 
 from ..core.errors import BriskError, FileError
 from . import common as c
+from .openai_logprobs import TokenTexts
 from .app import app
 
 
@@ -35,6 +36,9 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (chat-template models)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token counts, speeds) at the end."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", min=0, max=20, help="With --json: each generated "
+                                           "token's log-probability under the model, and this many most likely "
+                                           "alternatives."),
     batch: Optional[Path] = typer.Option(None, "--batch", help="A JSONL file of requests, generated together with "
                                          "continuous batching: one object a line with \"prompt\" or \"messages\" "
                                          "and optional max_tokens, temperature, top_p, top_k, min_p, "
@@ -55,6 +59,8 @@ def generate(
     """
     with c.user_errors():
         if batch is not None:
+            if logprobs is not None:
+                raise BriskError("--logprobs goes with a single prompt's --json (not with --batch)")
             from ..core.device import set_cpu_threads
 
             set_cpu_threads(threads)
@@ -64,6 +70,8 @@ def generate(
                                    (temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop))
         if output is not None:
             raise BriskError("-o/--output goes with --batch (a single answer streams to stdout)")
+        if logprobs is not None and not as_json:
+            raise BriskError("--logprobs goes with --json (the logprobs are part of its object)")
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)  # fail fast
         c.check_draft(draft, draft_k, lookahead)
@@ -75,7 +83,7 @@ def generate(
         session = Session(llm, speculator=speculator)
         ids = llm.prompt_ids(prompt, raw=raw, system=system)
         try:
-            for piece in session.stream(ids, sampling, max_tokens, tuple(stop or ())):
+            for piece in session.stream(ids, sampling, max_tokens, tuple(stop or ()), logprobs):
                 if not as_json:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
@@ -85,6 +93,8 @@ def generate(
         if as_json:
             out = {"model": llm.name, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
                    **res.to_dict(), "sampling": c.sampling_summary(sampling)}
+            if res.logprobs is not None:
+                out["logprobs"] = _logprobs_json(res.logprobs, TokenTexts(llm.tokenizer))
             sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
         else:
             sys.stdout.write("\n")
@@ -92,6 +102,12 @@ def generate(
                 print(c.LOOP_NOTE, file=sys.stderr)
         if res.finish_reason == "interrupted":  # what was generated is printed; the exit says Ctrl-C
             raise typer.Exit(130)
+
+
+def _logprobs_json(entries, texts) -> list[dict]:
+    def one(t, lp):
+        return {"token": texts(t)[0], "id": t, "logprob": round(lp, 6)}
+    return [one(e.token, e.logprob) | ({"top": [one(t, v) for t, v in e.top]} if e.top else {}) for e in entries]
 
 
 def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as_json, raw, system, max_tokens,

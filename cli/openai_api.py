@@ -11,6 +11,7 @@ import json
 import secrets
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,6 +19,8 @@ from starlette.exceptions import HTTPException
 
 from ..core.errors import BriskError, InvalidValue, PromptTooLong
 from ..core.jobs import request_from
+from ..core.logprobs import checked_count
+from .openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from ..core.sampling import SamplingParams
 from ..core.batching import EngineThread, Sequence
 
@@ -27,8 +30,9 @@ MAX_BODY_BYTES = 8 << 20
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "loop": "stop", "cancelled": "stop"}
 # OpenAI fields brisk does not implement: refused (400) rather than silently ignored, unless they
 # hold their "off" value (false, null, an empty list, a plain-text response format)
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
-               "best_of", "echo", "suffix")
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "best_of", "suffix")
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts per /v1/completions request (lm-eval sends batches of them)
 
 
 def _is_off(key: str, value) -> bool:
@@ -102,21 +106,32 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
             raise APIError(400, f"{served_name} has no chat template; use /v1/completions")
         if "messages" not in body:
             raise APIError(400, "'messages' is required", param="messages")
+        if not isinstance(body.get("logprobs") or False, bool):
+            raise APIError(400, "'logprobs' must be true or false", "invalid_value", "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and not body.get("logprobs"):
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "invalid_value", "top_logprobs")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        return await _complete(request, body, dict(max_tokens=max_tokens, max_tokens_key=key), chat=True)
+        logprobs = _count(top or 0, "top_logprobs") if body.get("logprobs") else None
+        return await _complete(request, body, [body], dict(max_tokens=max_tokens, max_tokens_key=key,
+                                                           logprobs=logprobs), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await _body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            body["prompt"] = prompt[0]
-        elif not isinstance(prompt, str):
-            raise APIError(400, "'prompt' must be a string (or a list of one string)", param="prompt")
-        if body.get("echo"):
-            raise APIError(400, "echo is not supported", param="echo")
+        prompts = _prompts(body.get("prompt"))
         body.pop("messages", None)
-        return await _complete(request, body, dict(max_tokens=16, template_prompt=False, system=None), chat=False)
+        logprobs = None if body.get("logprobs") is None else _count(body["logprobs"], "logprobs")
+        echo = body.get("echo") or False
+        if not isinstance(echo, bool):
+            raise APIError(400, "'echo' must be true or false", "invalid_value", "echo")
+        # echo with max_tokens 0 scores the prompt alone (its logprobs, computed even when not asked for)
+        scoring = echo and body.get("max_tokens") == 0
+        prompt_logprobs = (logprobs or 0) if scoring else logprobs if echo else None
+        options = dict(max_tokens=16, template_prompt=False, system=None, logprobs=logprobs,
+                       prompt_logprobs=prompt_logprobs)
+        return await _complete(request, body, [{**body, "prompt": p} for p in prompts], options, chat=False,
+                               echo=echo)
 
     async def _body(request: HTTPRequest) -> dict:
         declared = request.headers.get("content-length", "")
@@ -138,8 +153,9 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
         if body["model"] not in names:
             raise APIError(404, f"model {body['model']!r} does not exist; this server has {served_name!r}",
                            "model_not_found", "model")
-        if body.get("n", 1) != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+        n = body.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise APIError(400, f"'n' must be an integer in [1, {MAX_N}]", "invalid_value", "n")
         if not isinstance(body.get("stream", False), bool):
             raise APIError(400, "'stream' must be true or false", param="stream")
         for key in UNSUPPORTED:
@@ -147,40 +163,58 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
                 raise APIError(400, f"'{key}' is not supported by brisk serve", "unsupported_parameter", key)
         return body
 
-    async def _complete(request: HTTPRequest, body: dict, options: dict, chat: bool):
+    async def _complete(request: HTTPRequest, body: dict, objs: list[dict], options: dict, chat: bool,
+                        echo: bool = False):
+        """Submit n choices for each of objs (the chat body, or one object per completions
+        prompt: choice index = prompt index * n + j) and answer, streamed or not."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        n, seqs = body.get("n", 1), []
+
+        def on_event(i):  # the logprobs' count at the event travels with it: the list grows on
+            return lambda s, text, done: loop.call_soon_threadsafe(
+                queue.put_nowait, (i, text, done, len(s.result.logprobs or ())))
         try:
-            req = request_from(llm, body, sampling, stop=(), **options)
-            seq = runner.submit(req, lambda s, text, done: loop.call_soon_threadsafe(queue.put_nowait, (text, done)))
+            for obj in objs:
+                req = request_from(llm, obj, sampling, stop=(), **options)
+                for j in range(n):  # copies share the prompt's KV blocks (prefix sharing)
+                    seed = req.sampling.seed
+                    r = req if j == 0 or seed is None else replace(req, sampling=replace(req.sampling, seed=seed + j))
+                    seqs.append(runner.submit(r, on_event(len(seqs))))
         except BriskError as e:
+            for seq in seqs:
+                runner.cancel(seq)
             raise api_error(e, "messages" if chat else "prompt") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         meta = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": served_name}
+        heads = [_echo_text(obj["prompt"]) if echo else "" for obj in objs for _ in range(n)]
+        shape = Choices(seqs, chat, heads, TokenTexts(llm.tokenizer), options.get("logprobs"))
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_stream(seq, queue, meta, chat, usage), media_type="text/event-stream",
+            return StreamingResponse(_stream(seqs, queue, meta, shape, usage, n), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text = ""
-        async for piece, _ in _events(seq, queue, request):
-            text += piece
-        if seq.error:
-            raise APIError(500, f"generation failed: {seq.error}")
-        if seq.result.finish_reason == "cancelled":
+        async for _ in _events(seqs, queue, request):
+            pass
+        failed = next((s.error for s in seqs if s.error), None)
+        if failed:
+            raise APIError(500, f"generation failed: {failed}")
+        if any(s.result.finish_reason == "cancelled" for s in seqs):
             return error_response(499, "client closed the request")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                  else {"index": 0, "text": text, "logprobs": None})
-        choice["finish_reason"] = FINISH[seq.result.finish_reason]
-        return {**meta, "choices": [choice], "usage": _usage(seq)}
+        return {**meta, "choices": [shape.whole(i) for i in range(len(seqs))], "usage": _usage(seqs, n)}
 
-    async def _events(seq: Sequence, queue: asyncio.Queue, request: HTTPRequest | None):
-        """The engine's (text, finished) events for seq. When the client disconnects (noticed by
-        polling when not streaming, by cancellation when streaming), the request is cancelled."""
+    def _echo_text(prompt) -> str:
+        """What echo puts before a completion: the prompt as sent (token ids as their text)."""
+        return prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt, skip_special=True)
+
+    async def _events(seqs: list[Sequence], queue: asyncio.Queue, request: HTTPRequest | None):
+        """The engine's (choice, text, finished, logprobs so far) events for seqs until all are
+        done. When the client disconnects (noticed by polling when not streaming, by cancellation
+        when streaming), the requests are cancelled."""
         loop = asyncio.get_running_loop()
-        checked = loop.time()
+        checked, open_ = loop.time(), len(seqs)
         try:
-            while True:
+            while open_:
                 try:
                     event = await asyncio.wait_for(queue.get(), timeout=0.25)
                 except asyncio.TimeoutError:
@@ -191,41 +225,121 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
                         return
                 if event is not None:
                     yield event
-                    if event[1]:
-                        return
+                    open_ -= bool(event[2])
         finally:
-            if not seq.finished:
-                runner.cancel(seq)
+            for seq in seqs:
+                if not seq.finished:
+                    runner.cancel(seq)
 
-    async def _stream(seq: Sequence, queue: asyncio.Queue, meta: dict, chat: bool, usage: bool):
-        meta = {**meta, "object": "chat.completion.chunk" if chat else "text_completion"}
+    async def _stream(seqs: list[Sequence], queue: asyncio.Queue, meta: dict, shape: "Choices", usage: bool, n: int):
+        meta = {**meta, "object": "chat.completion.chunk" if shape.chat else "text_completion"}
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
-            if chat:
-                delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        def chunk(choice: dict) -> str:
             return f"data: {json.dumps({**meta, 'choices': [choice]}, ensure_ascii=False)}\n\n"
 
-        if chat:
-            yield chunk("", None, role=True)
-        async for piece, done in _events(seq, queue, None):
-            if piece:
-                yield chunk(piece, None)
-            if done and not seq.error:
-                yield chunk(None, FINISH.get(seq.result.finish_reason, "stop"))
-        if seq.error:
-            err = {"error": {"message": f"generation failed: {seq.error}", "type": "server_error",
+        if shape.chat:
+            for i in range(len(seqs)):
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+        async for i, piece, done, n_logprobs in _events(seqs, queue, None):
+            part = shape.part(i, piece, n_logprobs)
+            if part is not None:
+                yield chunk(part)
+            if done and not seqs[i].error:
+                yield chunk(shape.end(i))
+        failed = next((s.error for s in seqs if s.error), None)
+        if failed:
+            err = {"error": {"message": f"generation failed: {failed}", "type": "server_error",
                              "param": None, "code": None}}
             yield f"data: {json.dumps(err)}\n\n"
         elif usage:
-            yield f"data: {json.dumps({**meta, 'choices': [], 'usage': _usage(seq)})}\n\n"
+            yield f"data: {json.dumps({**meta, 'choices': [], 'usage': _usage(seqs, n)})}\n\n"
         yield "data: [DONE]\n\n"
 
     return app
 
 
-def _usage(seq: Sequence) -> dict:
-    n_in, n_out = seq.result.prompt_tokens, len(seq.result.tokens)
+def _usage(seqs: list[Sequence], n: int) -> dict:
+    """Prompt tokens once per prompt (the n choices of one prompt share it), completion tokens of every choice."""
+    n_in = sum(s.result.prompt_tokens for s in seqs[::n])
+    n_out = sum(len(s.result.tokens) for s in seqs)
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+def _count(value, name: str) -> int:
+    try:
+        return checked_count(value, name)
+    except InvalidValue as e:
+        raise APIError(400, str(e), "invalid_value", name) from None
+
+
+def _prompts(prompt) -> list:
+    """/v1/completions' prompt: a string, a list of strings, a list of token ids, or a list of
+    those lists; one choice (times n) each."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", "invalid_value", "prompt")
+        return prompt
+    raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of those",
+                   "invalid_value", "prompt")
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+class Choices:
+    """The choices of one response, from their sequences: whole (not streamed) or as stream parts.
+    logprobs: the number of alternatives asked for per token (None: no logprobs); echo: a
+    completion's text and logprobs start with its prompt's."""
+
+    def __init__(self, seqs: list[Sequence], chat: bool, heads: list[str], texts: TokenTexts, logprobs: int | None):
+        self.seqs, self.chat, self.heads, self.texts, self.top = seqs, chat, heads, texts, logprobs
+        self.echo = any(seq.request.prompt_logprobs is not None for seq in seqs)
+        self.sent = [0] * len(seqs)  # logprob entries already streamed, per choice
+        self.offset = [0] * len(seqs)  # characters already streamed (completions' text_offset), per choice
+        self.started = [False] * len(seqs)
+
+    def _logprobs(self, i: int, lo: int, hi: int, offset: int, prompt: bool) -> dict | None:
+        """Tokens lo:hi's logprobs (with prompt: the prompt's before them), or None when not asked for."""
+        if self.top is None:
+            return None
+        res = self.seqs[i].result
+        if self.chat:
+            return chat_logprobs(res.logprobs[lo:hi], self.texts, self.top)
+        tokens, entries = res.tokens[lo:hi], res.logprobs[lo:hi]
+        if prompt:
+            tokens, entries = self.seqs[i].request.prompt_ids + tokens, res.prompt_logprobs + entries
+        return completion_logprobs(entries, tokens, self.texts, offset)
+
+    def whole(self, i: int) -> dict:
+        res = self.seqs[i].result
+        finish = FINISH[res.finish_reason]
+        if self.chat:
+            return {"index": i, "message": {"role": "assistant", "content": res.text},
+                    "logprobs": self._logprobs(i, 0, len(res.tokens), 0, False), "finish_reason": finish}
+        return {"index": i, "text": self.heads[i] + res.text, "logprobs": self._logprobs(i, 0, len(res.tokens), 0, self.echo),
+                "finish_reason": finish}
+
+    def part(self, i: int, piece: str, n_logprobs: int) -> dict | None:
+        """A stream chunk's choice for new text (and the logprob entries up to n_logprobs); None
+        when there is nothing to send."""
+        lo, first = self.sent[i], not self.started[i]
+        head = self.heads[i] if first and not self.chat else ""
+        if not piece and not head and (self.top is None or n_logprobs == lo):
+            return None
+        self.started[i], self.sent[i] = True, n_logprobs
+        if self.chat:
+            return {"index": i, "delta": {"content": piece}, "logprobs": self._logprobs(i, lo, n_logprobs, 0, False),
+                    "finish_reason": None}
+        lp = self._logprobs(i, lo, n_logprobs, self.offset[i], first and self.echo)
+        self.offset[i] += len(head) + len(piece)
+        return {"index": i, "text": head + piece, "logprobs": lp, "finish_reason": None}
+
+    def end(self, i: int) -> dict:
+        finish = FINISH.get(self.seqs[i].result.finish_reason, "stop")
+        if self.chat:
+            return {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "text": "", "logprobs": None, "finish_reason": finish}

@@ -12,6 +12,7 @@ import torch
 
 from .cuda_graph import decode_step, verify_pass
 from .errors import BriskError, PromptTooLong
+from .logprobs import TokenLogprob, token_logprobs
 from .model import LAST
 from .output_stream import GenerationResult, OutputStream
 from .sampling import Sampler, SamplingParams, Seen, extend_seen
@@ -63,23 +64,24 @@ class Session:
 
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int = 256,
-               stop: Sequence[str] = ()) -> Iterator[str]:
-        """Yield text pieces as they are generated; the summary is in self.last afterwards."""
+               stop: Sequence[str] = (), logprobs: int | None = None) -> Iterator[str]:
+        """Yield text pieces as they are generated; the summary is in self.last afterwards (with
+        each token's logprob and `logprobs` alternatives, unless None)."""
         if not prompt_ids:
             raise BriskError("the prompt is empty")
         ctx = self.cache.max_len
         if len(prompt_ids) >= ctx:
             raise PromptTooLong(len(prompt_ids), ctx, limit=self.llm.config.max_seq_len)
         out = OutputStream(self.llm.tokenizer, self.llm.eos_ids, stop, min(max_tokens, ctx - len(prompt_ids)),
-                           len(prompt_ids), sampling.stop_loops)
+                           len(prompt_ids), sampling.stop_loops, logprobs)
         res = self.last = out.result
         tokens = self.tokens(prompt_ids, Sampler(sampling), out.budget)
         res.prefilled_tokens = self.prefilled
         if self.speculator is not None:
             res.spec = self.speculator.stats
         try:
-            for token in tokens:
-                piece = out.push(token)
+            for token, logits in tokens:
+                piece = out.push(token, logits)
                 if piece:
                     yield piece
                 if out.finished:
@@ -91,10 +93,25 @@ class Session:
             tokens.close()
 
     @torch.inference_mode()
-    def tokens(self, prompt_ids: list[int], sampler: Sampler, budget: int) -> Iterator[int]:
-        """Prefill prompt_ids (now), then the generated tokens one by one, for a caller that makes
-        its own text of them (stream(); brisk serve --draft) and stops asking within `budget`. The
-        speculator's counters restart (speculator.stats)."""
+    def prompt_logprobs(self, prompt_ids: list[int], k: int) -> list[TokenLogprob | None]:
+        """Each prompt token's logprob given the ones before (None for the first) and the k most
+        likely there (OpenAI's echo): the prompt runs again with every position's logits, and the
+        cache is left holding it."""
+        out: list[TokenLogprob | None] = [None]
+        for s in range(0, len(prompt_ids), PREFILL_CHUNK):
+            chunk = prompt_ids[s:s + PREFILL_CHUNK]
+            logits = self.llm.model(torch.tensor([chunk], device=self.llm.device), s, self.cache)[0]
+            targets = prompt_ids[s + 1:s + 1 + len(chunk)]
+            out += token_logprobs(logits[:len(targets)], targets, k) if targets else []
+        self.ids = list(prompt_ids)
+        return out
+
+    @torch.inference_mode()
+    def tokens(self, prompt_ids: list[int], sampler: Sampler, budget: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Prefill prompt_ids (now), then the generated tokens one by one, each with the target's
+        raw logits [V] it was drawn from (valid until the next is asked for), for a caller that
+        makes its own text of them (stream(); brisk serve --draft) and stops asking within
+        `budget`. The speculator's counters restart (speculator.stats)."""
         sp = self.speculator
         if sp is not None and sp.drafter.tree and not hasattr(self.cache, "keep_path"):
             raise BriskError(f"--draft {sp.drafter.name} drafts trees, which need a contiguous KV cache "
@@ -108,7 +125,7 @@ class Session:
         return self._tokens(sampler(logits, seen), sampler, seen, budget, (logits, hidden))
 
     def _tokens(self, token: int, sampler: Sampler, seen: Seen | None, budget: int,
-                first: tuple) -> Iterator[int]:
+                first: tuple) -> Iterator[tuple[int, torch.Tensor]]:
         """The generated tokens, one by one. A token enters the cache only when the consumer asks
         for the next one, so the cache never holds the last token handed out (self.ids is what it
         holds). Each step verifies the speculator's drafts, if any, in the same pass that runs the
@@ -119,7 +136,7 @@ class Session:
         sp, ids, cache = self.speculator, self.ids, self.cache
         step = self._decode_step()
         hidden_needed = sp is not None and sp.needs_hidden
-        yield token
+        yield token, first[0]
         emitted = 1
         if sp is not None:
             sp.start(ids, cache)  # catching up with the prompt is not a per-token cost
@@ -148,13 +165,15 @@ class Session:
                 sp.accept(draft, path)
                 sp.observe(draft, logits, hidden, path)
             accepted = [drafts[i] for i in path]
-            for d in accepted:
-                yield d
+            row = 0  # logits[1 + node] follow draft node `node`; logits[0] the pending token
+            for i, d in zip(path, accepted):
+                yield d, logits[row]
+                row = 1 + i
                 emitted += 1
                 ids.append(d)
             if seen is not None and accepted:
                 seen = extend_seen(seen, accepted)
-            yield token
+            yield token, logits[row]
             emitted += 1
 
     def _decode_step(self):

@@ -78,6 +78,13 @@ def messages_of(obj: dict) -> list[dict]:
     return out
 
 
+def token_ids(ids: list[int], vocab_size: int) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidValue("prompt", bad, f"token ids must be in [0, {vocab_size})")
+    return list(ids)
+
+
 def prompt_ids(llm, obj: dict, template_prompt: bool = True, system: str | None = None) -> list[int]:
     """Token ids for obj's "messages" (through the chat template) or "prompt" (through it too when
     template_prompt and the model has one, like `brisk generate`; as is when obj says "raw")."""
@@ -90,6 +97,8 @@ def prompt_ids(llm, obj: dict, template_prompt: bool = True, system: str | None 
         text = tok.apply_chat_template(messages_of(obj), add_generation_prompt=True)
         return tok.encode(text, add_special=False)
     prompt = obj.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return token_ids(prompt, llm.config.vocab_size)  # already tokens: used exactly as given
     if not isinstance(prompt, str):
         raise InvalidValue("prompt", prompt, "must be a string (or give messages instead)")
     raw = obj.get("raw", not template_prompt)
@@ -120,14 +129,16 @@ def stop_strings(obj: dict, default=()) -> tuple[str, ...]:
 
 
 def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop=(),
-                 template_prompt: bool = True, system: str | None = None, max_tokens_key="max_tokens") -> Request:
+                 template_prompt: bool = True, system: str | None = None, max_tokens_key="max_tokens",
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> Request:
     """A scheduler Request from a JSON object; fields absent from it take the given defaults.
-    A prompt that does not fit llm's context is refused here, before any engine sees it."""
+    A prompt that does not fit llm's context is refused here, before any engine sees it.
+    logprobs, prompt_logprobs: Request's (with prompt_logprobs, max_tokens may be 0)."""
     if not isinstance(obj, dict):
         raise BriskError("each request must be a JSON object")
     fields = {k: _typed(obj, k, kind) for k, kind in SAMPLING_FIELDS.items() if obj.get(k) is not None}
     n = _typed(obj, max_tokens_key, int, max_tokens)
-    if n < 1:
+    if n < (0 if prompt_logprobs is not None else 1):
         raise InvalidValue(max_tokens_key, n, "must be >= 1")
     if obj.get("logit_bias") is not None:
         fields["logit_bias"] = logit_bias(obj["logit_bias"], llm.config.vocab_size)
@@ -135,7 +146,7 @@ def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop
     ids = prompt_ids(llm, obj, template_prompt, system)
     if len(ids) >= llm.ctx:  # as the engine would refuse it: no room left to generate
         raise PromptTooLong(len(ids), llm.ctx)
-    return Request(ids, sampling, n, stop_strings(obj, stop))
+    return Request(ids, sampling, n, stop_strings(obj, stop), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .logprobs import TokenLogprob, token_logprobs
 from .tokenizer import IncrementalDecoder
 
 
@@ -24,6 +25,8 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     spec: dict | None = None  # speculative decoding's counters, when a drafter was used
+    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens`, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first)
 
     @property
     def prefill_tps(self) -> float:
@@ -97,12 +100,14 @@ class LoopGuard:
 class OutputStream:
     """EOS ends a sequence unseen; stop strings are held back and cut; the budget (max tokens, or
     what the context leaves) ends it; text leaves in pieces as the detokenizer completes them.
-    With stop_loops, a repetition loop (LoopGuard) ends it too.
+    With stop_loops, a repetition loop (LoopGuard) ends it too. With logprobs (k alternatives,
+    0: only the chosen token's), each kept token's logprob is computed from the logits it came from.
     Timings: first token from `started` (prefill), decode from the first token to the end."""
 
     def __init__(self, tokenizer, eos_ids: set[int], stop: Sequence[str], budget: int, prompt_tokens: int,
-                 stop_loops: bool = False):
-        self.result = GenerationResult(prompt_tokens=prompt_tokens)
+                 stop_loops: bool = False, logprobs: int | None = None):
+        self.result = GenerationResult(prompt_tokens=prompt_tokens, logprobs=None if logprobs is None else [])
+        self.top_logprobs = logprobs
         self.loops = LoopGuard() if stop_loops else None
         self.decoder, self.stopper = IncrementalDecoder(tokenizer), StopMatcher(stop)
         self.eos_ids, self.budget = eos_ids, budget
@@ -113,9 +118,10 @@ class OutputStream:
     def finished(self) -> bool:
         return bool(self.result.finish_reason)
 
-    def push(self, token: int) -> str:
-        """The next sampled token; returns the text it completes ("" while held back). When it
-        ends the sequence, `finished` is set and the returned text includes the flushed tail."""
+    def push(self, token: int, logits=None) -> str:
+        """The next sampled token (and the raw logits [V] it was drawn from, for its logprob);
+        returns the text it completes ("" while held back). When it ends the sequence, `finished`
+        is set and the returned text includes the flushed tail."""
         res = self.result
         if not self.first_token_at:
             self.first_token_at = time.perf_counter()
@@ -123,6 +129,8 @@ class OutputStream:
         if token in self.eos_ids:
             return self.finish("eos")
         res.tokens.append(token)
+        if res.logprobs is not None:
+            res.logprobs += token_logprobs(logits[None], [token], self.top_logprobs)
         piece, stopped = self.stopper.feed(self.decoder.push(token))
         res.text += piece
         if stopped:

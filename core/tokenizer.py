@@ -40,6 +40,8 @@ class Tokenizer:
         self.eos_ids: set[int] = {i for i in (eos_id, *eos_ids) if i is not None}
         self.eos_ids |= {i for i, text in specials.items() if text in _END_OF_TURN}
         self._template = None  # compiled lazily: most runs never render one
+        self._added_ids = set(backend.get_added_tokens_decoder())
+        self._byte_level: bool | None = None  # whether pieces spell bytes in GPT-2's alphabet (found on first use)
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -150,6 +152,30 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (part of a character, for some): byte-level BPE
+        pieces mapped back through GPT-2's byte alphabet, SentencePiece's <0xNN> byte tokens as
+        their byte and its '▁' as a space, added tokens as their text."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._added_ids:
+            if self._byte_level is None:
+                self._byte_level = "ByteLevel" in (self.backend.decoder.__getstate__() or b"").decode() \
+                    if self.backend.decoder is not None else False
+            if self._byte_level:
+                table = _unicode_to_byte()
+                if all(ch in table for ch in piece):
+                    return bytes(table[ch] for ch in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            else:
+                return piece.replace("▁", " ").encode("utf-8")
+        return piece.encode("utf-8")
+
     # ---- chat ------------------------------------------------------------------------------
     @property
     def has_chat_template(self) -> bool:
@@ -249,6 +275,20 @@ class IncrementalDecoder:
 
 
 # ---- helpers -------------------------------------------------------------------------------
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable bytes stand for themselves, the other
+    bytes for the code points from 256 up, in byte order."""
+    global _BYTE_OF
+    if _BYTE_OF is None:
+        printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+        others = [b for b in range(256) if b not in printable]
+        _BYTE_OF = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    return _BYTE_OF
+
+
+_BYTE_OF: dict[str, int] | None = None
+
+
 def _useful_merges(merges: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """The BPE merges that can ever be applied, in their order.
 

@@ -52,6 +52,29 @@ def test_generate_runner_json(tiny_llama_dir):
     assert {"text", "decode_tok_s", "prefill_tok_s", "ttft_s"} <= out.keys()
 
 
+def test_generate_json_logprobs(tiny_llama_dir):
+    """--logprobs N adds each token's logprob (the model's, as serve reports them) and N alternatives."""
+    import torch
+    from brisk.core import LLM
+
+    r = runner.invoke(app, ["generate", str(tiny_llama_dir), "hello", "-t", "0", "-n", "5", "--raw", "--json",
+                            "--logprobs", "3"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    lps = out["logprobs"]
+    assert len(lps) == out["generated_tokens"] and all(len(e["top"]) == 3 for e in lps)
+    assert all(e["top"][0]["id"] == e["id"] for e in lps)  # greedy: the chosen token is the most likely
+    llm = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32")
+    ids = llm.prompt_ids("hello", raw=True) + [e["id"] for e in lps]
+    with torch.inference_mode():
+        ref = torch.log_softmax(llm.model(torch.tensor([ids]), 0, llm.new_cache())[0].float(), -1)
+    n = len(ids) - len(lps)
+    assert [e["logprob"] for e in lps] == pytest.approx([float(ref[n - 1 + i, e["id"]]) for i, e in enumerate(lps)],
+                                                        abs=1e-4)
+    bad = runner.invoke(app, ["generate", str(tiny_llama_dir), "hello", "--logprobs", "2"])
+    assert bad.exit_code != 0 and "--json" in bad.output
+
+
 def test_generate_stops_a_loop_by_default_and_reports_its_sampling(tiny_gguf_path):
     """The random-weight model loops under greedy: generate ends it (and says so) unless told not to;
     --json names the settings used, the model's own where a flag does not override them."""

@@ -144,7 +144,7 @@ def test_stop_strings_and_defaults(server, tiny):
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n=1"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 99}, 400, "'n'"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x " * 400}]}, 400, "context"),
 ])
@@ -240,13 +240,13 @@ def test_health_needs_no_key(server):
     assert r.status == 200 and json.loads(r.read())["status"] == "ok"
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", True), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
                                          ("response_format", {"type": "json_object"}), ("best_of", 2)])
 def test_unsupported_fields_are_refused(server, field, value):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
     status, out = server.raw("POST", "/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == field and "not supported" in out["error"]["message"]
-    off = {**body, field: {"logprobs": False, "tools": [], "response_format": {"type": "text"},
+    off = {**body, field: {"tools": [], "response_format": {"type": "text"},
                            "best_of": 1}[field]}
     assert server.raw("POST", "/v1/chat/completions", off)[0] == 200
 

@@ -8,6 +8,7 @@ the HTTP server, taking submissions and cancellations from other threads.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from ..kv.paged import BLOCK_SIZE
 from .block_pool import BlockPool
 from .kv_manager import KVManager
 from .scheduler import STEP_TOKENS, Request, Scheduler, Sequence
+from ..logprobs import token_logprobs
 from ..sampling import Seen
 
 
@@ -53,7 +55,7 @@ def new_sequence(llm, ctx: int, request: Request, on_event=None) -> Sequence:
         raise BriskError("the prompt is empty")
     if n >= ctx:
         raise PromptTooLong(n, ctx)
-    if request.max_tokens < 1:
+    if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):  # 0: score the prompt only
         raise InvalidValue("max_tokens", request.max_tokens, "must be >= 1")
     return Sequence(request, llm.tokenizer, llm.eos_ids, ctx, on_event)
 
@@ -116,23 +118,29 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        rows = [Row(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks,
-                    want_logits=seq.computed + n == len(seq.tokens)) for seq, n in plan]
+        rows = [Row(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks, _logits_wanted(seq, n))
+                for seq, n in plan]
         decoding = [n == 1 and seq.computed >= len(seq.request.prompt_ids) for seq, n in plan]
         step = PagedStep.build(self.kv, rows, self.device)
         logits = self.model(step.tokens[None], step.positions, step, logit_rows=step.logit_rows)[0]
-        events, j = [], 0
-        greedy = logits.argmax(-1).tolist() if logits.shape[0] else []
-        for (seq, n), row in zip(plan, rows):
+        starts = [0, *itertools.accumulate(r.n_logits for r in rows)]  # each row's logits: starts[i]:starts[i+1]
+        ends = [starts[i + 1] - 1 for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
+        greedy = dict(zip(ends, logits[ends].argmax(-1).tolist())) if ends else {}
+        events = []
+        for i, ((seq, n), row) in enumerate(zip(plan, rows)):
+            if seq.result.prompt_logprobs is not None:
+                _prompt_logprobs(seq, logits[starts[i]:starts[i + 1]])
             seq.computed += n
             self.kv_manager.publish(seq)
-            if not row.want_logits:
+            if seq.computed < len(seq.tokens):  # a prompt chunk before the last
                 continue
-            p = seq.request.sampling
+            if seq.out.budget == 0:  # echo with max_tokens 0: the prompt was all there was to score
+                events.append((seq, seq.out.finish("length"), True))
+                continue
+            p, end = seq.request.sampling, starts[i + 1] - 1
             seen = Seen.of(seq.tokens, len(seq.request.prompt_ids), self.device) if p.penalized else None
-            token = greedy[j] if p.greedy and seen is None else seq.sampler(logits[j], seen)
-            j += 1
-            piece = seq.out.push(token)
+            token = greedy[end] if p.greedy and seen is None else seq.sampler(logits[end], seen)
+            piece = seq.out.push(token, logits[end])
             if seq.result.finish_reason != "eos":  # EOS ends the sequence unseen
                 seq.tokens.append(token)
             events.append((seq, piece, seq.finished))
@@ -156,6 +164,23 @@ class Engine:
         st = self.stats
         st.peak_blocks = max(st.peak_blocks, self.pool.n_used)
         st.peak_tokens = max(st.peak_tokens, self.kv_manager.held(self.running))
+
+
+def _logits_wanted(seq: Sequence, n: int) -> int:
+    """How many of a row's n positions need logits: the last, where the sequence samples next;
+    every one of a prompt chunk whose tokens' logprobs were asked for (echo)."""
+    if seq.result.prompt_logprobs is not None and seq.computed < len(seq.request.prompt_ids):
+        return n
+    return 1 if seq.computed + n == len(seq.tokens) else 0
+
+
+def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
+    """Record the logprobs of the prompt tokens that this row's logits [n, V] predicted (the row
+    at position p predicts token p + 1); a row recomputed after a preemption adds nothing."""
+    prompt, start, got = seq.request.prompt_ids, seq.computed, seq.result.prompt_logprobs
+    m = min(logits.shape[0], len(prompt) - 1 - start)
+    if m > 0 and len(got) == start + 1:
+        got += token_logprobs(logits[:m], prompt[start + 1:start + 1 + m], seq.request.prompt_logprobs)
 
 
 class EngineThread:

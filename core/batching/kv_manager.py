@@ -23,7 +23,7 @@ class KVManager:
                 parent = block_hash(parent, seq.tokens[i * bs:(i + 1) * bs])
                 seq.names.append(parent)
         shared: list[int] = []
-        if self.prefix_sharing:
+        if self.prefix_sharing and seq.result.prompt_logprobs is None:  # echo needs every prompt token's logits
             shared, pending = pool.lookup(seq.names)
             if pending:
                 return None

@@ -28,6 +28,8 @@ class Request:
     max_tokens: int = 256
     stop: Seq[str] = ()
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    logprobs: int | None = None  # each generated token's logprob and this many alternatives (None: off)
+    prompt_logprobs: int | None = None  # likewise for the prompt's tokens (OpenAI's echo); max_tokens may be 0
 
 
 class Sequence:
@@ -48,8 +50,10 @@ class Sequence:
         self.sampler = Sampler(request.sampling)
         self.out = OutputStream(tokenizer, set() if request.ignore_eos else eos_ids, request.stop,
                                 min(request.max_tokens, ctx - len(request.prompt_ids)), len(request.prompt_ids),
-                                request.sampling.stop_loops)
+                                request.sampling.stop_loops, request.logprobs)
         self.result = self.out.result
+        if request.prompt_logprobs is not None:  # the first token has no context to be predicted from
+            self.result.prompt_logprobs = [None]
         self.on_event = on_event
         self.preemptions = 0
         self.error: str | None = None

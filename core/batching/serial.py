@@ -58,18 +58,27 @@ class SerialEngine:
                 return []
             seq = self.waiting.pop(0)
             self.running = [seq]
+            if seq.request.prompt_logprobs is not None:
+                seq.result.prompt_logprobs = self.session.prompt_logprobs(seq.request.prompt_ids,
+                                                                          seq.request.prompt_logprobs)
+                if seq.out.budget == 0:  # echo with max_tokens 0: nothing to generate
+                    return self._done(seq, seq.out.finish("length"), t0)
             self._tokens = self.session.tokens(seq.request.prompt_ids, seq.sampler, seq.out.budget)
             self.stats.prefilled_tokens += self.session.prefilled
         seq = self.running[0]
-        token = next(self._tokens)
-        piece = seq.out.push(token)
+        token, logits = next(self._tokens)
+        piece = seq.out.push(token, logits)
         if seq.result.finish_reason != "eos":  # EOS ends the sequence unseen
             seq.tokens.append(token)
+        self.stats.decode_tokens += 1
+        return self._done(seq, piece, t0)
+
+    def _done(self, seq: Sequence, piece: str, t0: float) -> list[tuple[Sequence, str, bool]]:
+        """Count the step and report its event; a finished sequence leaves."""
         if seq.finished:
             self._end()
         st = self.stats
         st.steps, st.step_s = st.steps + 1, st.step_s + time.perf_counter() - t0
-        st.decode_tokens += 1
         if seq.on_event is not None:
             seq.on_event(seq, piece, seq.finished)
         return [(seq, piece, seq.finished)]

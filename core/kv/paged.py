@@ -59,11 +59,12 @@ class PagedKV:
 
 @dataclass
 class Row:
-    """One sequence's part of a step: `tokens` fed at positions start.., its block table."""
+    """One sequence's part of a step: `tokens` fed at positions start.., its block table, and
+    for how many of its last tokens the logits are wanted (1: the next token's; all: echo)."""
     tokens: list[int]
     start: int
     blocks: list[int]
-    want_logits: bool = True
+    n_logits: int = 1
 
 
 @dataclass
@@ -78,7 +79,7 @@ class PagedStep(KV):
     decode_blocks: torch.Tensor | None  # [n_decode, max_blocks], padded with block 0
     decode_lens: torch.Tensor | None  # [n_decode] keys each decode row attends over
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (flat offset, T, start position, blocks)
-    logit_rows: torch.Tensor  # [M] flat indices whose logits are wanted, in the rows' order
+    logit_rows: torch.Tensor  # [M] flat indices whose logits are wanted, in the rows' order and positions'
     _masks: dict = field(default_factory=dict)  # masks and gather buffers, made once per step
 
     @classmethod
@@ -106,7 +107,8 @@ class PagedStep(KV):
             r = rows[i]
             end = r.start + len(r.tokens)
             prefills.append((offsets[i], len(r.tokens), r.start, torch.tensor(r.blocks[:blocks_for(end, bs)], device=device)))
-        logit_rows = [offsets[i] + len(rows[i].tokens) - 1 for i in range(len(rows)) if rows[i].want_logits]
+        logit_rows = [offsets[i] + j for i in range(len(rows))
+                      for j in range(len(rows[i].tokens) - rows[i].n_logits, len(rows[i].tokens))]
         as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         return cls(kv, as_t(tokens), as_t(positions), as_t(slots), n_decode, dec_blocks, dec_lens,
                    prefills, as_t(logit_rows))
