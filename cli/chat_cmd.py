@@ -26,6 +26,8 @@ def chat(
     top_p: Optional[float] = c.TopPOpt,
     min_p: Optional[float] = c.MinPOpt,
     repetition_penalty: Optional[float] = c.RepOpt,
+    presence_penalty: Optional[float] = c.PresenceOpt,
+    frequency_penalty: Optional[float] = c.FrequencyOpt,
     loop_stop: bool = c.LoopOpt,
     seed: Optional[int] = c.SeedOpt,
     stop: Optional[List[str]] = c.StopOpt,
@@ -50,10 +52,12 @@ def chat(
     with c.user_errors():
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
-        c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
+                          presence_penalty, frequency_penalty)
         c.check_draft(draft, draft_k, lookahead)
         llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads)
-        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop)
+        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
+                                     presence_penalty, frequency_penalty)
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
         conv.session.speculator = c.load_speculator(llm, draft, draft_k, lookahead=lookahead)
     if interactive:

@@ -27,6 +27,10 @@ TopPOpt = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off). D
 MinPOpt = typer.Option(None, "--min-p", help="Drop tokens below min-p x the top probability (0 = off). Default: the model's, else 0.1.")
 RepOpt = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats (1 = off). Default: the model's "
                       "generation config, else 1.")
+PresenceOpt = typer.Option(None, "--presence-penalty", help="In [-2, 2]: subtracted once from the logit of every "
+                           "token the answer already holds (OpenAI's). Default 0.")
+FrequencyOpt = typer.Option(None, "--frequency-penalty", help="In [-2, 2]: subtracted from a token's logit per time "
+                            "the answer already holds it (OpenAI's). Default 0.")
 LoopOpt = typer.Option(True, "--loop-stop/--no-loop-stop", help="End an answer that has fallen into a word-for-word "
                        "loop (small models do). Off for output that repeats on purpose.")
 SeedOpt = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output.")
@@ -58,7 +62,8 @@ def user_errors():
         raise typer.Exit(1)
 
 
-def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop_loops: bool = False):
+def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop_loops: bool = False,
+                    presence_penalty=None, frequency_penalty=None):
     """Flags override the model's own settings (generation_config.json, a GGUF's general.sampling.*),
     which override brisk's defaults (core/sampling.py)."""
     from ..core.sampling import SamplingParams
@@ -73,15 +78,19 @@ def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, s
         top_k=int(pick(top_k, "top_k", d.top_k)), top_p=float(pick(top_p, "top_p", d.top_p)),
         min_p=float(pick(min_p, "min_p", d.min_p)),
         repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", d.repetition_penalty)),
-        seed=seed, stop_loops=stop_loops).validate()
+        seed=seed, stop_loops=stop_loops, presence_penalty=float(presence_penalty or 0.0),
+        frequency_penalty=float(frequency_penalty or 0.0)).validate()
 
 
 def sampling_summary(p) -> dict:
     """The settings an answer was sampled with, for --json and /stats."""
+    extra = {k: getattr(p, k) for k in ("presence_penalty", "frequency_penalty") if getattr(p, k)}
+    if p.logit_bias:
+        extra["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}
     if p.greedy:
-        return {"temperature": 0.0, "repetition_penalty": p.repetition_penalty, "stop_loops": p.stop_loops}
+        return {"temperature": 0.0, "repetition_penalty": p.repetition_penalty, **extra, "stop_loops": p.stop_loops}
     return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
-            "repetition_penalty": p.repetition_penalty, "seed": p.seed, "stop_loops": p.stop_loops}
+            "repetition_penalty": p.repetition_penalty, **extra, "seed": p.seed, "stop_loops": p.stop_loops}
 
 
 LOOP_NOTE = "(stopped: the answer repeats itself word for word; --no-loop-stop lets it run)"

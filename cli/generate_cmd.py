@@ -27,6 +27,8 @@ def generate(
     top_p: Optional[float] = c.TopPOpt,
     min_p: Optional[float] = c.MinPOpt,
     repetition_penalty: Optional[float] = c.RepOpt,
+    presence_penalty: Optional[float] = c.PresenceOpt,
+    frequency_penalty: Optional[float] = c.FrequencyOpt,
     loop_stop: bool = c.LoopOpt,
     seed: Optional[int] = c.SeedOpt,
     stop: Optional[List[str]] = c.StopOpt,
@@ -67,17 +69,20 @@ def generate(
             return _generate_batch(args or [], model, batch, output, max_concurrency, file, draft or lookahead,
                                    as_json, raw,
                                    system, max_tokens, tuple(stop or ()), device, dtype, ctx,
-                                   (temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop))
+                                   (temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
+                                    presence_penalty, frequency_penalty))
         if output is not None:
             raise BriskError("-o/--output goes with --batch (a single answer streams to stdout)")
         if logprobs is not None and not as_json:
             raise BriskError("--logprobs goes with --json (the logprobs are part of its object)")
         model_name, prompt = _split_args(args or [], model, file)
-        c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed)  # fail fast
+        c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
+                          presence_penalty, frequency_penalty)  # fail fast
         c.check_draft(draft, draft_k, lookahead)
         llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize, threads=threads)
         speculator = c.load_speculator(llm, draft, draft_k, quiet=as_json, lookahead=lookahead)
-        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop)
+        sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
+                                     presence_penalty, frequency_penalty)
         from ..core.generate import Session
 
         session = Session(llm, speculator=speculator)

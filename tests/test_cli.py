@@ -75,6 +75,18 @@ def test_generate_json_logprobs(tiny_llama_dir):
     assert bad.exit_code != 0 and "--json" in bad.output
 
 
+def test_generate_presence_and_frequency_penalty_flags(tiny_gguf_path):
+    """The flags reach the sampler (the looping random model answers differently) and --json names them."""
+    args = ["generate", str(tiny_gguf_path), "hi", "-t", "0", "-n", "40", "--json", "--no-loop-stop"]
+    plain = json.loads(runner.invoke(app, args).stdout.strip().splitlines()[-1])
+    pen = runner.invoke(app, args + ["--frequency-penalty", "2", "--presence-penalty", "1.5"])
+    out = json.loads(pen.stdout.strip().splitlines()[-1])
+    assert out["sampling"]["frequency_penalty"] == 2.0 and out["sampling"]["presence_penalty"] == 1.5
+    assert "frequency_penalty" not in plain["sampling"] and out["text"] != plain["text"]
+    bad = runner.invoke(app, args + ["--presence-penalty", "3"])
+    assert bad.exit_code != 0 and "--presence-penalty" in bad.output
+
+
 def test_generate_stops_a_loop_by_default_and_reports_its_sampling(tiny_gguf_path):
     """The random-weight model loops under greedy: generate ends it (and says so) unless told not to;
     --json names the settings used, the model's own where a flag does not override them."""
