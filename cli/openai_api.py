@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..core.errors import BriskError, InvalidValue, PromptTooLong
-from ..core.jobs import request_from
+from ..core.jobs import request_from, response_grammar
 from ..core.logprobs import checked_count
 from .openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from ..core.sampling import SamplingParams
@@ -30,7 +30,7 @@ MAX_BODY_BYTES = 8 << 20
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "loop": "stop", "cancelled": "stop"}
 # OpenAI fields brisk does not implement: refused (400) rather than silently ignored, unless they
 # hold their "off" value (false, null, an empty list, a plain-text response format)
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "best_of", "suffix")
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "best_of", "suffix")
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts per /v1/completions request (lm-eval sends batches of them)
 
@@ -175,8 +175,11 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
             return lambda s, text, done: loop.call_soon_threadsafe(
                 queue.put_nowait, (i, text, done, len(s.result.logprobs or ())))
         try:
+            grammar = None
+            if not _is_off("response_format", body.get("response_format")):  # compiled off the event loop
+                grammar = await loop.run_in_executor(None, response_grammar, llm, body["response_format"])
             for obj in objs:
-                req = request_from(llm, obj, sampling, stop=(), **options)
+                req = request_from(llm, obj, sampling, stop=(), grammar=grammar, **options)
                 for j in range(n):  # copies share the prompt's KV blocks (prefix sharing)
                     seed = req.sampling.seed
                     r = req if j == 0 or seed is None else replace(req, sampling=replace(req.sampling, seed=seed + j))

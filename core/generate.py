@@ -11,7 +11,9 @@ from typing import Iterator, Sequence
 import torch
 
 from .cuda_graph import decode_step, verify_pass
+from .drafting import Draft
 from .errors import BriskError, PromptTooLong
+from .grammar import Constraint, Grammar
 from .logprobs import TokenLogprob, token_logprobs
 from .model import LAST
 from .output_stream import GenerationResult, OutputStream
@@ -64,9 +66,10 @@ class Session:
 
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int = 256,
-               stop: Sequence[str] = (), logprobs: int | None = None) -> Iterator[str]:
+               stop: Sequence[str] = (), logprobs: int | None = None, grammar: Grammar | None = None) -> Iterator[str]:
         """Yield text pieces as they are generated; the summary is in self.last afterwards (with
-        each token's logprob and `logprobs` alternatives, unless None)."""
+        each token's logprob and `logprobs` alternatives, unless None). grammar: the answer keeps
+        to it (grammar.py)."""
         if not prompt_ids:
             raise BriskError("the prompt is empty")
         ctx = self.cache.max_len
@@ -75,7 +78,8 @@ class Session:
         out = OutputStream(self.llm.tokenizer, self.llm.eos_ids, stop, min(max_tokens, ctx - len(prompt_ids)),
                            len(prompt_ids), sampling.stop_loops, logprobs)
         res = self.last = out.result
-        tokens = self.tokens(prompt_ids, Sampler(sampling), out.budget)
+        tokens = self.tokens(prompt_ids, Sampler(sampling), out.budget,
+                             None if grammar is None else grammar.constraint())
         res.prefilled_tokens = self.prefilled
         if self.speculator is not None:
             res.spec = self.speculator.stats
@@ -107,11 +111,13 @@ class Session:
         return out
 
     @torch.inference_mode()
-    def tokens(self, prompt_ids: list[int], sampler: Sampler, budget: int) -> Iterator[tuple[int, torch.Tensor]]:
+    def tokens(self, prompt_ids: list[int], sampler: Sampler, budget: int,
+               constraint: Constraint | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Prefill prompt_ids (now), then the generated tokens one by one, each with the target's
         raw logits [V] it was drawn from (valid until the next is asked for), for a caller that
         makes its own text of them (stream(); brisk serve --draft) and stops asking within
-        `budget`. The speculator's counters restart (speculator.stats)."""
+        `budget`. With a constraint (grammar.py) every token keeps to its grammar. The
+        speculator's counters restart (speculator.stats)."""
         sp = self.speculator
         if sp is not None and sp.drafter.tree and not hasattr(self.cache, "keep_path"):
             raise BriskError(f"--draft {sp.drafter.name} drafts trees, which need a contiguous KV cache "
@@ -122,17 +128,22 @@ class Session:
         seen = Seen.of(prompt_ids, len(prompt_ids), self.llm.device) if sampler.params.penalized else None
         if sp is not None:
             sp.new_stats()
-        return self._tokens(sampler(logits, seen), sampler, seen, budget, (logits, hidden))
+        token = sampler(logits if constraint is None else constraint.mask(logits), seen)
+        if constraint is not None:
+            constraint.take([token])
+        return self._tokens(token, sampler, seen, budget, (logits, hidden), constraint)
 
     def _tokens(self, token: int, sampler: Sampler, seen: Seen | None, budget: int,
-                first: tuple) -> Iterator[tuple[int, torch.Tensor]]:
+                first: tuple, constraint: Constraint | None) -> Iterator[tuple[int, torch.Tensor]]:
         """The generated tokens, one by one. A token enters the cache only when the consumer asks
         for the next one, so the cache never holds the last token handed out (self.ids is what it
         holds). Each step verifies the speculator's drafts, if any, in the same pass that runs the
         pending token (a graph replay on CUDA); without drafts the step is a plain decode step
         (likewise), unless the drafter needs the hidden states. A tree draft is one pass with its
         ancestor mask, after which the accepted path's K/V move to the slots a chain would have used.
-        first: the prefill's (logits, hidden) of the prompt's last token, for the drafter."""
+        first: the prefill's (logits, hidden) of the prompt's last token, for the drafter. Under a
+        grammar, chains are cut to what it accepts and each row is masked before verification;
+        tree drafters do not draft (a tree's rows would each need the grammar's state there)."""
         sp, ids, cache = self.speculator, self.ids, self.cache
         step = self._decode_step()
         hidden_needed = sp is not None and sp.needs_hidden
@@ -145,10 +156,14 @@ class Session:
             if seen is not None:  # the penalties see the context, then each draft
                 seen = extend_seen(seen, [token])
             draft, drafts = None, []
-            if sp is not None:  # room: what the budget and the cache leave after the pending token
+            if sp is not None and constraint is not None and sp.drafter.tree:
+                draft = Draft([])
+            elif sp is not None:  # room: what the budget and the cache leave after the pending token
                 slots = cache.max_len - len(ids) - 1
                 draft = sp.propose(ids + [token], min(budget - emitted, slots) - 1, sampler, seen, slots)
-                drafts = draft.tokens
+                if constraint is not None:
+                    draft = constraint.fit(draft)
+            drafts = draft.tokens if draft is not None else []
             start, tree, hidden = len(ids), bool(drafts) and draft.parents is not None, None
             if drafts or hidden_needed:
                 logits, hidden = self._verify_pass()([token] + drafts, start, draft.parents if tree else None,
@@ -156,15 +171,18 @@ class Session:
             else:
                 logits = step(token, start)[None]
             ids.append(token)
+            held = logits if constraint is None else constraint.mask_rows(logits, drafts)
             if sp is None:
-                path, token = [], sampler(logits[0], seen)
+                path, token = [], sampler(held[0], seen)
             else:
-                path, token = sp.verify(draft, logits, sampler, seen)
+                path, token = sp.verify(draft, held, sampler, seen)
                 if tree:
                     cache.keep_path(start, [start + 1 + i for i in path])
                 sp.accept(draft, path)
                 sp.observe(draft, logits, hidden, path)
             accepted = [drafts[i] for i in path]
+            if constraint is not None:
+                constraint.take(accepted + [token])
             row = 0  # logits[1 + node] follow draft node `node`; logits[0] the pending token
             for i, d in zip(path, accepted):
                 yield d, logits[row]

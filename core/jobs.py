@@ -130,10 +130,10 @@ def stop_strings(obj: dict, default=()) -> tuple[str, ...]:
 
 def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop=(),
                  template_prompt: bool = True, system: str | None = None, max_tokens_key="max_tokens",
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> Request:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None, grammar=None) -> Request:
     """A scheduler Request from a JSON object; fields absent from it take the given defaults.
     A prompt that does not fit llm's context is refused here, before any engine sees it.
-    logprobs, prompt_logprobs: Request's (with prompt_logprobs, max_tokens may be 0)."""
+    logprobs, prompt_logprobs, grammar: Request's (with prompt_logprobs, max_tokens may be 0)."""
     if not isinstance(obj, dict):
         raise BriskError("each request must be a JSON object")
     fields = {k: _typed(obj, k, kind) for k, kind in SAMPLING_FIELDS.items() if obj.get(k) is not None}
@@ -146,7 +146,29 @@ def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop
     ids = prompt_ids(llm, obj, template_prompt, system)
     if len(ids) >= llm.ctx:  # as the engine would refuse it: no room left to generate
         raise PromptTooLong(len(ids), llm.ctx)
-    return Request(ids, sampling, n, stop_strings(obj, stop), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return Request(ids, sampling, n, stop_strings(obj, stop), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                   grammar=grammar)
+
+
+def response_grammar(llm, value, field: str = "response_format"):
+    """OpenAI's response_format as a compiled grammar: None for text, any JSON object for
+    {"type": "json_object"}, the schema of {"type": "json_schema", "json_schema": {"schema": ...}}."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind not in ("json_object", "json_schema"):
+        raise InvalidValue(field, value, 'must be {"type": "text" | "json_object" | "json_schema", ...}')
+    source = None
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        source = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(source, dict):
+            raise InvalidValue(field, spec, 'needs "json_schema": {"name": ..., "schema": {...}}')
+    from .grammar import Vocabulary
+
+    return Vocabulary.of(llm.tokenizer, llm.config.vocab_size).compile(kind, source, field)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -139,7 +139,11 @@ class Engine:
                 continue
             p, end = seq.request.sampling, starts[i + 1] - 1
             seen = Seen.of(seq.tokens, len(seq.request.prompt_ids), self.device) if p.penalized else None
-            token = greedy[end] if p.greedy and seen is None else seq.sampler(logits[end], seen)
+            if seq.constraint is not None:  # structured output: the grammar's mask, then the sampler
+                token = seq.sampler(seq.constraint.mask(logits[end]), seen)
+                seq.constraint.take([token])
+            else:
+                token = greedy[end] if p.greedy and seen is None else seq.sampler(logits[end], seen)
             piece = seq.out.push(token, logits[end])
             if seq.result.finish_reason != "eos":  # EOS ends the sequence unseen
                 seq.tokens.append(token)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
+from ..grammar import Grammar
 from ..output_stream import OutputStream
 from ..sampling import GREEDY, Sampler, SamplingParams
 from .kv_manager import KVManager
@@ -30,6 +31,7 @@ class Request:
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
     logprobs: int | None = None  # each generated token's logprob and this many alternatives (None: off)
     prompt_logprobs: int | None = None  # likewise for the prompt's tokens (OpenAI's echo); max_tokens may be 0
+    grammar: Grammar | None = None  # the answer keeps to it (structured output)
 
 
 class Sequence:
@@ -48,6 +50,7 @@ class Sequence:
         self.names: list[bytes] = []  # hashes of the leading full blocks
         self.n_ready = 0  # leading blocks known to be computed (and published)
         self.sampler = Sampler(request.sampling)
+        self.constraint = None if request.grammar is None else request.grammar.constraint()
         self.out = OutputStream(tokenizer, set() if request.ignore_eos else eos_ids, request.stop,
                                 min(request.max_tokens, ctx - len(request.prompt_ids)), len(request.prompt_ids),
                                 request.sampling.stop_loops, request.logprobs)

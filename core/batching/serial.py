@@ -63,7 +63,7 @@ class SerialEngine:
                                                                           seq.request.prompt_logprobs)
                 if seq.out.budget == 0:  # echo with max_tokens 0: nothing to generate
                     return self._done(seq, seq.out.finish("length"), t0)
-            self._tokens = self.session.tokens(seq.request.prompt_ids, seq.sampler, seq.out.budget)
+            self._tokens = self.session.tokens(seq.request.prompt_ids, seq.sampler, seq.out.budget, seq.constraint)
             self.stats.prefilled_tokens += self.session.prefilled
         seq = self.running[0]
         token, logits = next(self._tokens)
