@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 import uuid
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from ..core.errors import BriskError, InvalidValue, PromptTooLong
 from ..core.jobs import request_from, response_grammar
+from ..core.tool_calls import MAX_CALLS, checked_choice, checked_tools, tool_format
 from ..core.logprobs import checked_count
 from .openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from ..core.sampling import SamplingParams
@@ -30,7 +32,7 @@ MAX_BODY_BYTES = 8 << 20
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "loop": "stop", "cancelled": "stop"}
 # OpenAI fields brisk does not implement: refused (400) rather than silently ignored, unless they
 # hold their "off" value (false, null, an empty list, a plain-text response format)
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "best_of", "suffix")
+UNSUPPORTED = ("functions", "function_call", "best_of", "suffix")
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts per /v1/completions request (lm-eval sends batches of them)
 
@@ -113,12 +115,27 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "invalid_value", "top_logprobs")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         logprobs = _count(top or 0, "top_logprobs") if body.get("logprobs") else None
+        try:
+            tools = checked_tools(body["tools"]) if not _is_off("tools", body.get("tools")) else None
+            choice = checked_choice(body.get("tool_choice"), tools)
+        except InvalidValue as e:
+            raise APIError(400, str(e), "invalid_value", e.name.split("[")[0].split(".")[0]) from None
+        fmt = None
+        if choice != "none":
+            fmt = tool_format(llm.tokenizer.chat_template)
+            if fmt is None:
+                raise APIError(400, f"{served_name}'s chat template does not render tools", "unsupported_parameter",
+                               "tools")
         return await _complete(request, body, [body], dict(max_tokens=max_tokens, max_tokens_key=key,
-                                                           logprobs=logprobs), chat=True)
+                                                           logprobs=logprobs, tools=tools if fmt else None),
+                               chat=True, tools=(fmt, choice))
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await _body(request)
+        for key in ("tools", "tool_choice", "response_format"):
+            if not _is_off(key, body.get(key)):
+                raise APIError(400, f"'{key}' goes with /v1/chat/completions", "unsupported_parameter", key)
         prompts = _prompts(body.get("prompt"))
         body.pop("messages", None)
         logprobs = None if body.get("logprobs") is None else _count(body["logprobs"], "logprobs")
@@ -164,19 +181,22 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
         return body
 
     async def _complete(request: HTTPRequest, body: dict, objs: list[dict], options: dict, chat: bool,
-                        echo: bool = False):
+                        echo: bool = False, tools: tuple = (None, "none")):
         """Submit n choices for each of objs (the chat body, or one object per completions
         prompt: choice index = prompt index * n + j) and answer, streamed or not."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         n, seqs = body.get("n", 1), []
 
-        def on_event(i):  # the logprobs' count at the event travels with it: the list grows on
+        def on_event(i):  # the logprobs' and tokens' counts at the event travel with it: the lists grow on
             return lambda s, text, done: loop.call_soon_threadsafe(
-                queue.put_nowait, (i, text, done, len(s.result.logprobs or ())))
+                queue.put_nowait, (i, text, done, len(s.result.logprobs or ()), len(s.result.tokens)))
+        fmt, choice = tools
         try:
             grammar = None
-            if not _is_off("response_format", body.get("response_format")):  # compiled off the event loop
+            if fmt is not None and choice != "auto":  # a call is required: the grammar makes it parse
+                grammar = await loop.run_in_executor(None, call_grammar, llm, fmt, options["tools"], choice)
+            elif not _is_off("response_format", body.get("response_format")):  # compiled off the event loop
                 grammar = await loop.run_in_executor(None, response_grammar, llm, body["response_format"])
             for obj in objs:
                 req = request_from(llm, obj, sampling, stop=(), grammar=grammar, **options)
@@ -192,7 +212,7 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
         meta = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": served_name}
         heads = [_echo_text(obj["prompt"]) if echo else "" for obj in objs for _ in range(n)]
-        shape = Choices(seqs, chat, heads, TokenTexts(llm.tokenizer), options.get("logprobs"))
+        shape = Choices(seqs, chat, heads, TokenTexts(llm.tokenizer), options.get("logprobs"), fmt)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(_stream(seqs, queue, meta, shape, usage, n), media_type="text/event-stream",
@@ -244,12 +264,13 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
             for i in range(len(seqs)):
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
-        async for i, piece, done, n_logprobs in _events(seqs, queue, None):
-            part = shape.part(i, piece, n_logprobs)
+        async for i, piece, done, n_logprobs, n_tokens in _events(seqs, queue, None):
+            part = shape.part(i, piece, n_logprobs, n_tokens)
             if part is not None:
                 yield chunk(part)
             if done and not seqs[i].error:
-                yield chunk(shape.end(i))
+                for end in shape.end(i):
+                    yield chunk(end)
         failed = next((s.error for s in seqs if s.error), None)
         if failed:
             err = {"error": {"message": f"generation failed: {failed}", "type": "server_error",
@@ -293,17 +314,33 @@ def _is_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
+def call_grammar(llm, fmt, tools: list[dict], choice: str):
+    """The grammar of a required call ("required": any of the tools; else the one named)."""
+    from ..core.grammar import Vocabulary
+
+    tok = llm.tokenizer
+    chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+    specials = {tok.backend.id_to_token(i): i for i in tok.special_ids}
+    grammar = fmt.call_grammar(chosen, specials, MAX_CALLS if choice == "required" else 1)
+    return Vocabulary.of(tok, llm.config.vocab_size).compile("lark", grammar, "tools")
+
+
 class Choices:
     """The choices of one response, from their sequences: whole (not streamed) or as stream parts.
-    logprobs: the number of alternatives asked for per token (None: no logprobs); echo: a
-    completion's text and logprobs start with its prompt's."""
+    logprobs: the number of alternatives asked for per token (None: no logprobs); heads: what
+    echo puts before each completion; tool_fmt: the format tool calls are read in (chat with
+    tools), which makes content stream only up to where a call may begin."""
 
-    def __init__(self, seqs: list[Sequence], chat: bool, heads: list[str], texts: TokenTexts, logprobs: int | None):
+    def __init__(self, seqs: list[Sequence], chat: bool, heads: list[str], texts: TokenTexts, logprobs: int | None,
+                 tool_fmt=None):
         self.seqs, self.chat, self.heads, self.texts, self.top = seqs, chat, heads, texts, logprobs
+        self.tool_fmt = tool_fmt
         self.echo = any(seq.request.prompt_logprobs is not None for seq in seqs)
         self.sent = [0] * len(seqs)  # logprob entries already streamed, per choice
         self.offset = [0] * len(seqs)  # characters already streamed (completions' text_offset), per choice
         self.started = [False] * len(seqs)
+        self.said = [""] * len(seqs)  # content already streamed, with tools
+        self._specials = None
 
     def _logprobs(self, i: int, lo: int, hi: int, offset: int, prompt: bool) -> dict | None:
         """Tokens lo:hi's logprobs (with prompt: the prompt's before them), or None when not asked for."""
@@ -317,19 +354,53 @@ class Choices:
             tokens, entries = self.seqs[i].request.prompt_ids + tokens, res.prompt_logprobs + entries
         return completion_logprobs(entries, tokens, self.texts, offset)
 
+    # ---- tool calls: read from the text with its special tokens (some formats are made of them)
+    def _raw(self, i: int, n: int | None = None) -> str:
+        tokens = self.seqs[i].result.tokens
+        return self.texts.tok.decode(tokens if n is None else tokens[:n], skip_special=False)
+
+    def _plain(self, text: str) -> str:
+        """text without special tokens' spellings (as content is shown)."""
+        if self._specials is None:
+            tok = self.texts.tok
+            names = sorted({tok.backend.id_to_token(t) or "" for t in tok.special_ids} - {""}, key=len, reverse=True)
+            self._specials = re.compile("|".join(map(re.escape, names))) if names else None
+        return self._specials.sub("", text) if self._specials is not None else text
+
+    def _split(self, i: int) -> tuple[str, list]:
+        content, calls = self.tool_fmt.split(self._raw(i))
+        return self._plain(content), calls
+
+    @staticmethod
+    def _calls(calls: list) -> list[dict]:
+        return [{"index": k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for k, c in enumerate(calls)]
+
     def whole(self, i: int) -> dict:
         res = self.seqs[i].result
         finish = FINISH[res.finish_reason]
         if self.chat:
-            return {"index": i, "message": {"role": "assistant", "content": res.text},
-                    "logprobs": self._logprobs(i, 0, len(res.tokens), 0, False), "finish_reason": finish}
+            message = {"role": "assistant", "content": res.text}
+            if self.tool_fmt is not None:
+                content, calls = self._split(i)
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in self._calls(calls)]}
+                    finish = "tool_calls"
+            return {"index": i, "message": message, "logprobs": self._logprobs(i, 0, len(res.tokens), 0, False),
+                    "finish_reason": finish}
         return {"index": i, "text": self.heads[i] + res.text, "logprobs": self._logprobs(i, 0, len(res.tokens), 0, self.echo),
                 "finish_reason": finish}
 
-    def part(self, i: int, piece: str, n_logprobs: int) -> dict | None:
+    def part(self, i: int, piece: str, n_logprobs: int, n_tokens: int) -> dict | None:
         """A stream chunk's choice for new text (and the logprob entries up to n_logprobs); None
-        when there is nothing to send."""
+        when there is nothing to send. With tools, content goes out up to where a call may begin."""
         lo, first = self.sent[i], not self.started[i]
+        if self.chat and self.tool_fmt is not None:
+            raw = self._raw(i, n_tokens)
+            shown = self._plain(raw[:self.tool_fmt.call_start(raw)])
+            piece = shown[len(self.said[i]):] if shown.startswith(self.said[i]) else ""
+            self.said[i] += piece
         head = self.heads[i] if first and not self.chat else ""
         if not piece and not head and (self.top is None or n_logprobs == lo):
             return None
@@ -341,8 +412,22 @@ class Choices:
         self.offset[i] += len(head) + len(piece)
         return {"index": i, "text": head + piece, "logprobs": lp, "finish_reason": None}
 
-    def end(self, i: int) -> dict:
+    def end(self, i: int) -> list[dict]:
+        """The last chunks of a choice: with tools, the content held back and the calls; then the
+        finish reason."""
         finish = FINISH.get(self.seqs[i].result.finish_reason, "stop")
-        if self.chat:
-            return {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}
-        return {"index": i, "text": "", "logprobs": None, "finish_reason": finish}
+        if not self.chat:
+            return [{"index": i, "text": "", "logprobs": None, "finish_reason": finish}]
+        out = []
+        if self.tool_fmt is not None:
+            content, calls = self._split(i)
+            if not calls:
+                content = self._plain(self._raw(i))
+            rest = content[len(self.said[i]):] if content.startswith(self.said[i]) else ""
+            if rest:
+                out.append({"index": i, "delta": {"content": rest}, "logprobs": None, "finish_reason": None})
+            if calls:
+                out.append({"index": i, "delta": {"tool_calls": self._calls(calls)}, "logprobs": None,
+                            "finish_reason": None})
+                finish = "tool_calls"
+        return out + [{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}]

@@ -136,12 +136,12 @@ def _grammar_text(llg, kind: str, source, field: str) -> str:
         raise InvalidValue(field, f"{size} characters", f"must be at most {MAX_GRAMMAR_CHARS} characters")
     try:
         if kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+            return llg.LLMatcher.grammar_from_json_schema(bounded({"type": "object"}))
         if kind == "json_schema":
             schema = json.loads(source) if isinstance(source, str) else source
             if not isinstance(schema, dict):
                 raise InvalidValue(field, schema, "must be a JSON schema (an object)")
-            return llg.LLMatcher.grammar_from_json_schema(bounded_numbers(schema))
+            return llg.LLMatcher.grammar_from_json_schema(bounded(schema))
         if not isinstance(source, str) or not source.strip():
             raise InvalidValue(field, source, "must be a non-empty text")
         if kind == "gbnf":
@@ -160,19 +160,29 @@ def _grammar_text(llg, kind: str, source, field: str) -> str:
 
 
 NUMBER_LIMIT = 10 ** 15 - 1  # what an unbounded JSON number may reach: 15 integer digits (llama.cpp: 16)
+# between JSON tokens: a space, or one line break and an indent (llama.cpp's rule too)
+WHITESPACE = "(?:[ ]|\n[ \t]{0,20})?"
 
 
-def bounded_numbers(schema, depth: int = 0):
-    """The schema with every integer or number that has no bounds given +-NUMBER_LIMIT: a small
-    model asked for a number can run on in digits to the token limit, as llama.cpp's JSON grammars
-    know (they cap digits too). A copy; the caller's schema is not changed."""
+def bounded(schema: dict) -> dict:
+    """The schema as brisk compiles it: unbounded integers and numbers within +-NUMBER_LIMIT and
+    the whitespace between tokens bounded. Small models asked for JSON otherwise run on in digits
+    or blank lines to the token limit (llama.cpp's JSON grammars cap both too). A copy; the
+    caller's schema is not changed, nor any whitespace rule it sets itself."""
+    out = _bounded_numbers(schema)
+    if isinstance(out, dict):
+        out["x-guidance"] = {"whitespace_pattern": WHITESPACE, **(out.get("x-guidance") or {})}
+    return out
+
+
+def _bounded_numbers(schema, depth: int = 0):
     if depth > 64:  # deeper than any real schema: left as it is (the engine bounds its own work)
         return schema
     if isinstance(schema, list):
-        return [bounded_numbers(x, depth + 1) for x in schema]
+        return [_bounded_numbers(x, depth + 1) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: bounded_numbers(v, depth + 1) for k, v in schema.items()}
+    out = {k: _bounded_numbers(v, depth + 1) for k, v in schema.items()}
     kinds = out.get("type")
     kinds = kinds if isinstance(kinds, list) else [kinds]
     if "integer" in kinds or "number" in kinds:

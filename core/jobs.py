@@ -64,6 +64,8 @@ def text_content(content, name: str = "content") -> str:
 
 
 def messages_of(obj: dict) -> list[dict]:
+    """The conversation as chat templates take it: an assistant's tool calls with their arguments
+    as objects (templates write them with tojson), tool results with the id of their call."""
     msgs = obj.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise InvalidValue("messages", msgs, "must be a non-empty list")
@@ -71,10 +73,42 @@ def messages_of(obj: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise InvalidValue(f"messages[{i}]", m, "must be an object with a role and a content")
-        if m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise InvalidValue(f"messages[{i}].role", m.get("role"), "must be system, user or assistant")
+        if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            raise InvalidValue(f"messages[{i}].role", m.get("role"), "must be system, user, assistant or tool")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": text_content(m.get("content"), f"messages[{i}].content")})
+        calls = m.get("tool_calls") if role == "assistant" else None
+        content = m.get("content")
+        msg = {"role": role, "content": "" if content is None and calls else
+               text_content(content, f"messages[{i}].content")}
+        if calls:
+            msg["tool_calls"] = _tool_calls(calls, f"messages[{i}].tool_calls")
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise InvalidValue(f"messages[{i}].{key}", m[key], "must be a string")
+                    msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls, name: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise InvalidValue(name, calls, "must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise InvalidValue(f"{name}[{j}]", c, 'must be {"type": "function", "function": {"name", "arguments"}}')
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise InvalidValue(f"{name}[{j}].function.arguments", args, "must be a JSON object") from None
+        if not isinstance(args, dict):
+            raise InvalidValue(f"{name}[{j}].function.arguments", args, "must be a JSON object")
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
     return out
 
 
@@ -85,7 +119,8 @@ def token_ids(ids: list[int], vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def prompt_ids(llm, obj: dict, template_prompt: bool = True, system: str | None = None) -> list[int]:
+def prompt_ids(llm, obj: dict, template_prompt: bool = True, system: str | None = None,
+               tools: list[dict] | None = None) -> list[int]:
     """Token ids for obj's "messages" (through the chat template) or "prompt" (through it too when
     template_prompt and the model has one, like `brisk generate`; as is when obj says "raw")."""
     tok = llm.tokenizer
@@ -94,7 +129,7 @@ def prompt_ids(llm, obj: dict, template_prompt: bool = True, system: str | None 
             raise BriskError("give 'prompt' or 'messages', not both")
         if not tok.has_chat_template:
             raise BriskError(f"{llm.name} has no chat template; send a 'prompt' instead of 'messages'")
-        text = tok.apply_chat_template(messages_of(obj), add_generation_prompt=True)
+        text = tok.apply_chat_template(messages_of(obj), add_generation_prompt=True, tools=tools)
         return tok.encode(text, add_special=False)
     prompt = obj.get("prompt")
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -130,10 +165,12 @@ def stop_strings(obj: dict, default=()) -> tuple[str, ...]:
 
 def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop=(),
                  template_prompt: bool = True, system: str | None = None, max_tokens_key="max_tokens",
-                 logprobs: int | None = None, prompt_logprobs: int | None = None, grammar=None) -> Request:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None, grammar=None,
+                 tools: list[dict] | None = None) -> Request:
     """A scheduler Request from a JSON object; fields absent from it take the given defaults.
     A prompt that does not fit llm's context is refused here, before any engine sees it.
-    logprobs, prompt_logprobs, grammar: Request's (with prompt_logprobs, max_tokens may be 0)."""
+    logprobs, prompt_logprobs, grammar: Request's (with prompt_logprobs, max_tokens may be 0);
+    tools: rendered by the chat template."""
     if not isinstance(obj, dict):
         raise BriskError("each request must be a JSON object")
     fields = {k: _typed(obj, k, kind) for k, kind in SAMPLING_FIELDS.items() if obj.get(k) is not None}
@@ -143,7 +180,7 @@ def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop
     if obj.get("logit_bias") is not None:
         fields["logit_bias"] = logit_bias(obj["logit_bias"], llm.config.vocab_size)
     sampling = replace(sampling, **fields).validate()
-    ids = prompt_ids(llm, obj, template_prompt, system)
+    ids = prompt_ids(llm, obj, template_prompt, system, tools)
     if len(ids) >= llm.ctx:  # as the engine would refuse it: no room left to generate
         raise PromptTooLong(len(ids), llm.ctx)
     return Request(ids, sampling, n, stop_strings(obj, stop), logprobs=logprobs, prompt_logprobs=prompt_logprobs,

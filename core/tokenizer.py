@@ -181,8 +181,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation; encode it with add_special=False."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for a conversation; encode it with add_special=False. tools: OpenAI's
+        function tools, passed to the template as transformers passes them."""
         import jinja2
 
         if self.chat_template is None:
@@ -195,7 +197,7 @@ class Tokenizer:
                 for piece in self._template.generate(
                         messages=messages, add_generation_prompt=add_generation_prompt,
                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                        tools=None, documents=None):
+                        tools=tools, documents=None):
                     out.append(piece)
                     limits.add_output(len(piece))
             return "".join(out)

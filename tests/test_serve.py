@@ -240,14 +240,13 @@ def test_health_needs_no_key(server):
     assert r.status == 200 and json.loads(r.read())["status"] == "ok"
 
 
-@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("response_format", {"type": "json_object"}), ("best_of", 2)])
+@pytest.mark.parametrize("field,value", [("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 2),
+                                         ("suffix", "x")])
 def test_unsupported_fields_are_refused(server, field, value):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
     status, out = server.raw("POST", "/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == field and "not supported" in out["error"]["message"]
-    off = {**body, field: {"tools": [], "response_format": {"type": "text"},
-                           "best_of": 1}[field]}
+    off = {**body, field: {"functions": [], "function_call": None, "best_of": 1, "suffix": None}[field]}
     assert server.raw("POST", "/v1/chat/completions", off)[0] == 200
 
 

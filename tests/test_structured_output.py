@@ -174,16 +174,22 @@ def test_bad_response_formats_are_400s(server, fmt, words):
     assert server.raw("POST", "/v1/chat/completions", {**body, "response_format": {"type": "text"}})[0] == 200
 
 
-def test_unbounded_numbers_get_llama_cpp_like_limits():
-    from brisk.core.grammar import NUMBER_LIMIT, bounded_numbers
+def test_unbounded_numbers_and_whitespace_get_llama_cpp_like_limits(smollm2):
+    from brisk.core.grammar import NUMBER_LIMIT, bounded
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": ["number", "null"]},
                                                "k": {"type": "integer", "minimum": 0}}}
-    out = bounded_numbers(schema)
+    out = bounded(schema)
     assert out["properties"]["n"] == {"type": "integer", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT}
     assert out["properties"]["x"]["maximum"] == NUMBER_LIMIT
     assert out["properties"]["k"] == {"type": "integer", "minimum": 0, "maximum": NUMBER_LIMIT}
     assert "minimum" not in schema["properties"]["n"]  # the caller's schema is left alone
+    c = Vocabulary.of(smollm2.tokenizer, smollm2.config.vocab_size).compile("json_schema", schema).constraint()
+    tokenize = c.vocab.tokenizer.tokenize_str
+    for doc, ok in (('{"n": 1}', True), ('{\n  "n": 1\n}', True), ('{\n\n\n "n": 1}', False),
+                    ('{"n": 1234567890123456}', False)):
+        ids = tokenize(doc)
+        assert (c.matcher.validate_tokens(ids) == len(ids)) is ok, doc
 
 
 def test_generate_json_schema_and_grammar_files(smollm2_path, tmp_path):
