@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from .errors import BriskError, InvalidValue
@@ -82,9 +83,6 @@ class Vocabulary:
         self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(Wrapped()), n_vocab=n_vocab, eos_token=eos)
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
-        # one table row per mask byte: 0 where the bit allows the token, -inf where it does not
-        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-        self.table = torch.where(bits.bool(), 0.0, float("-inf"))
 
     @classmethod
     def of(cls, tokenizer, n_vocab: int) -> "Vocabulary":
@@ -215,17 +213,23 @@ class Constraint:
 
     def __init__(self, vocab: Vocabulary, matcher):
         self.vocab, self.matcher = vocab, matcher
-        self._bits = torch.zeros((vocab.n_vocab + 31) // 32, dtype=torch.int32)
+        self._bits = torch.zeros((vocab.n_vocab + 31) // 32, dtype=torch.int32)  # llguidance writes here
+        self._bytes = self._bits.numpy().view(np.uint8)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] with every token the grammar does not allow next at -inf (a new tensor)."""
+        """logits [V] with every token the grammar does not allow next at -inf (a new float32
+        tensor). On the CPU the mask is applied by numpy, on one thread: torch would spread these
+        few microseconds of work over its pool and wait on it."""
         m = self.matcher
         m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         if m.is_error():
             raise BriskError(f"structured output failed: {_first_line(m.get_error())}")
-        add = self.vocab.table.index_select(0, self._bits.view(torch.uint8).int()).view(-1)
         n = logits.shape[-1]
-        return logits.float() + add[:n].to(logits.device) if n <= add.numel() else logits.float()
+        allowed = np.unpackbits(self._bytes, bitorder="little")[:n].view(bool)
+        if logits.device.type == "cpu":
+            return torch.from_numpy(np.where(allowed, logits.float().numpy(), np.float32("-inf")))
+        keep = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
+        return torch.where(keep, logits.float(), float("-inf"))
 
     def take(self, tokens: list[int]) -> None:
         """Tokens the sequence now holds (each allowed by the mask it was drawn with)."""
