@@ -48,6 +48,8 @@ def scratch(tmp_path_factory, smollm2_path, tiny_gguf_path):
     d = tmp_path_factory.mktemp("readme")
     os.symlink(smollm2_path, d / "model.gguf")
     (d / "prompt.txt").write_text("Write one line about the sea.\n###\n")
+    (d / "city.json").write_text('{"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, '
+                                 '"required": ["name"]}')
     (d / "wiki.txt").write_text((README.parent / "bench" / "heldout.txt").read_text()[:3000])
     (d / "prompts.jsonl").write_text('{"prompt": "Hi"}\n{"messages": [{"role": "user", "content": "Hello"}]}\n')
     return d
