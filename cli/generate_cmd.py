@@ -44,8 +44,8 @@ def generate(
     grammar_file: Optional[Path] = typer.Option(None, "--grammar", help="Answer in the language of this grammar "
                                                 "file: Lark, or llama.cpp's GBNF (rules written with ::=)."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", min=0, max=20, help="With --json: each generated "
-                                           "token's log-probability under the model, and this many most likely "
-                                           "alternatives."),
+                                           "token's log-probability under the model (the end token's too), and "
+                                           "this many most likely alternatives."),
     batch: Optional[Path] = typer.Option(None, "--batch", help="A JSONL file of requests, generated together with "
                                          "continuous batching: one object a line with \"prompt\" or \"messages\" "
                                          "and optional max_tokens, temperature, top_p, top_k, min_p, "

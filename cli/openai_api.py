@@ -347,9 +347,10 @@ class Choices:
         if self.top is None:
             return None
         res = self.seqs[i].result
-        if self.chat:
-            return chat_logprobs(res.logprobs[lo:hi], self.texts, self.top)
-        tokens, entries = res.tokens[lo:hi], res.logprobs[lo:hi]
+        if self.chat:  # the content's tokens: the end token is not part of the message
+            return chat_logprobs(res.logprobs[lo:min(hi, len(res.tokens))], self.texts, self.top)
+        entries = res.logprobs[lo:hi]  # the end token included, as lm-eval's echo scoring expects
+        tokens = [e.token for e in entries]
         if prompt:
             tokens, entries = self.seqs[i].request.prompt_ids + tokens, res.prompt_logprobs + entries
         return completion_logprobs(entries, tokens, self.texts, offset)
@@ -387,9 +388,10 @@ class Choices:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in self._calls(calls)]}
                     finish = "tool_calls"
-            return {"index": i, "message": message, "logprobs": self._logprobs(i, 0, len(res.tokens), 0, False),
+            return {"index": i, "message": message, "logprobs": self._logprobs(i, 0, len(res.logprobs or ()), 0, False),
                     "finish_reason": finish}
-        return {"index": i, "text": self.heads[i] + res.text, "logprobs": self._logprobs(i, 0, len(res.tokens), 0, self.echo),
+        return {"index": i, "text": self.heads[i] + res.text,
+                "logprobs": self._logprobs(i, 0, len(res.logprobs or ()), 0, self.echo),
                 "finish_reason": finish}
 
     def part(self, i: int, piece: str, n_logprobs: int, n_tokens: int) -> dict | None:

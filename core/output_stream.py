@@ -25,7 +25,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     spec: dict | None = None  # speculative decoding's counters, when a drafter was used
-    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens`, when asked for
+    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens` (and the end token), when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first)
 
     @property
@@ -126,11 +126,11 @@ class OutputStream:
         if not self.first_token_at:
             self.first_token_at = time.perf_counter()
             res.ttft_s = res.prefill_s = self.first_token_at - self.started
+        if res.logprobs is not None:  # the end token's too: scoring a text asks how likely it ends there
+            res.logprobs += token_logprobs(logits[None], [token], self.top_logprobs)
         if token in self.eos_ids:
             return self.finish("eos")
         res.tokens.append(token)
-        if res.logprobs is not None:
-            res.logprobs += token_logprobs(logits[None], [token], self.top_logprobs)
         piece, stopped = self.stopper.feed(self.decoder.push(token))
         res.text += piece
         if stopped:

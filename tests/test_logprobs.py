@@ -27,8 +27,12 @@ def reference_logprobs(llm, ids: list[int]) -> torch.Tensor:
 
 
 def check_against_reference(llm, prompt: list[int], tokens: list[int], entries, k: int, atol=1e-4):
+    """entries: one per token, and one more for the end token when the answer ended on it."""
+    assert tokens and len(entries) in (len(tokens), len(tokens) + 1)
+    if len(entries) > len(tokens):
+        assert entries[-1].token in llm.eos_ids
+        tokens = tokens + [entries[-1].token]
     ref = reference_logprobs(llm, prompt + tokens)
-    assert len(entries) == len(tokens) and tokens
     for i, (t, e) in enumerate(zip(tokens, entries)):
         row = ref[len(prompt) - 1 + i]
         assert e.token == t and abs(e.logprob - float(row[t])) < atol, (i, e.logprob, float(row[t]))
@@ -137,7 +141,7 @@ def test_chat_logprobs_shape_and_values(server, tiny):
     ids = tiny.prompt_ids("Paris is")
     s = Session(tiny)
     list(s.stream(ids, GREEDY, 8, logprobs=4))
-    assert len(content) == len(s.last.tokens)
+    assert len(content) == len(s.last.tokens)  # the end token is not part of the message
     for c, e in zip(content, s.last.logprobs):
         assert bytes(c.bytes) == tiny.tokenizer.token_bytes(e.token)
         assert c.logprob == pytest.approx(e.logprob, abs=1e-5) and len(c.top_logprobs) == 4
@@ -181,6 +185,12 @@ def test_completions_echo_scores_token_prompts_as_lm_eval_asks(server, tiny):
             assert tok in top and 1 <= len(top) <= 2
         assert choice["text"].startswith(tiny.tokenizer.decode(ids, skip_special=True))
     assert out["usage"]["prompt_tokens"] == sum(map(len, prompts)) and out["usage"]["completion_tokens"] == 2
+    # the one generated token is the end token: it is scored all the same (lm-eval drops the last entry)
+    eos = min(tiny.eos_ids)
+    status, out = server.raw("POST", "/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": 1,
+                                                         "echo": True, "logprobs": 1, "logit_bias": {str(eos): 100}})
+    for ids, choice in zip(prompts, out["choices"]):
+        assert choice["finish_reason"] == "stop" and len(choice["logprobs"]["token_logprobs"]) == len(ids) + 1
     # max_tokens 0: the prompt scored, nothing generated
     status, out = server.raw("POST", "/v1/completions", {"model": "tiny", "prompt": prompts[0], "max_tokens": 0,
                                                          "echo": True, "logprobs": 0})
