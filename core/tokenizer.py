@@ -38,7 +38,11 @@ class Tokenizer:
         self.special_ids = set(specials)
         # ids that end generation: EOS, the extra ones given, and end-of-turn special tokens
         self.eos_ids: set[int] = {i for i in (eos_id, *eos_ids) if i is not None}
-        self.eos_ids |= {i for i, text in specials.items() if text in _END_OF_TURN}
+        harmony = "<|channel|>" in specials.values()
+        ends = (_END_OF_TURN - {"<|end|>"}) | {"<|call|>"} if harmony else _END_OF_TURN
+        self.eos_ids |= {i for i, text in specials.items() if text in ends}
+        if harmony:  # gpt-oss: <|end|> closes one message of a turn (its reasoning), <|call|> hands over
+            self.eos_ids -= {i for i, text in specials.items() if text == "<|end|>"}  # to a tool (llama.cpp too)
         self._template = None  # compiled lazily: most runs never render one
         self._added_ids = set(backend.get_added_tokens_decoder())
         self._byte_level: bool | None = None  # whether pieces spell bytes in GPT-2's alphabet (found on first use)

@@ -367,3 +367,20 @@ def test_byte_level_pre_tokenizers(smol, pre, pieces):
     meta = dict(smol.meta, **{"tokenizer.ggml.pre": pre})
     split = build_tokenizer(meta).pre_tokenizer.pre_tokenize_str("abc 12345 I'M !!")
     assert [p for p, _ in split] == pieces
+
+
+@pytest.mark.parametrize("harmony", [False, True])
+def test_end_tokens_of_phi3_and_gpt_oss(harmony):
+    """<|end|> ends a turn for Phi-3 but only one message for gpt-oss (whose reasoning ends with it
+    before the answer): there <|return|> and <|call|> end the turn, as llama.cpp has it."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, models
+
+    backend = HFTokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    names = ["<|end|>", "<|return|>", "<|call|>"] + (["<|channel|>"] if harmony else [])
+    backend.add_special_tokens([AddedToken(n, special=True) for n in names])
+    ids = {n: backend.token_to_id(n) for n in names}
+    tok = Tokenizer(backend, eos_id=ids["<|end|>"] if not harmony else ids["<|return|>"], eos_ids=[ids["<|end|>"]])
+    if harmony:
+        assert tok.eos_ids == {ids["<|return|>"], ids["<|call|>"]}
+    else:
+        assert ids["<|end|>"] in tok.eos_ids and ids["<|call|>"] not in tok.eos_ids
