@@ -13,7 +13,7 @@ import torch
 from .cuda_graph import decode_step, verify_pass
 from .drafting import Draft
 from .errors import BriskError, PromptTooLong
-from .grammar import Constraint, Grammar
+from .grammar import Constraint, Grammar, constrained_token
 from .logprobs import TokenLogprob, token_logprobs
 from .model import LAST
 from .output_stream import GenerationResult, OutputStream
@@ -128,9 +128,7 @@ class Session:
         seen = Seen.of(prompt_ids, len(prompt_ids), self.llm.device) if sampler.params.penalized else None
         if sp is not None:
             sp.new_stats()
-        token = sampler(logits if constraint is None else constraint.mask(logits), seen)
-        if constraint is not None:
-            constraint.take([token])
+        token = sampler(logits, seen) if constraint is None else constrained_token(constraint, sampler, logits, seen)
         return self._tokens(token, sampler, seen, budget, (logits, hidden), constraint)
 
     def _tokens(self, token: int, sampler: Sampler, seen: Seen | None, budget: int,
@@ -171,17 +169,19 @@ class Session:
             else:
                 logits = step(token, start)[None]
             ids.append(token)
-            held = logits if constraint is None else constraint.mask_rows(logits, drafts)
             if sp is None:
-                path, token = [], sampler(held[0], seen)
+                path = []
+                token = sampler(logits[0], seen) if constraint is None else constrained_token(constraint, sampler,
+                                                                                         logits[0], seen)
             else:
+                held = logits if constraint is None else constraint.mask_rows(logits, drafts)
                 path, token = sp.verify(draft, held, sampler, seen)
                 if tree:
                     cache.keep_path(start, [start + 1 + i for i in path])
                 sp.accept(draft, path)
                 sp.observe(draft, logits, hidden, path)
             accepted = [drafts[i] for i in path]
-            if constraint is not None:
+            if constraint is not None and sp is not None:
                 constraint.take(accepted + [token])
             row = 0  # logits[1 + node] follow draft node `node`; logits[0] the pending token
             for i, d in zip(path, accepted):
@@ -205,3 +205,4 @@ class Session:
         if self._verify is None:
             self._verify = verify_pass(self.llm.model, self.cache)
         return self._verify
+

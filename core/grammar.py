@@ -231,6 +231,15 @@ class Constraint:
         keep = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
         return torch.where(keep, logits.float(), float("-inf"))
 
+    def argmax(self, logits: torch.Tensor) -> int:
+        """Greedy's next token under the grammar: the model's own argmax when the grammar allows it
+        (the usual case: a check of one token, no mask), else the masked argmax."""
+        best = int(logits.argmax())
+        if self.matcher.is_stopped() or self.matcher.validate_tokens([best]) == 1:
+            if not self.matcher.is_stopped() or best in self.vocab.tokenizer.eos_tokens:
+                return best
+        return int(self.mask(logits).argmax())
+
     def take(self, tokens: list[int]) -> None:
         """Tokens the sequence now holds (each allowed by the mask it was drawn with)."""
         if self.matcher.is_stopped():  # the grammar is complete: only an end of turn was allowed
@@ -249,9 +258,21 @@ class Constraint:
         """logits [K+1, V] after the pending token and each draft, each row masked with the
         grammar's state there; the matcher ends where it started."""
         rows = [self.mask(logits[0])]
+        if not drafts:  # a view: one more parallel torch op per step costs the decode step more than it
+            return rows[0][None]  # takes (torch's idle workers spin into the native kernels' time)
         for i, d in enumerate(drafts):
             self.take([d])
             rows.append(self.mask(logits[i + 1]))
-        if drafts:
-            self.matcher.rollback(len(drafts))
+        self.matcher.rollback(len(drafts))
         return torch.stack(rows)
+
+
+def constrained_token(constraint: Constraint, sampler, logits: torch.Tensor, seen) -> int:
+    """The next token under a grammar, taken by it: greedy without penalties checks the model's own
+    argmax (no mask unless the grammar refuses it); otherwise the sampler draws from masked logits."""
+    if sampler.params.greedy and seen is None:
+        token = constraint.argmax(logits)
+    else:
+        token = sampler(constraint.mask(logits), seen)
+    constraint.take([token])
+    return token

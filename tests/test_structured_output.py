@@ -211,3 +211,20 @@ def test_generate_json_schema_and_grammar_files(smollm2_path, tmp_path):
     schema.write_text('{"type": "integr"}')
     r = runner.invoke(app, ["generate", str(smollm2_path), "x", "--json-schema", str(schema)])
     assert r.exit_code == 1 and str(schema) in r.output and "integr" in r.output
+
+
+def test_greedy_shortcut_equals_the_masked_argmax(smollm2):
+    """Greedy checks the model's argmax against the grammar and masks only when it is refused: the
+    same token as the masked argmax, at every step of a document and after it (the end token)."""
+    vocab = Vocabulary.of(smollm2.tokenizer, smollm2.config.vocab_size)
+    c = vocab.compile("json_schema", PERSON).constraint()
+    doc = vocab.tokenizer.tokenize_str('{"name": "Al", "age": 3, "tags": []}')
+    g = torch.Generator().manual_seed(0)
+    for t in doc + [None]:
+        for _ in range(4):
+            logits = torch.randn(vocab.n_vocab, generator=g)
+            if _ % 2:  # the raw argmax allowed: the document's own next token (or the end) on top
+                logits[t if t is not None else min(smollm2.tokenizer.eos_ids)] = 50.0
+            assert c.argmax(logits) == int(c.mask(logits).argmax())
+        if t is not None:
+            c.take([t])

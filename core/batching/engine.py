@@ -21,6 +21,7 @@ from ..kv.paged import BLOCK_SIZE
 from .block_pool import BlockPool
 from .kv_manager import KVManager
 from .scheduler import STEP_TOKENS, Request, Scheduler, Sequence
+from ..grammar import constrained_token
 from ..logprobs import token_logprobs
 from ..sampling import Seen
 
@@ -139,9 +140,8 @@ class Engine:
                 continue
             p, end = seq.request.sampling, starts[i + 1] - 1
             seen = Seen.of(seq.tokens, len(seq.request.prompt_ids), self.device) if p.penalized else None
-            if seq.constraint is not None:  # structured output: the grammar's mask, then the sampler
-                token = seq.sampler(seq.constraint.mask(logits[end]), seen)
-                seq.constraint.take([token])
+            if seq.constraint is not None:  # structured output: the grammar decides what may come
+                token = constrained_token(seq.constraint, seq.sampler, logits[end], seen)
             else:
                 token = greedy[end] if p.greedy and seen is None else seq.sampler(logits[end], seen)
             piece = seq.out.push(token, logits[end])
