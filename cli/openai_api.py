@@ -120,14 +120,15 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
             choice = checked_choice(body.get("tool_choice"), tools)
         except InvalidValue as e:
             raise APIError(400, str(e), "invalid_value", e.name.split("[")[0].split(".")[0]) from None
-        fmt = None
-        if choice != "none":
-            fmt = tool_format(llm.tokenizer.chat_template)
+        fmt = tool_format(llm.tokenizer.chat_template)
+        if choice == "none" and (fmt is None or fmt.name != "harmony"):
+            fmt = None  # (gpt-oss's answers are read as harmony with or without tools: its final channel)
+        elif choice != "none":
             if fmt is None:
                 raise APIError(400, f"{served_name}'s chat template does not render tools", "unsupported_parameter",
                                "tools")
         return await _complete(request, body, [body], dict(max_tokens=max_tokens, max_tokens_key=key,
-                                                           logprobs=logprobs, tools=tools if fmt else None),
+                                                           logprobs=logprobs, tools=tools if choice != "none" else None),
                                chat=True, tools=(fmt, choice))
 
     @app.post("/v1/completions")
@@ -194,7 +195,7 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
         fmt, choice = tools
         try:
             grammar = None
-            if fmt is not None and choice != "auto":  # a call is required: the grammar makes it parse
+            if fmt is not None and choice not in ("auto", "none"):  # a call is required: a grammar makes it parse
                 grammar = await loop.run_in_executor(None, call_grammar, llm, fmt, options["tools"], choice)
             elif not _is_off("response_format", body.get("response_format")):  # compiled off the event loop
                 grammar = await loop.run_in_executor(None, response_grammar, llm, body["response_format"])
@@ -388,6 +389,9 @@ class Choices:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in self._calls(calls)]}
                     finish = "tool_calls"
+                if self.tool_fmt.name == "harmony":  # the answer is the final channel; the analysis is reasoning
+                    message["content"] = content or None
+                    message["reasoning_content"] = self._plain(self.tool_fmt.reasoning(self._raw(i))) or None
             return {"index": i, "message": message, "logprobs": self._logprobs(i, 0, len(res.logprobs or ()), 0, False),
                     "finish_reason": finish}
         return {"index": i, "text": self.heads[i] + res.text,
@@ -423,7 +427,7 @@ class Choices:
         out = []
         if self.tool_fmt is not None:
             content, calls = self._split(i)
-            if not calls:
+            if not calls and self.tool_fmt.name != "harmony":
                 content = self._plain(self._raw(i))
             rest = content[len(self.said[i]):] if content.startswith(self.said[i]) else ""
             if rest:

@@ -244,6 +244,11 @@ class Harmony(ToolFormat):
                 final.append(body)
         return "".join(final).strip(), calls
 
+    def reasoning(self, text: str) -> str:
+        """The analysis channel's messages: the model's reasoning, not its answer."""
+        return "".join(m.group(2) for m in self._message.finditer(text)
+                       if re.search(r"<\|channel\|>\s*analysis", m.group(1))).strip()
+
     def call_start(self, text):
         return 0  # everything is a message on some channel: read the whole answer
 

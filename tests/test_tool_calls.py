@@ -24,7 +24,7 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                     "days": {"type": "integer"}},
                    "required": ["city", "days"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a zone", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
     "additionalProperties": False}}}
 
@@ -67,9 +67,8 @@ def test_reading_calls_in_each_format():
             'to=functions.get_weather <|constrain|>json<|message|>{"city": "Lima", "days": 1}')
     c, calls = Harmony().split(text)
     assert c == "" and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Lima", "days": 1}
-    c, calls = Harmony().split("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
-                               "<|message|>It is 4.")
-    assert (c, calls) == ("It is 4.", [])
+    answer = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+    assert Harmony().split(answer) == ("It is 4.", []) and Harmony().reasoning(answer) == "Easy."
     assert len({x.id for x in calls + Hermes().split('<tool_call>{"name": "a", "arguments": {}}</tool_call>')[1]}) \
         == len(calls) + 1  # ids are unique
 
@@ -121,7 +120,7 @@ def long_tiny_dir(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["Qwen-Qwen2.5-7B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja",
-                                        "mistralai-Mistral-Nemo-Instruct-2407.jinja"])
+                                        "mistralai-Mistral-Nemo-Instruct-2407.jinja", "openai-gpt-oss-120b.jinja"])
 def tool_server(request, long_tiny_dir):
     from test_serve import Server
 
