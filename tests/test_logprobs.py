@@ -208,6 +208,13 @@ def test_n_choices_share_the_prompt(server, tiny):
                                              seed=5)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seed + choice index: reproducible
     assert len({c.text for c in r.choices}) > 1
+    from brisk.core.kv.paged import BLOCK_SIZE
+
+    long = "the quick brown fox " * 12
+    n_blocks = (len(tiny.prompt_ids(long, raw=True)) - 1) // BLOCK_SIZE
+    before = server.runner.engine.stats.shared_tokens
+    server.client.completions.create(model="tiny", prompt=long, max_tokens=2, n=4, temperature=1.0)
+    assert n_blocks and server.runner.engine.stats.shared_tokens - before == 3 * n_blocks * BLOCK_SIZE  # computed once
     g = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2,
                                               max_tokens=5, temperature=0)
     assert len(g.choices) == 2 and g.choices[0].message.content == g.choices[1].message.content
