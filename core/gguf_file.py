@@ -34,7 +34,9 @@ class TensorInfo:
 
 class GGUFFile:
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        from .files import regular_file
+
+        self.path = regular_file(Path(path))  # a FIFO or a device would block or never end
         try:
             self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:

@@ -39,8 +39,8 @@ class SamplingParams:
             raise InvalidValue("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.min_p < 1:
             raise InvalidValue("min_p", self.min_p, "must be in [0, 1)")
-        if not self.repetition_penalty > 0:
-            raise InvalidValue("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if not 1e-3 <= self.repetition_penalty <= 1e3:  # beyond, penalized logits overflow float32
+            raise InvalidValue("repetition_penalty", self.repetition_penalty, "must be in [0.001, 1000]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidValue(name, getattr(self, name), "must be in [-2, 2]")
@@ -138,7 +138,8 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each token
-        sorted_p = sorted_p.masked_fill(before >= p.top_p, 0.0)
+        before[..., 0] = 0.0  # the most likely token always stays (a top_p under float32's least: 0)
+        sorted_p = sorted_p.masked_fill(before >= max(p.top_p, 1e-30), 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return probs / probs.sum(dim=-1, keepdim=True)
 

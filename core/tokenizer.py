@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 
@@ -75,11 +76,15 @@ class Tokenizer:
     @classmethod
     def from_hf_folder(cls, path: str | Path) -> Tokenizer:
         """A HF model/tokenizer folder (also what save() writes)."""
+        from .files import MAX_JSON_BYTES, exists, regular_file
+
         path = Path(path)
         tj = path / "tokenizer.json"
-        if not tj.is_file():
+        if not exists(tj):
             raise FileError("no tokenizer.json (brisk needs the 'fast' tokenizer file; "
                             "re-save the tokenizer with transformers to create it)", path)
+        if os.stat(regular_file(tj)).st_size > MAX_JSON_BYTES:
+            raise FileError(f"is over {MAX_JSON_BYTES >> 20} MiB", tj)
         try:
             backend = tokenizers.Tokenizer.from_file(str(tj))
         except Exception as e:
@@ -323,13 +328,12 @@ def _useful_merges(merges: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise FileError(f"unreadable JSON ({e})", path) from None
-    return data if isinstance(data, dict) else {}
+    from .files import read_json
+
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise FileError(f"must be a JSON object, not {type(data).__name__}", path)
+    return data
 
 
 def _token_ids(value) -> list[int]:
@@ -346,9 +350,14 @@ def _token_text(value) -> str | None:
 
 
 def _chat_template(path: Path, cfg: dict) -> str | None:
+    from .files import exists, read_bounded
+
     jinja = path / "chat_template.jinja"  # where transformers 5 saves it
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+    if exists(jinja):
+        try:
+            return read_bounded(jinja, 1 << 20).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FileError(f"not UTF-8 ({e.reason} at byte {e.start})", jinja) from None
     template = cfg.get("chat_template") or _read_json(path / "chat_template.json").get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
