@@ -4,6 +4,7 @@ are read (a FIFO would block for ever, /dev/zero never ends), JSON is bounded in
 and a name a model folder's index gives stays inside that folder."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -88,16 +89,41 @@ def read_json(path: Path, missing_ok: bool = True, limit: int = MAX_JSON_BYTES):
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` (UTF-8) via a hidden `.NAME.partial` sibling renamed into place, so an
-    interruption never leaves half a file. Raises OSError (the temporary is removed)."""
+    """Write `text` to `path` (UTF-8) whole or not at all: through a temporary sibling that only
+    this call owns (mkstemp), renamed into place. A symlink is followed (its target is replaced,
+    the link stays); a FIFO or a device is written through, as a shell's `>` does (renaming over
+    /dev/null would replace it with a file); a folder is refused. Raises OSError (IsADirectoryError
+    for a folder); the temporary never outlives a failure."""
+    import tempfile
+
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        mode = os.stat(path).st_mode  # follows a symlink
+    except FileNotFoundError:
+        mode = None
     except OSError:
-        if tmp.exists():
-            tmp.unlink()
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(21, "is a folder", str(path))
+    if mode is not None and not stat.S_ISREG(mode):  # a FIFO, a device: written through
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
+    target = path.resolve() if path.is_symlink() else path
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        if mode is not None:  # keep the permissions the file had
+            os.chmod(tmp, stat.S_IMODE(mode))
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # as a new file would get (mkstemp makes it 0600)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
 
 
