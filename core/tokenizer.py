@@ -209,7 +209,10 @@ class Tokenizer:
                         tools=tools, documents=None):
                     out.append(piece)
                     limits.add_output(len(piece))
-            return "".join(out)
+            text = "".join(out)
+            if not text.strip():  # a template that fails quietly (fields the messages lack, or the sandbox hides)
+                raise BriskError("the chat template rendered nothing for these messages")
+            return text
         except TemplateLimitExceeded as e:
             raise BriskError(f"chat template refused: {e}") from None
         except jinja2.TemplateError as e:

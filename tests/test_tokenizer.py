@@ -384,3 +384,14 @@ def test_end_tokens_of_phi3_and_gpt_oss(harmony):
         assert tok.eos_ids == {ids["<|return|>"], ids["<|call|>"]}
     else:
         assert ids["<|end|>"] in tok.eos_ids and ids["<|call|>"] not in tok.eos_ids
+
+
+def test_a_template_that_renders_nothing_says_so():
+    """A template that renders nothing (it reads fields the messages lack, or ones the sandbox
+    hides) says so, rather than that the prompt is empty."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    tok = Tokenizer(HFTokenizer(models.WordLevel({"a": 0}, unk_token="a")),
+                    chat_template="{% for m in messages %}{{ m.nothing }}{% endfor %}  ")
+    with pytest.raises(BriskError, match="rendered nothing"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
