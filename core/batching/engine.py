@@ -126,7 +126,7 @@ class Engine:
         logits = self.model(step.tokens[None], step.positions, step, logit_rows=step.logit_rows)[0]
         starts = [0, *itertools.accumulate(r.n_logits for r in rows)]  # each row's logits: starts[i]:starts[i+1]
         ends = [starts[i + 1] - 1 for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
-        greedy = dict(zip(ends, logits[ends].argmax(-1).tolist())) if ends else {}
+        greedy = logits.argmax(-1).tolist() if ends else []  # every row: no gathered copy of the logits
         events = []
         for i, ((seq, n), row) in enumerate(zip(plan, rows)):
             if seq.result.prompt_logprobs is not None:
