@@ -104,6 +104,8 @@ def _hub_snapshot(repo: str) -> Path:
 
 # ---------------------------------------------------------------- HF folders
 
+SAFETENSORS_HEADER_MAX = 100 << 20  # the safetensors reader's own bound on a header
+
 def _read_json(path: Path) -> dict:
     data = read_json(path)
     if not isinstance(data, dict):
@@ -114,16 +116,39 @@ def _read_json(path: Path) -> dict:
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    _check_unique_names(path)
     try:
         return load_file(str(path))  # memory-mapped; no copy until the tensors are converted
     except Exception as e:
         raise FileError(f"unreadable safetensors file ({str(e).splitlines()[0]})", path) from None
 
 
+def _check_unique_names(path: Path) -> None:
+    """A FileError where a safetensors header names one tensor twice: its reader keeps one of the
+    two without a word. A header that does not parse is left to the reader's own error."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= SAFETENSORS_HEADER_MAX:
+            return
+        raw = f.read(size)
+    try:  # pairs at every level, so that the top level's repeats show
+        top = json.loads(raw, object_pairs_hook=lambda pairs: pairs)
+    except (ValueError, RecursionError):
+        return
+    if isinstance(top, list):
+        names = [k for k, _ in top]
+        if len(set(names)) < len(names):
+            twice = next(n for i, n in enumerate(names) if n in names[:i])
+            raise FileError(f"the header lists tensor {twice} twice", path)
+
+
 def safetensors_files(folder: Path) -> list[Path]:
-    """A folder's safetensors weights: the index's shards (each must exist), else *.safetensors."""
+    """A folder's safetensors weights, chosen as transformers chooses them: the index's shards (each
+    must exist), else model.safetensors, else every *.safetensors file."""
     index = folder / "model.safetensors.index.json"
     if not files_exists(index):
+        if files_exists(folder / "model.safetensors"):  # a stale copy or a reference beside it is not read
+            return [regular_file(folder / "model.safetensors")]
         return [regular_file(f) for f in sorted(folder.glob("*.safetensors"))]
     weight_map = _read_json(index).get("weight_map", {})
     if not isinstance(weight_map, dict):
@@ -146,8 +171,12 @@ def load_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
             return _load_pickled(pickles)
         raise FileError("no *.safetensors weights found", folder)
     tensors: dict[str, torch.Tensor] = {}
+    source: dict[str, Path] = {}
     for f in files:
-        tensors.update(_load_safetensors(f))
+        for name, t in _load_safetensors(f).items():
+            if name in source:  # two versions of one weight: which one is right cannot be told
+                raise FileError(f"tensor {name} is in both {source[name].name} and {f.name}", folder)
+            tensors[name], source[name] = t, f
     return tensors
 
 

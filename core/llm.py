@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -38,6 +39,7 @@ class LLM:
         self.name = ckpt.name
         self.quantization = describe_quantization(model)
         self.eos_ids = set(tokenizer.eos_ids)  # includes generation_config.json's eos_token_id
+        tokenizer.fit_rows(self.config.vocab_size, ckpt.name)
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
@@ -125,6 +127,8 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
     if "embed_layer" in ckpt.extra:  # an untied quantized table: lookups dequantize the rows they need
         net.model.embed_tokens = QuantEmbedding(ckpt.extra.pop("embed_layer"), dtype, owner=True)
     elif cfg.tie_embeddings or ("lm_head.weight" not in tensors and not isinstance(net.lm_head, QuantLinear)):
+        if not cfg.tie_embeddings and ckpt.kind == "hf":  # transformers would start a random head
+            raise FileError("checkpoint lacks lm_head.weight, and config.json says tie_word_embeddings: false", ckpt.name)
         if isinstance(net.lm_head, QuantLinear):  # tied and quantized: look embeddings up in the head
             net.model.embed_tokens = QuantEmbedding(net.lm_head, dtype)
         elif "model.embed_tokens.weight" not in tensors:
@@ -146,6 +150,10 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
             converted[key] = t.to(device=device, dtype=dtype)
         state[k] = converted[key]
         del t
+    if tensors:  # what the architecture does not read: a sign of the wrong config or a mixed folder
+        names = sorted(tensors)
+        warnings.warn(f"{ckpt.name}: {len(names)} tensors are not used by {cfg.arch}: {', '.join(names[:5])}"
+                      f"{', ...' if len(names) > 5 else ''}")
     try:
         net.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:

@@ -47,6 +47,14 @@ class Tokenizer:
         self._template = None  # compiled lazily: most runs never render one
         self._added_ids = set(backend.get_added_tokens_decoder())
         self._byte_level: bool | None = None  # whether pieces spell bytes in GPT-2's alphabet (found on first use)
+        self._rows: int | None = None  # the model's embedding rows, where some token ids lie beyond them
+        self._model_name = ""
+
+    def fit_rows(self, rows: int, model_name: str) -> None:
+        """The model this tokenizer feeds has `rows` embeddings: ids at or past them (added tokens a
+        model file lists beyond its table) are refused by encode, not met as an index error later."""
+        top = max([self.backend.get_vocab_size(with_added_tokens=False) - 1, *self._added_ids])
+        self._rows, self._model_name = (rows if top >= rows else None), model_name
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -151,7 +159,17 @@ class Tokenizer:
         except UnicodeEncodeError:  # lone surrogates (undecodable bytes of a command-line argument)
             text = text.encode("utf-8", "surrogateescape" if _escapes_only(text) else "surrogatepass") \
                 .decode("utf-8", "replace")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        except BaseException as e:  # the Rust tokenizer's panics derive from BaseException
+            if type(e).__name__ != "PanicException":
+                raise
+            raise BriskError(f"{self._model_name or 'the model'}: the tokenizer failed on this text "
+                             f"({str(e).splitlines()[0][:200]}); its tokenizer.json pre-tokenizer regex may backtrack") from None
+        if self._rows is not None and ids and max(ids) >= self._rows:
+            bad = max(ids)
+            raise BriskError(f"{self._model_name}: token {self.backend.id_to_token(bad)!r} (id {bad}) is beyond the "
+                             f"model's {self._rows} embedding rows")
         # One BOS, even when the text already starts with the BOS token text (a doubled BOS
         # hurts generation; transformers would add a second one here).
         if add_special and self.add_bos and ids[:1] != [self.bos_id]:

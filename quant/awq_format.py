@@ -64,8 +64,8 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
     version = str(qcfg.get("version", qcfg.get("format", qcfg.get("checkpoint_format", "gemm")))).lower()
     if version not in VERSIONS:
         raise FormatError(f"AWQ version {version!r} is not supported (brisk reads the GEMM layout)")
-    bits = int(qcfg.get("bits", qcfg.get("w_bit", 4)))
-    if bits != 4 or not qcfg.get("zero_point", True):
+    bits = qcfg.get("bits", qcfg.get("w_bit", 4))
+    if bits != 4 or isinstance(bits, bool) or not qcfg.get("zero_point", True):
         raise FormatError(f"AWQ with bits={bits}, zero_point={qcfg.get('zero_point')} is not supported "
                           "(brisk reads 4-bit AWQ with zero points)")
     qweight = tensors.pop(f"{prefix}.qweight")
@@ -76,6 +76,10 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
     if qweight.dtype != torch.int32 or scales.shape[1] != N or qzeros.shape != (G, N // 8) or K % G:
         raise FormatError(f"{prefix}: AWQ tensors of inconsistent shapes (qweight {tuple(qweight.shape)}, "
                           f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)})")
+    gs = qcfg.get("group_size", qcfg.get("q_group_size"))
+    if gs is not None and not (isinstance(gs, int) and not isinstance(gs, bool) and (gs * G == K or gs == -1 and G == 1)):
+        raise FormatError(f"{prefix}: quantization_config group_size {gs!r} does not match the tensors "
+                          f"({K} input columns in {G} groups)")
     return AWQLinear(qweight, qzeros, scales, bias)
 
 

@@ -17,13 +17,14 @@ reads it the same way).
 """
 from __future__ import annotations
 
-import re
-
+import regex  # re with a time bound
 import torch
 
 from . import packing
 from .errors import FormatError
 from .zero_point_linear import ZeroPointLinear
+
+REGEX_SECONDS = 1.0  # a layer name is short: a sane pattern matches it in microseconds
 
 FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values with this layout
 
@@ -47,6 +48,10 @@ def quantization_config(bits: int = 4, group_size: int = 128, sym: bool = True, 
 OVERRIDABLE = ("bits", "group_size", "sym", "desc_act")
 
 
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def layer_config(qcfg: dict, name: str) -> dict | None:
     """The settings of layer `name` (bits, group_size, sym, desc_act): the config's, with the first
     matching "dynamic" entry's overrides; None for a layer a "-:" entry leaves float."""
@@ -57,10 +62,12 @@ def layer_config(qcfg: dict, name: str) -> dict | None:
         raise FormatError(f"GPTQ dynamic must map regexes to settings, got {type(dynamic).__name__}")
     for pattern, over in dynamic.items():
         negative = pattern.startswith("-:")
-        try:
-            hit = re.match(pattern[2:] if negative else pattern.removeprefix("+:"), name)
-        except re.error as e:
+        try:  # a model file's regex: the time bound stops one that backtracks for ever
+            hit = regex.match(pattern[2:] if negative else pattern.removeprefix("+:"), name, timeout=REGEX_SECONDS)
+        except regex.error as e:
             raise FormatError(f"GPTQ dynamic pattern {pattern!r} is not a regex: {e}") from None
+        except TimeoutError:
+            raise FormatError(f"GPTQ dynamic pattern {pattern!r} backtracks without end on {name!r}") from None
         if hit and negative:
             return None
         if hit:
@@ -110,18 +117,17 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
     layer = layer_config(qcfg, prefix)
     if layer is None:
         raise FormatError(f"{prefix} is stored quantized, but the config's dynamic leaves it float")
-    bits = layer["bits"]
-    if bits not in packing.BITS or not isinstance(layer["group_size"], int):
-        raise FormatError(f"{prefix}: {bits!r}-bit GPTQ in groups of {layer['group_size']!r} is not supported "
-                          f"(brisk reads {packing.BITS} bits)")
+    bits, gs = layer["bits"], layer["group_size"]
+    if not _whole(bits) or bits not in packing.BITS or not _whole(gs) or not (gs == -1 or gs > 0):
+        raise FormatError(f"{prefix}: {bits!r}-bit GPTQ in groups of {gs!r} is not supported (brisk reads "
+                          f"{', '.join(map(str, packing.BITS))} bits, groups of -1 or a positive integer)")
     qweight = tensors.pop(f"{prefix}.qweight")
     qzeros = tensors.pop(f"{prefix}.qzeros")
     scales = tensors.pop(f"{prefix}.scales")
     g_idx = tensors.pop(f"{prefix}.g_idx", None)
     K, N = qweight.shape[0] * 32 // bits, qweight.shape[1]
     G = scales.shape[0]
-    gs = layer["group_size"]
-    gs = K if gs <= 0 else gs
+    gs = K if gs == -1 else gs
     if qweight.dtype != torch.int32 or qzeros.shape != (G, N * bits // 32) or scales.shape[1] != N \
             or G != -(-K // gs):
         raise FormatError(f"{prefix}: GPTQ tensors of inconsistent shapes (qweight {tuple(qweight.shape)}, "

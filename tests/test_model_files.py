@@ -11,6 +11,7 @@ import shutil
 import threading
 
 import pytest
+import torch
 
 from brisk.core import LLM
 from brisk.core.errors import FileError
@@ -137,3 +138,173 @@ def test_generation_config_values_that_would_break_sampling(folder):
         s = Session(llm)
         list(s.stream(llm.prompt_ids("hello", raw=True), params, 8))
         assert len(s.last.tokens) > 0
+
+
+# ---------------------------------------------------------------- silent inconsistencies
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _save(tensors, path):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+
+
+def test_one_tensor_in_two_shards_is_refused(folder):
+    """Two versions of one weight: which one runs cannot be told (it was the later shard's)."""
+    t = _weights(folder)
+    names = sorted(t)
+    first, second = {k: t[k] for k in names[:6]}, {k: t[k] for k in names[5:]}
+    second[names[5]] = second[names[5]] + 1  # different data under the same name
+    (folder / "model.safetensors").unlink()
+    _save(first, folder / "a.safetensors")
+    _save(second, folder / "b.safetensors")
+    sharded(folder, {**{k: "a.safetensors" for k in first}, **{k: "b.safetensors" for k in second}})
+    refused(folder, names[5], "a.safetensors", "b.safetensors")
+
+
+def test_one_tensor_twice_in_a_header_is_refused(folder):
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    text = json.dumps(header)[:-1] + ', "model.norm.weight": ' + json.dumps(header["model.norm.weight"]) + "}"
+    text += " " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text.encode() + raw[8 + n:])
+    refused(folder, "model.safetensors", "model.norm.weight twice")
+
+
+def test_weights_files_beside_model_safetensors_are_not_read(folder):
+    """Without an index, model.safetensors alone is the model (as transformers reads a folder): a
+    stale copy beside it with other values is not mixed in."""
+    good = load_within(folder)["llm"]
+    stale = {k: v + 1 for k, v in _weights(folder).items()}
+    _save(stale, folder / "model-old.safetensors")
+    again = load_within(folder)["llm"]
+    for (k, a), (_, b) in zip(good.model.state_dict().items(), again.model.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_a_missing_head_with_untied_embeddings_is_refused(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg.get("tie_word_embeddings") is False
+    t = _weights(folder)
+    del t["lm_head.weight"]
+    _save(t, folder / "model.safetensors")
+    refused(folder, "lm_head.weight", "tie_word_embeddings")
+
+
+def test_tensors_the_architecture_does_not_use_are_named_in_one_warning(folder):
+    t = _weights(folder)
+    t["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    t["lm_head.bias"] = torch.zeros(300)
+    _save(t, folder / "model.safetensors")
+    with pytest.warns(UserWarning) as caught:
+        LLM.load(str(folder), device="cpu", dtype="float32")
+    said = [str(w.message) for w in caught if "not used" in str(w.message)]
+    assert len(said) == 1 and "2 tensors" in said[0]
+    assert "lm_head.bias" in said[0] and "q_proj.bias" in said[0]
+
+
+def _scaling(folder) -> tuple[str, dict]:
+    """config.json's rope scaling and its key (transformers 5 writes rope_parameters)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    return key, cfg[key]
+
+
+def _config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("change", [{"factor": 0}, {"factor": -2}, {"factor": float("nan")}, {"factor": float("inf")},
+                                    {"factor": 1e308}, {"factor": "8"}, {"factor": None}, {"low_freq_factor": 4.0},
+                                    {"original_max_position_embeddings": 0}, {"original_max_position_embeddings": 64.5}])
+def test_rope_scaling_values_are_checked(folder, change):
+    """llama3 rope scaling: a factor of 0, NaN or inf gave rope tables of inf/NaN without a word."""
+    key, scaling = _scaling(folder)
+    _config(folder, **{key: {**scaling, **change}})
+    refused(folder, "config.json", "rope_scaling.")
+
+
+def test_rope_scaling_without_its_factor_is_refused(folder):
+    key, scaling = _scaling(folder)
+    del scaling["factor"]
+    _config(folder, **{key: scaling})
+    refused(folder, "config.json", "rope_scaling.factor")
+
+
+def test_token_ids_beyond_the_embedding_are_refused_when_met(folder):
+    """An added token past the model's 300 rows: the prompt holding it is refused by name (it was an
+    IndexError inside the model); prompts without it run."""
+    from brisk.core.errors import BriskError
+    from brisk.core.sampling import SamplingParams
+
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    tj["added_tokens"].append({"id": 300, "content": "<beyond>", "single_word": False, "lstrip": False,
+                               "rstrip": False, "normalized": False, "special": True})
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    llm = LLM.load(str(folder), device="cpu", dtype="float32")
+    assert llm.generate("hello", SamplingParams(temperature=0), max_tokens=2).tokens
+    with pytest.raises(BriskError, match="<beyond>.*id 300.*300 embedding rows"):
+        llm.prompt_ids("hello <beyond>", raw=True)
+
+
+def test_a_backtracking_pre_tokenizer_regex_is_an_error_not_a_panic(folder):
+    """The Rust tokenizer panics (PanicException derives from BaseException, past every `except
+    Exception`) when its regex engine gives up on a backtracking pattern."""
+    from brisk.core.errors import BriskError
+
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    tj["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a+)+b"}, "behavior": "Isolated", "invert": False}
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    llm = LLM.load(str(folder), device="cpu", dtype="float32")
+    with pytest.raises(BriskError, match="tokenizer failed"):
+        llm.prompt_ids("a" * 30 + "!", raw=True)
+
+
+# ---------------------------------------------------------------- quantization_config values
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
+
+
+def _quantized(tmp_path, name, **changes):
+    d = tmp_path / name
+    shutil.copytree(FIXTURES / name, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"].update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("change", [{"bits": 4.0}, {"bits": "4"}, {"bits": None}, {"bits": [4]}, {"bits": True},
+                                    {"group_size": 0}, {"group_size": -2}, {"group_size": "64"}, {"group_size": 64.0}])
+def test_gptq_settings_of_the_wrong_type_or_range(tmp_path, change):
+    """They raised TypeError (4.0 << ...) or were taken as another group size (0 as -1)."""
+    refused(_quantized(tmp_path, "gptq_4bit_g64_asym", **change), "GPTQ", "not supported")
+
+
+@pytest.mark.parametrize("change", [{"bits": "x"}, {"bits": None}, {"bits": [4]}, {"group_size": 0},
+                                    {"group_size": 7}, {"group_size": "128"}, {"group_size": -1}])
+def test_awq_settings_of_the_wrong_type_or_not_the_tensors(tmp_path, change):
+    """bits "x" raised ValueError from int(); a group_size the tensors do not have was ignored."""
+    refused(_quantized(tmp_path, "awq_gemm_4bit_g128", **change), "AWQ" if "bits" in change else "group_size")
+
+
+@pytest.mark.parametrize("pattern, ends", [("-:(\\w|.)*!", "loads"), ("-:^((\\w|.)+)*\\1\\1\\1$", "backtracks")])
+def test_a_backtracking_dynamic_regex_ends_in_time(tmp_path, pattern, ends):
+    """GPTQModel's `dynamic` rules are regexes from the model file. Python's re spends ~14 s on the
+    first over one layer name (nested quantifiers, no match); brisk's engine rules it out at once,
+    and a pattern that still backtracks (a backreference) is stopped within its time bound."""
+    d = _quantized(tmp_path, "gptq_4bit_g64_asym", dynamic={pattern: {}})
+    out = load_within(d, seconds=20)
+    if ends == "loads":
+        assert "llm" in out, out
+    else:
+        assert isinstance(out.get("error"), FileError) and "backtracks" in str(out["error"]), out

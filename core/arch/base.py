@@ -99,6 +99,23 @@ class Architecture:
         return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
+def positive_setting(params: dict, key: str, default, source, most: float = 1e6) -> float:
+    """A rope_scaling number that must be positive and finite (0, NaN or 1e308 would silently give
+    rope tables of zeros, NaN or inf): the value, else the default, checked."""
+    v = params.get(key) if params.get(key) is not None else default
+    if not number(v) or not 0 < v <= most:
+        raise FileError(f"{source}: rope_scaling.{key} must be a positive number up to {most:g}, got {shown_value(v)}")
+    return float(v)
+
+
+def original_context(params: dict, source) -> int:
+    v = params.get("original_max_position_embeddings")
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1 << 24:
+        raise FileError(f"{source}: rope_scaling.original_max_position_embeddings must be a positive integer, "
+                        f"got {shown_value(v)}")
+    return v
+
+
 def attention_factor(scaling: dict, default: float, source) -> float:
     """rope_scaling's attention_factor (what scales cos and sin), else the scheme's default, checked."""
     v = scaling.get("attention_factor")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 import re
 
-from ..config import ModelConfig, number, shown_value
+from ..config import ModelConfig, shown_value
 from ..errors import FileError, UnsupportedFormat
 from ...quant import mxfp4_format
-from .base import Architecture, attention_factor, check_experts
+from .base import Architecture, attention_factor, check_experts, original_context, positive_setting
 
 
 def yarn(params: dict | None, source, truncate: bool = True) -> dict | None:
@@ -29,15 +29,8 @@ def yarn(params: dict | None, source, truncate: bool = True) -> dict | None:
         raise UnsupportedFormat(f"rope scaling {kind!r} is not supported for this architecture (only yarn)")
     out = {"rope_type": "yarn", "truncate": bool(params.get("truncate", truncate))}
     for key, default in (("factor", None), ("beta_fast", 32.0), ("beta_slow", 1.0)):
-        v = params.get(key) if params.get(key) is not None else default
-        if not number(v) or not 0 < v < 1e6:
-            raise FileError(f"{source}: rope_scaling.{key} must be a positive number, got {shown_value(v)}")
-        out[key] = float(v)
-    original = params.get("original_max_position_embeddings")
-    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
-        raise FileError(f"{source}: rope_scaling.original_max_position_embeddings must be a positive integer, "
-                        f"got {shown_value(original)}")
-    out["original_max_position_embeddings"] = original
+        out[key] = positive_setting(params, key, default, source)
+    out["original_max_position_embeddings"] = original_context(params, source)
     # by default the paper's suggestion, as transformers computes it
     out["attention_factor"] = attention_factor(
         params, 0.1 * math.log(out["factor"]) + 1.0 if out["factor"] > 1 else 1.0, source)

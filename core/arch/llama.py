@@ -7,19 +7,26 @@ interleaved (its "rope type NORM") and Qwen2's in Hugging Face's order ("NEOX").
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..errors import BriskError, UnsupportedFormat
-from .base import Architecture
+from ..errors import BriskError, FileError, UnsupportedFormat
+from .base import Architecture, original_context, positive_setting
 
 
-def rope_scaling(cfg: dict, allowed: tuple[str, ...] = ("llama3",)) -> dict | None:
-    """config.json's rope scaling (rope_scaling, or transformers 5's rope_parameters), None for none."""
+def rope_scaling(cfg: dict, source, allowed: tuple[str, ...] = ("llama3",)) -> dict | None:
+    """config.json's rope scaling (rope_scaling, or transformers 5's rope_parameters), checked, as
+    brisk keeps it (model.rope_inv_freq reads it); None for none."""
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
     if kind in (None, "default"):
         return None
     if kind not in allowed:
         raise UnsupportedFormat(f"rope scaling {scaling!r} is not supported (only {', '.join(allowed)})")
-    return scaling
+    out = {"rope_type": "llama3", "original_max_position_embeddings": original_context(scaling, source)}
+    for key, default in (("factor", None), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0)):
+        out[key] = positive_setting(scaling, key, default, source)
+    if out["high_freq_factor"] <= out["low_freq_factor"]:  # the blend between them divides by the difference
+        raise FileError(f"{source}: rope_scaling.high_freq_factor must exceed low_freq_factor, got "
+                        f"{out['high_freq_factor']:g} and {out['low_freq_factor']:g}")
+    return out
 
 
 def sliding_window(cfg: dict, default: bool = False) -> int | None:
@@ -38,7 +45,7 @@ class Llama(Architecture):
 
     def config_from_hf(self, cfg, common, source):
         window = sliding_window(cfg, cfg.get("model_type") == "mistral")
-        return ModelConfig(arch=self.name, rope_scaling=rope_scaling(cfg), qkv_bias=self.qkv_bias,
+        return ModelConfig(arch=self.name, rope_scaling=rope_scaling(cfg, source), qkv_bias=self.qkv_bias,
                            sliding_window=window, layer_types=["sliding" if window else "full"] * common["n_layers"],
                            **common)
 

@@ -27,7 +27,7 @@ class Mixtral(Llama):
         except KeyError as e:
             raise FileError(f"{source} lacks {e.args[0]!r}") from None
         window = sliding_window(cfg, True)
-        return ModelConfig(arch=self.name, rope_scaling=rope_scaling(cfg), sliding_window=window,
+        return ModelConfig(arch=self.name, rope_scaling=rope_scaling(cfg, source), sliding_window=window,
                            layer_types=["sliding" if window else "full"] * common["n_layers"],
                            n_experts=n, n_experts_used=used, expert_ffn_dim=common["ffn_dim"], **common)
 

@@ -18,7 +18,7 @@ class Qwen3(Architecture):
     def config_from_hf(self, cfg, common, source):
         window = sliding_window(cfg)
         return ModelConfig(arch=self.name, qk_norm=True, qkv_bias=bool(cfg.get("attention_bias", False)),
-                           rope_scaling=rope_scaling(cfg), sliding_window=window,
+                           rope_scaling=rope_scaling(cfg, source), sliding_window=window,
                            layer_types=["sliding" if window else "full"] * common["n_layers"],
                            **self.moe_hf(cfg, common, source), **common)
 
