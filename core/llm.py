@@ -13,7 +13,7 @@ from . import progress
 from .checkpoint import Checkpoint, load_checkpoint
 from .config import DEFAULT_CTX
 from .device import pick_device, pick_dtype, use_one_thread_pool
-from .errors import BriskError, FileError, InvalidValue
+from .errors import BriskError, FileError, InvalidValue, PromptTooLong
 from .kernel_passes import apply_device_kernels
 from .kv import ContiguousKV
 from .model import MoE, Router, Transformer
@@ -91,9 +91,20 @@ class LLM:
             raise BriskError("the prompt is empty")
         tok = self.tokenizer
         if raw or not tok.has_chat_template:
-            return tok.encode(prompt, add_special=True)
+            return self._encode_within_context(prompt, True, "prompt")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special=False)
+        return self._encode_within_context(tok.apply_chat_template(messages, add_generation_prompt=True), False,
+                                           "prompt as the chat template renders it")
+
+    def _encode_within_context(self, text: str, add_special: bool, what: str) -> list[int]:
+        """The text's ids. Text far longer than the context (a 50 MB file) is not tokenized whole,
+        which takes gigabytes: when its head alone fills the context, it is refused as too long."""
+        head = self.ctx * MAX_CHARS_PER_TOKEN
+        if len(text) > head:
+            ids = self.tokenizer.encode(text[:head], add_special=add_special)
+            if len(ids) >= self.ctx:
+                raise PromptTooLong(len(ids), self.ctx, what=f"{what} ({len(text)} characters; its first {head} alone)")
+        return self.tokenizer.encode(text, add_special=add_special)
 
     def stream(self, prompt: str, sampling=None, max_tokens: int = 256, stop=(), raw: bool = False,
                session=None):
@@ -113,6 +124,8 @@ class LLM:
         return session.last
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "nf4")
+# More characters than any vocabulary's tokens hold on average: text beyond ctx times this cannot fit
+MAX_CHARS_PER_TOKEN = 64
 
 
 def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> Transformer:

@@ -111,6 +111,24 @@ def test_generate_stdin_and_file(tiny_llama_dir, tmp_path):
     assert a.stdout == b.stdout == c.stdout and a.stdout.strip()
 
 
+def test_a_prompt_far_beyond_the_context_is_refused_from_its_head(tiny_llama_dir, tmp_path):
+    """A 45 MB prompt file is not tokenized whole (8.8 GB and minutes; under a memory bound, an
+    abort): its head alone shows it cannot fit. Peak memory is read in a wrapper process whose only
+    child is brisk."""
+    words = ["alpha", "beta", "gamma", "the", "fox", "jumps", "over", "dog"]
+    f = tmp_path / "big.txt"
+    f.write_text(" ".join(words[i * 7 % 8] for i in range(7_500_000)))
+    wrapper = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True, "
+               "stdin=subprocess.DEVNULL); print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+               "print(r.stderr, end='')")
+    r = subprocess.run([sys.executable, "-c", wrapper, *BRISK, "generate", str(tiny_llama_dir), "-f", str(f), "--raw",
+                        "-n", "2"], capture_output=True, text=True, timeout=300)
+    (code, peak_kb), err = r.stdout.split("\n", 1)[0].split(), r.stdout.split("\n", 1)[1]
+    assert code == "1" and len(err.strip().splitlines()) == 1, err
+    assert "characters; its first" in err and "but the context is 256" in err, err
+    assert int(peak_kb) < 1_500_000, peak_kb
+
+
 def test_piped_stdin_is_appended_to_a_prompt_argument(tiny_llama_dir):
     """`echo TEXT | brisk generate MODEL "Translate:"`: the prompt is the argument, a blank line,
     then stdin (as ollama does); invalid UTF-8 on stdin is a one-line error."""
