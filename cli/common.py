@@ -17,8 +17,9 @@ ModelArg = typer.Option(None, "--model", "-m", help="Model: HF folder, hub id, .
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda")
 ThreadsOpt = typer.Option(None, "--threads", help="CPU threads to compute with (default: the physical cores).")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fastest on CPU)")
-QuantizeOpt = typer.Option("auto", "--quantize", "-q", help="auto: run the checkpoint as stored (a GGUF's Q4_0/Q4_1/Q8_0 "
-                           "weights stay quantized, other GGUF types are widened) | none: widen to --dtype | "
+QuantizeOpt = typer.Option("auto", "--quantize", "-q", help="auto: run the checkpoint as stored (a GGUF's weights stay in "
+                           "their blocks on the CPU: README, \"What it runs\" lists the types; GPTQ/AWQ/bitsandbytes stay in "
+                           "their formats) | none: widen to --dtype | "
                            "int8 | int4 | nf4: quantize float weights at load.")
 CtxOpt = typer.Option(None, "--ctx", help="Context length to allocate (default: min(4096, model's)).", min=16)
 TempOpt = typer.Option(None, "--temperature", "-t", help="0 = greedy. Default: the model's recommended setting, else 0.3.")
