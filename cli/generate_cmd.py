@@ -287,6 +287,8 @@ def _stdin_text() -> Optional[str]:
         mode = os.fstat(sys.stdin.fileno()).st_mode
         if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode) or stat.S_ISSOCK(mode)):
             return None
+        if not stat.S_ISREG(mode):
+            _say_when_stdin_is_silent(sys.stdin.fileno())
         data = sys.stdin.buffer.read()
     except (OSError, ValueError, AttributeError):  # an in-memory stream (tests, embedding): read it
         data = sys.stdin.read()
@@ -296,6 +298,21 @@ def _stdin_text() -> Optional[str]:
         except UnicodeDecodeError as e:
             raise BriskError(f"stdin is not UTF-8 text (byte {e.start})") from None
     return data
+
+
+STDIN_QUIET_SECONDS = 1.0
+
+
+def _say_when_stdin_is_silent(fd: int) -> None:
+    """A pipe inherited from a script, a CI step or subprocess that never closes would keep brisk
+    waiting in silence (piped stdin is part of the prompt): after a second without data or EOF,
+    say on stderr what brisk waits for and how not to."""
+    import select
+
+    ready, _, _ = select.select([fd], [], [], STDIN_QUIET_SECONDS)
+    if not ready:
+        print("brisk: waiting for the prompt's text on stdin (a pipe, still open, has sent nothing yet); "
+              "run brisk with </dev/null when there is none", file=sys.stderr, flush=True)
 
 
 def _looks_like_model(arg: str) -> bool:

@@ -129,6 +129,27 @@ def test_a_prompt_far_beyond_the_context_is_refused_from_its_head(tiny_llama_dir
     assert int(peak_kb) < 1_500_000, peak_kb
 
 
+def test_a_silent_open_stdin_pipe_is_announced_and_then_read(tiny_llama_dir):
+    """A script's inherited pipe that never closes used to keep brisk waiting in silence: after a
+    second without data it says so on stderr; what then arrives is still part of the prompt."""
+    r, w = os.pipe()
+    p = subprocess.Popen(BRISK + ["generate", str(tiny_llama_dir), "Translate:", "--raw", "-n", "2", "-t", "0", "--json"],
+                         stdin=r, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(r)
+    try:
+        lines = [p.stderr.readline()]  # blocks until brisk speaks (an import's warning may come first)
+        while "waiting for the prompt" not in lines[-1] and lines[-1] and len(lines) < 20:
+            lines.append(p.stderr.readline())
+        assert "waiting for the prompt" in lines[-1] and "</dev/null" in lines[-1], lines
+        os.write(w, b"The fox")
+    finally:
+        os.close(w)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    b = brisk("generate", str(tiny_llama_dir), "Translate:\n\nThe fox", "--raw", "-n", "2", "-t", "0", "--json")
+    assert json.loads(out)["prompt_tokens"] == json.loads(b.stdout)["prompt_tokens"]
+
+
 def test_piped_stdin_is_appended_to_a_prompt_argument(tiny_llama_dir):
     """`echo TEXT | brisk generate MODEL "Translate:"`: the prompt is the argument, a blank line,
     then stdin (as ollama does); invalid UTF-8 on stdin is a one-line error."""
