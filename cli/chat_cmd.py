@@ -55,6 +55,11 @@ def chat(
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)
         c.check_draft(draft, draft_k, lookahead)
+        from ..core.model_info import has_chat_template
+
+        if has_chat_template(model or model_pos) is False:  # known from the header: before a long load
+            raise BriskError(f"{model or model_pos or 'the model'} has no chat template (a base model?); "
+                             "use `brisk generate --raw`")
         llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                      presence_penalty, frequency_penalty)

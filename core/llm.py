@@ -90,6 +90,9 @@ class LLM:
         if not prompt.strip():
             raise BriskError("the prompt is empty")
         tok = self.tokenizer
+        if system is not None and (raw or not tok.has_chat_template):  # it would be dropped without a word
+            raise BriskError("a system message needs the chat template: " +
+                             ("--raw leaves it out" if raw else f"{self.name} has none (a base model?)"))
         if raw or not tok.has_chat_template:
             return self._encode_within_context(prompt, True, "prompt")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

@@ -98,6 +98,23 @@ def model_info(model: str | None = None, ctx: int | None = None) -> ModelInfo:
     return _hf_info(name, path, ctx)
 
 
+def has_chat_template(model: str | None) -> bool | None:
+    """Whether `model` has a chat template, from its header or tokenizer files alone (a chat on a base
+    model is refused before a long load); None when that cannot be told without downloading or
+    loading (a hub id not in the cache, an unreadable file: the load then says what is wrong)."""
+    try:
+        name, path = _locate(model)
+        if path.is_file():
+            from .checkpoint import _gguf_header
+
+            return _gguf_header(path)[1].has_chat_template
+        from .tokenizer import Tokenizer
+
+        return Tokenizer.from_hf_folder(path).has_chat_template
+    except BriskError:
+        return None
+
+
 # ---------------------------------------------------------------- finding the model
 
 def _locate(model: str | None) -> tuple[str, Path]:

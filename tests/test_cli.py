@@ -150,6 +150,28 @@ def test_a_silent_open_stdin_pipe_is_announced_and_then_read(tiny_llama_dir):
     assert json.loads(out)["prompt_tokens"] == json.loads(b.stdout)["prompt_tokens"]
 
 
+def test_chat_on_a_base_model_is_refused_before_the_weights_load(tiny_llama_dir, tmp_path):
+    """Known from the tokenizer files: the weights here are not even readable, and the error is
+    still the missing template (it came after a long load before)."""
+    import shutil
+
+    d = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, d)
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").write_bytes(b"not weights")
+    assert_clean_error(brisk("chat", str(d)), "has no chat template", "--raw")
+
+
+def test_a_system_message_without_a_chat_template_is_refused(tiny_gguf_path):
+    """It was dropped without a word with --raw or on a base model."""
+    assert_clean_error(brisk("generate", str(tiny_gguf_path), "hi", "--system", "Be brief.", "-n", "1"),
+                       "system message", "has none")
+    assert_clean_error(brisk("generate", "hi", "--system", "Be brief.", "--raw", "-n", "1"), "system message", "--raw")
+
+
 def test_piped_stdin_is_appended_to_a_prompt_argument(tiny_llama_dir):
     """`echo TEXT | brisk generate MODEL "Translate:"`: the prompt is the argument, a blank line,
     then stdin (as ollama does); invalid UTF-8 on stdin is a one-line error."""
