@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from brisk.core import GREEDY, LLM, BriskError, SamplingParams, Session
-from brisk.core import speculative as spec
+from brisk.core.spec import verify as verification
 from brisk.core.kv import ContiguousKV
 from brisk.core.sampling import probabilities
-from brisk.core.speculative import KPolicy, ModelDrafter, NgramDrafter, Speculator, make_speculator
+from brisk.core.spec.build import make_speculator
+from brisk.core.spec.chain_policy import KPolicy
+from brisk.core.spec.model_drafter import ModelDrafter
+from brisk.core.spec.ngram import NgramDrafter
+from brisk.core.spec.speculator import Speculator
 
 from conftest import write_hf_checkpoint
 
@@ -216,7 +220,7 @@ def test_sampling_matches_target_distribution(tiny, prompts, near_draft, drafter
     assert not chi_square_fails(counts, dist, 600)
     # The same test catches a wrong acceptance rule: keeping every draft samples the draft's
     # distribution instead of the target's.
-    monkeypatch.setattr(spec, "acceptance_probability", lambda p, q: 1.0)
+    monkeypatch.setattr(verification, "acceptance_probability", lambda p, q: 1.0)
     counts = sample(300)
     assert chi_square_fails(counts, dist, 300)
 
@@ -227,11 +231,11 @@ def test_verify_rule_units():
     g = torch.Generator().manual_seed(0)
     # a draft the target gives no mass to is always rejected and never resampled
     for _ in range(20):
-        n, nxt = spec.verify(logits, [2], None, params, g, None)
+        n, nxt = verification.verify(logits, [2], None, params, g, None)
         assert n == 0 and nxt in (0, 1)
     # greedy: keep the longest agreeing prefix, then the target's own token
-    assert spec.verify(logits, [0], None, SamplingParams(temperature=0), g, None) == (1, 2)
-    assert spec.verify(logits, [1], None, SamplingParams(temperature=0), g, None) == (0, 0)
+    assert verification.verify(logits, [0], None, SamplingParams(temperature=0), g, None) == (1, 2)
+    assert verification.verify(logits, [1], None, SamplingParams(temperature=0), g, None) == (0, 0)
 
 
 # ---------------------------------------------------------------- caches
