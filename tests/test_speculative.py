@@ -398,6 +398,36 @@ def test_cli_draft_options(tiny_llama_dir, paired_dir):
     assert rows[-1]["acceptance"] is not None
 
 
+def test_one_parser_for_the_command_line_and_the_api(tiny, tmp_path):
+    """parse_draft_options judges the speculation options for every caller: make_speculator
+    refuses with its very messages (options named as the API spells them; the command line
+    renders flags), and the command line refuses before any model loads."""
+    from typer.testing import CliRunner
+
+    from brisk.cli.main import app
+    from brisk.core.spec.options import parse_draft_options
+
+    cases = [(("ngram", "auto", "3,3,2"), "--lookahead needs --draft lookahead"),
+             (("ngram", "x", None), "draft_k must be a positive integer or auto"),
+             (("ngram", 0, None), "draft_k must be a positive integer or auto"),
+             (("lookahead", 3, None), "draft_k does not apply to --draft lookahead"),
+             (("lookahead", "auto", "1,1,1"), "lookahead 1,1,1: needs W >= 0, N >= 2, G >= 1"),
+             (("heads:", "auto", None), "draft heads:PATH needs the folder"),
+             (("heads:x", 99, None), "draft_k 99: a heads tree of K nodes"),
+             (("self:int2", "auto", None), "draft self:int2: use self:int8 or self:int4")]
+    for args, message in cases:
+        with pytest.raises(BriskError) as parsed:
+            parse_draft_options(*args)
+        with pytest.raises(BriskError) as made:
+            make_speculator(tiny, *args)
+        assert message in str(parsed.value) and str(made.value) == str(parsed.value)
+    assert parse_draft_options(None) is None
+    with pytest.raises(BriskError, match="--draft-k needs --draft"):
+        parse_draft_options(None, "2")
+    r = CliRunner().invoke(app, ["generate", str(tmp_path / "no-model"), "hi", "--draft", "self:int2"])
+    assert r.exit_code == 1 and "error: --draft self:int2: use self:int8 or self:int4" in r.stderr
+
+
 # ---------------------------------------------------------------- CUDA (skipped without a GPU)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
