@@ -558,7 +558,7 @@ def spec(state, paths: list[str]):
     from brisk.core import GREEDY, LLM, generate
     from brisk.core.cuda_graph import verify_pass
     from brisk.core.generate import Session
-    from brisk.core.speculative import make_speculator
+    from brisk.core.spec.build import make_speculator
 
     def run(llm, ids, draft, n=128):
         draft, _, k = (draft or "").partition("/")

@@ -85,7 +85,7 @@ def decode(llm, ids, speculator, max_tokens):
 
 def bench(llm, configs, prompts, max_tokens, reps):
     """configs: name -> (draft, k, lookahead) or None (plain). Returns per (config, kind) totals."""
-    from brisk.core.speculative import make_speculator
+    from brisk.core.spec.build import make_speculator
 
     specs = {name: (make_speculator(llm, *c) if c else None) for name, c in configs.items()}
     decode(llm, llm.prompt_ids("Hi"), None, 8)  # warm-up

@@ -60,7 +60,7 @@ def bench(
         from ..core.device import cpu_threads, set_cpu_threads
 
         set_cpu_threads(threads)
-        c.check_draft(draft, draft_k, lookahead)
+        draft_options = c.check_draft(draft, draft_k, lookahead)
         out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads())
         pps, tgs = _list(n_prompt, int), _list(n_gen, int)
         batches = _list(batch, int) if batch else []
@@ -77,11 +77,9 @@ def bench(
                 for n in tgs:
                     out.add(benchmark.run_batch(llm, batches, n, reps) if batches else benchmark.run(llm, 0, n, reps))
                 if draft:  # plain and speculative decoding of real text, one pair of rows per -n
-                    from ..core.speculative import bench_rows
-
-                    speculator = c.load_speculator(llm, draft, draft_k, quiet=True, lookahead=lookahead)
+                    speculator = c.load_speculator(llm, draft_options, quiet=True)
                     for n in tgs:
-                        out.add(bench_rows(llm, speculator, n, reps) if n else [])
+                        out.add(benchmark.run_speculative(llm, speculator, n, reps) if n else [])
                 del llm
     out.finish()
 

@@ -54,7 +54,7 @@ def chat(
             raise BriskError("model given twice (positional and --model)")
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)
-        c.check_draft(draft, draft_k, lookahead)
+        draft_options = c.check_draft(draft, draft_k, lookahead)
         from ..core.model_info import has_chat_template
 
         if has_chat_template(model or model_pos) is False:  # known from the header: before a long load
@@ -64,7 +64,7 @@ def chat(
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                      presence_penalty, frequency_penalty)
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
-        conv.session.speculator = c.load_speculator(llm, draft, draft_k, lookahead=lookahead)
+        conv.session.speculator = c.load_speculator(llm, draft_options)
     if interactive:
         try:  # line editing and history for input() (arrow keys, Ctrl-R)
             import readline  # noqa: F401

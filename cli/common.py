@@ -146,45 +146,29 @@ def loading_bar(what: str):
 
 
 def check_draft(draft: Optional[str], draft_k: str, lookahead: Optional[str] = None):
-    """Fail fast on --draft-k, --lookahead and a heads:PATH that is no heads folder (before any model loads)."""
-    if lookahead is not None and draft != "lookahead":
-        raise BriskError("--lookahead needs --draft lookahead")
-    if draft is None:
-        if draft_k not in (None, "auto"):
-            raise BriskError("--draft-k needs --draft")
-        return None
-    from ..core.speculative import HEADS, parse_heads, parse_k
+    """--draft, --draft-k and --lookahead checked (core/spec/options.py) before any model loads: the
+    options for load_speculator, or None without --draft."""
+    from ..core.spec.options import parse_draft_options
 
-    k = parse_k(draft_k)
-    if draft == "lookahead":
-        from ..core.lookahead import parse_lookahead
-
-        if k != "auto":
-            raise BriskError("--draft-k does not apply to --draft lookahead (it drafts trees; --lookahead W,N,G "
-                             "sets their size)")
-        parse_lookahead(lookahead)
-    elif draft.startswith(HEADS):  # a wrong folder fails before the model loads, not after
-        from ..core.draft_heads import read_config
-
-        read_config(parse_heads(draft, k)[0])
-    return k
+    return parse_draft_options(draft, draft_k, lookahead)
 
 
-def load_speculator(llm, draft: Optional[str], draft_k: str, quiet: bool = False, lookahead: Optional[str] = None):
-    """The Speculator for --draft, or None; its warnings become one 'warning:' line each on stderr."""
+def load_speculator(llm, options, quiet: bool = False):
+    """The Speculator for check_draft's options, or None; its warnings become one 'warning:' line
+    each on stderr."""
     import warnings
 
-    if not draft:
+    if options is None or not options.draft:
         return None
-    from ..core.speculative import make_speculator
+    from ..core.spec.build import build_speculator
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if quiet or not sys.stderr.isatty():
-            speculator = make_speculator(llm, draft, draft_k, lookahead)
+            speculator = build_speculator(llm, options)
         else:
-            with err_console.status(f"preparing the draft ({draft})…", spinner="dots"):
-                speculator = make_speculator(llm, draft, draft_k, lookahead)
+            with err_console.status(f"preparing the draft ({options.draft})…", spinner="dots"):
+                speculator = build_speculator(llm, options)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     return speculator

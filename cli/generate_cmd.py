@@ -85,13 +85,13 @@ def generate(
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)  # fail fast
-        c.check_draft(draft, draft_k, lookahead)
+        draft_options = c.check_draft(draft, draft_k, lookahead)
         if json_schema is not None and grammar_file is not None:
             raise BriskError("give --json-schema or --grammar, not both")
         source = read_user_text(json_schema or grammar_file) if json_schema or grammar_file else None
         llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize, threads=threads)
         grammar = _grammar(llm, source, json_schema, grammar_file) if source is not None else None
-        speculator = c.load_speculator(llm, draft, draft_k, quiet=as_json, lookahead=lookahead)
+        speculator = c.load_speculator(llm, draft_options, quiet=as_json)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                      presence_penalty, frequency_penalty)
         from ..core.generate import Session

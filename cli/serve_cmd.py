@@ -57,14 +57,14 @@ def serve(
             raise BriskError("model given twice (positional and --model)")
         name = model or model_pos
         sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
-        c.check_draft(draft, draft_k, lookahead)
+        draft_options = c.check_draft(draft, draft_k, lookahead)
         if draft and kv_tokens is not None:
             raise BriskError("--kv-tokens sizes the batching pool, which --draft does not use (one sequence at a time)")
         _check_port(host, port)  # before the model load, which takes a while
         llm = c.load_llm(name, device, dtype, ctx, threads=threads)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, 1.0, None)
         served = served_name or name or llm.name.removesuffix(" (default)")
-        speculator = c.load_speculator(llm, draft, draft_k, lookahead=lookahead)
+        speculator = c.load_speculator(llm, draft_options)
         engine = (SerialEngine(llm, speculator) if speculator is not None
                   else Engine(llm, max_batch=max_concurrency, kv_tokens=kv_tokens))
         runner = EngineThread(engine)

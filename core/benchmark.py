@@ -141,3 +141,40 @@ def run_batch(llm, concurrencies: list[int], n_gen: int, reps: int) -> list[Benc
                              ttft_s=ttft, gb_s=model_bytes * med / c / 1e9,
                              peak_mem_bytes=peak_memory(llm.device), **common))
     return rows
+
+
+# ---------------------------------------------------------------- `brisk bench --draft`
+
+BENCH_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def run_speculative(llm, speculator, n_gen: int, reps: int) -> list[BenchRow]:
+    """Greedy generation of up to n_gen tokens from one chat prompt, plain then speculative:
+    speculation's speed depends on the text, so both rows decode real text (the tg row of
+    `brisk bench` feeds back argmaxes of random context)."""
+    from .generate import Session
+    from .sampling import GREEDY
+
+    ids = llm.prompt_ids(BENCH_PROMPT)
+    rows = []
+    for sp in (None, speculator):
+        s = Session(llm, speculator=sp)
+        results = []
+        for i in range(reps + 1):  # the first run warms up (and lets --draft-k auto learn the costs)
+            list(s.stream(ids, GREEDY, n_gen))
+            results.append(s.last)
+        results = results[1:]
+        speeds = [r.decode_tps for r in results]
+        med = statistics.median(speeds)
+        test, acc = f"tg{n_gen} text", None
+        if sp is not None:
+            drafted = sum(r.spec["drafted"] for r in results)
+            acc = sum(r.spec["accepted"] for r in results) / drafted if drafted else 0.0
+            test = f"tg{n_gen} {sp.describe()}, {acc:.0%} acc."
+        rows.append(BenchRow(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
+                             quant=llm.quantization,
+                             test=test, tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
+                             ttft_s=statistics.median(r.ttft_s for r in results),
+                             model_bytes=llm.load_info.param_bytes, gb_s=llm.load_info.param_bytes * med / 1e9,
+                             peak_mem_bytes=peak_memory(llm.device), acceptance=acc))
+    return rows

@@ -1,4 +1,4 @@
-"""`brisk distill`: train draft heads (core/draft_heads.py) for a model by self-distillation.
+"""`brisk distill`: train draft heads (core/spec/heads*.py) for a model by self-distillation.
 
 1. Text: the model answers prompts (brisk's built-in set, core/distill_prompts.txt, or --data)
    with its own chat template, sampled at a moderate temperature, many at once through the
@@ -45,10 +45,11 @@ from typing import Callable
 
 import torch
 
-from . import draft_heads as dh
 from .distill_options import DistillOptions, DistillSummary
 from .errors import BriskError, FileError
 from .files import read_user_text, write_text_atomic
+from .spec import heads_file, heads_net, heads_tree
+from .spec.heads import HeadsDrafter
 
 PROMPTS_NAME = "distill_prompts.txt"  # package data: prompts separated by blank lines
 STOP_ENV = "BRISK_DISTILL_STOP_AFTER"
@@ -379,8 +380,8 @@ class Trainer:
         self.K = opts.heads
         torch.manual_seed(opts.seed)  # nothing random in the heads' init (zeros); kept for clarity
         self.dev = llm.device  # data stays on the CPU; each batch moves to the model's device
-        self.heads = dh.DraftHeads(opts.heads, llm.config.dim).to(self.dev)
-        self.rows = dh.output_rows(llm.model, vocab, torch.float32)  # frozen, float
+        self.heads = heads_net.DraftHeads(opts.heads, llm.config.dim).to(self.dev)
+        self.rows = heads_net.output_rows(llm.model, vocab, torch.float32)  # frozen, float
         self.softcap = llm.config.final_softcap
         self.model = llm.model
         self.vocab = vocab
@@ -424,7 +425,8 @@ class Trainer:
     def losses(self, data: Data, idx: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         """Sum over heads of the mean cross-entropy to the model's distribution, and each head's
         mean KL (cross-entropy minus the target's entropy) for display."""
-        logq = torch.log_softmax(dh.head_logits(self.heads, self.rows, *self.inputs(data, idx), self.softcap), -1)
+        logq = torch.log_softmax(heads_net.head_logits(self.heads, self.rows, *self.inputs(data, idx), self.softcap),
+                                 -1)
         total, kls = 0.0, []
         for k in range(self.K):
             valid, sub, p = self.targets(data, idx, k)
@@ -459,7 +461,7 @@ class Trainer:
         ranks = min(ranks, len(self.vocab))
         for s in range(0, n, 1024):
             idx = torch.arange(s, min(n, s + 1024))
-            logits = dh.head_logits(self.heads, self.rows, *self.inputs(data, idx), self.softcap)
+            logits = heads_net.head_logits(self.heads, self.rows, *self.inputs(data, idx), self.softcap)
             logq = torch.log_softmax(logits, -1)
             best = self.vocab[logits.topk(ranks, dim=-1).indices.cpu()].to(self.dev)  # [K, n, ranks] token ids
             for k in range(self.K):
@@ -570,7 +572,7 @@ def pass_costs(llm, nodes: list[tuple[int, ...]], sizes=PASS_SIZES, reps: int = 
     for T in sizes:
         if T - 1 > len(nodes):
             break
-        tree = None if T == 1 else ancestor_mask(dh.tree_parents(nodes[:T - 1]), dev)
+        tree = None if T == 1 else ancestor_mask(heads_tree.tree_parents(nodes[:T - 1]), dev)
         toks = rand(T)
         times = []
         for _ in range(reps + 1):
@@ -595,7 +597,7 @@ def interpolate(costs: dict[int, float], T: int) -> float:
 
 
 @torch.inference_mode()
-def replay(llm, drafter: dh.HeadsDrafter, nodes: list[tuple[int, ...]], sequences: list[tuple[list[int], int]],
+def replay(llm, drafter: HeadsDrafter, nodes: list[tuple[int, ...]], sequences: list[tuple[list[int], int]],
            budgets=BUDGETS) -> dict[int, float]:
     """Tokens per verifying pass that greedy decoding with the tree's first b nodes would get, for
     each budget b: greedy answers (sequences: (ids, prompt length)) are replayed round by round, a
@@ -631,7 +633,7 @@ def replay(llm, drafter: dh.HeadsDrafter, nodes: list[tuple[int, ...]], sequence
     return {b: round(produced[b] / max(1, passes[b]), 4) for b in budgets}
 
 
-def draft_seconds(drafter: dh.HeadsDrafter, reps: int = 50) -> float:
+def draft_seconds(drafter: HeadsDrafter, reps: int = 50) -> float:
     """The drafter's work for one round (a hidden state to the tree's tokens), median of reps."""
     h = torch.randn(drafter.heads.weight.shape[-1], generator=torch.Generator().manual_seed(0))
     h = h.to(device=drafter.vocab.device, dtype=drafter.dtype)
@@ -672,7 +674,7 @@ def distill(model: str | None, out: str | Path, opts: DistillOptions, force: boo
     prompts = load_prompts(opts.data)
     report("loading", model=model or "default")
     llm = LLM.load(model, device=device)
-    fp = dh.fingerprint(llm.config)
+    fp = heads_file.fingerprint(llm.config)
     plan = sample_plan(len(prompts), opts)
     data_key = _digest({"v": _VERSION, "model": _model_ident(llm.checkpoint), "fingerprint": fp,
                         "prompts": [p if isinstance(p, str) else json.dumps(p) for p in prompts],
@@ -711,11 +713,11 @@ def distill(model: str | None, out: str | Path, opts: DistillOptions, force: boo
     with torch.no_grad(), torch_gets_the_threads():
         ev = trainer.evaluate(held)
     summary.top1, summary.top5, summary.held_out_kl = ev["top1"], ev["top5"], ev["kl"]
-    nodes, probs = dh.build_tree(ev["accuracy"], opts.tree_nodes)
-    summary.estimated_tokens_per_pass = round(dh.expected_length(probs), 3)
+    nodes, probs = heads_tree.build_tree(ev["accuracy"], opts.tree_nodes)
+    summary.estimated_tokens_per_pass = round(heads_tree.expected_length(probs), 3)
     heads = trainer.heads.requires_grad_(False)
     config = {
-        "format": dh.FORMAT, "version": dh.VERSION, "kind": dh.KIND, "n_heads": opts.heads,
+        "format": heads_file.FORMAT, "version": heads_file.VERSION, "kind": heads_file.KIND, "n_heads": opts.heads,
         "dims": {"hidden": llm.config.dim, "vocab": llm.config.vocab_size, "draft_vocab": len(vocab)},
         "base_model": {"name": llm.name, "fingerprint": fp, "architecture": llm.config.arch,
                        "quantization": llm.quantization},
@@ -729,11 +731,11 @@ def distill(model: str | None, out: str | Path, opts: DistillOptions, force: boo
     }
     staging = partial.dir / "output"
     shutil.rmtree(staging, ignore_errors=True)
-    dh.save(staging, heads, vocab, config)
+    heads_file.save(staging, heads, vocab, config)
     if opts.measure:  # through the drafter as generation will use it, read back from the files
         config["tree"]["budget"], config["measured"] = choose_budget(
-            llm, dh.HeadsDrafter(llm, staging), nodes, [prompts[i] for i in held_prompts], opts, report, summary)
-        dh.write_config(staging, config)
+            llm, HeadsDrafter(llm, staging), nodes, [prompts[i] for i in held_prompts], opts, report, summary)
+        heads_file.write_config(staging, config)
     report("writing", out=str(out))
     if out.exists():  # --force: the old folder goes only once the new one is complete
         os.replace(out, partial.dir / "replaced")
@@ -745,7 +747,7 @@ def distill(model: str | None, out: str | Path, opts: DistillOptions, force: boo
     return summary
 
 
-def choose_budget(llm, drafter: dh.HeadsDrafter, nodes, held_prompts: list, opts: DistillOptions, report: Report,
+def choose_budget(llm, drafter: HeadsDrafter, nodes, held_prompts: list, opts: DistillOptions, report: Report,
                   summary: DistillSummary) -> tuple[int, dict]:
     """The tree size with the most tokens per second: measured tokens per pass (greedy replay on
     held-out prompts) over the timed cost of a pass of that size plus the drafter's own work.

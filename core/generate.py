@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .cuda_graph import decode_step, verify_pass
-from .drafting import Draft
+from .spec.drafter import Draft
 from .errors import BriskError, PromptTooLong
 from .grammar import Constraint, Grammar, constrained_token
 from .logprobs import TokenLogprob, token_logprobs
@@ -43,7 +43,7 @@ def prefill(model, kv, ids: list[int], start: int, device, return_hidden: bool =
 class Session:
     def __init__(self, llm, speculator=None):
         self.llm = llm
-        self.speculator = speculator  # a speculative.Speculator: drafts tokens, the model checks them
+        self.speculator = speculator  # a spec.speculator.Speculator: drafts tokens, the model checks them
         self.cache = llm.new_cache()
         self.ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.last: GenerationResult | None = None

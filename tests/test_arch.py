@@ -15,7 +15,7 @@ from brisk.core.batching import Engine, Request
 from brisk.core.errors import FileError
 from brisk.core.hf_export import hf_config
 from brisk.core.model import MoE
-from brisk.core.speculative import make_speculator
+from brisk.core.spec.build import make_speculator
 
 from conftest import write_hf_checkpoint
 from llama_cpp import convert

@@ -7,7 +7,7 @@ import torch
 
 from brisk.core import GREEDY, LLM, Session
 from brisk.core.batching import Engine, Request
-from brisk.core.speculative import make_speculator
+from brisk.core.spec.build import make_speculator
 from brisk.quant.linear import Int4Linear, Int8Linear
 
 from quant_interop import FIXTURES, check_logits

@@ -108,7 +108,8 @@ def test_fixed_verifying_pass_matches_the_eager_pass(kind, request):
 def _speculators(llm, heads_dir, answer):
     from test_lookahead import RandomTrees
 
-    from brisk.core.speculative import Speculator, make_speculator
+    from brisk.core.spec.build import make_speculator
+    from brisk.core.spec.speculator import Speculator
 
     out = {"ngram": make_speculator(llm, "ngram", 4), "lookahead": make_speculator(llm, "lookahead", lookahead="3,3,2"),
            "lookahead auto": make_speculator(llm, "lookahead"), "random trees": Speculator(RandomTrees(answer, 0), "fixed")}

@@ -17,8 +17,9 @@ from typer.testing import CliRunner
 from brisk.cli.main import app
 from brisk.core import LLM, BriskError
 from brisk.core import distill as D
-from brisk.core import draft_heads as dh
 from brisk.core.errors import FileError
+from brisk.core.spec import heads_file, heads_net, heads_tree
+from brisk.core.spec.heads import HeadsDrafter
 
 runner = CliRunner()
 BRISK = [sys.executable, "-c", "from brisk.cli.main import run; run()"]
@@ -39,7 +40,7 @@ def heads_dir(tiny_llama_dir, tmp_path_factory):
 
 
 def heads_bytes(folder):
-    return (folder / dh.WEIGHTS).read_bytes()
+    return (folder / heads_file.WEIGHTS).read_bytes()
 
 
 # ---------------------------------------------------------------- training
@@ -95,45 +96,45 @@ def test_other_training_arguments_keep_the_data(tiny_llama_dir, tmp_path, monkey
 # ---------------------------------------------------------------- the file
 
 def test_file_round_trip(heads_dir, tmp_path):
-    config, heads, vocab = dh.load(heads_dir)
-    assert config["format"] == dh.FORMAT and config["n_heads"] == 3 and config["dims"]["hidden"] == 64
+    config, heads, vocab = heads_file.load(heads_dir)
+    assert config["format"] == heads_file.FORMAT and config["n_heads"] == 3 and config["dims"]["hidden"] == 64
     assert len(config["accuracy"]["top1"]) == 3 and config["tree"]["budget"] >= 1 and config["measured"]["pass_ms"]
-    dh.save(tmp_path / "copy", heads, vocab, config)
-    config2, heads2, vocab2 = dh.load(tmp_path / "copy")
+    heads_file.save(tmp_path / "copy", heads, vocab, config)
+    config2, heads2, vocab2 = heads_file.load(tmp_path / "copy")
     assert config2 == config and torch.equal(vocab2, vocab)
     assert torch.equal(heads2.weight, heads.weight) and torch.equal(heads2.bias, heads.bias)
-    assert json.loads((heads_dir / dh.CONFIG).read_text())["version"] == dh.VERSION
+    assert json.loads((heads_dir / heads_file.CONFIG).read_text())["version"] == heads_file.VERSION
 
 
 def test_bad_folders_are_file_errors(heads_dir, tmp_path):
     with pytest.raises(FileError, match="no such folder"):
-        dh.load(tmp_path / "missing")
+        heads_file.load(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileError, match="not a draft-heads folder"):
-        dh.load(tmp_path / "empty")
+        heads_file.load(tmp_path / "empty")
     other = tmp_path / "other"
     other.mkdir()
-    (other / dh.CONFIG).write_text('{"format": "something-else"}')
+    (other / heads_file.CONFIG).write_text('{"format": "something-else"}')
     with pytest.raises(FileError, match="not a brisk-draft-heads"):
-        dh.load(other)
+        heads_file.load(other)
 
 
 def test_heads_for_another_model_are_refused(tiny_qwen2_dir, heads_dir, tiny_llama_dir):
     other = LLM.load(str(tiny_qwen2_dir), device="cpu", dtype="float32")
     with pytest.raises(BriskError) as e:
-        dh.HeadsDrafter(other, heads_dir)
+        HeadsDrafter(other, heads_dir)
     msg = str(e.value)
     assert "\n" not in msg and str(tiny_llama_dir) in msg and str(tiny_qwen2_dir) in msg
     # the same model loaded another way (quantized at load) has the same shapes: accepted
     same = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32", quantize="int8")
-    assert dh.HeadsDrafter(same, heads_dir).heads.n_heads == 3
+    assert HeadsDrafter(same, heads_dir).heads.n_heads == 3
 
 
 # ---------------------------------------------------------------- the tree
 
 def test_tree_is_the_greedy_best_by_estimated_acceptance():
     acc = [[0.6, 0.2, 0.1], [0.41, 0.19, 0.09], [0.33, 0.13, 0.07]]
-    nodes, probs = dh.build_tree(acc, 12)
+    nodes, probs = heads_tree.build_tree(acc, 12)
     assert nodes[:5] == [(0,), (0, 0), (1,), (0, 1), (2,)]
     # every path up to depth 3 with its product: the tree is the top-12 of them, in order
     every = {}
@@ -144,15 +145,15 @@ def test_tree_is_the_greedy_best_by_estimated_acceptance():
     assert nodes == best
     assert probs == pytest.approx([every[p] for p in nodes])
     for n in range(1, 13):  # any prefix is a tree: parents come first
-        assert all(p < i for i, p in enumerate(dh.tree_parents(nodes[:n])))
-    assert dh.expected_length(probs[:1]) == pytest.approx(1.6)
-    assert dh.build_tree([[0.0, 0.0]], 5)[0] == [(0,), (1,)]  # zero accuracies: still a valid tree
+        assert all(p < i for i, p in enumerate(heads_tree.tree_parents(nodes[:n])))
+    assert heads_tree.expected_length(probs[:1]) == pytest.approx(1.6)
+    assert heads_tree.build_tree([[0.0, 0.0]], 5)[0] == [(0,), (1,)]  # zero accuracies: still a valid tree
 
 
 # ---------------------------------------------------------------- the drafter
 
 def test_drafter_tree_holds_the_heads_top_choices(tiny, heads_dir):
-    drafter = dh.HeadsDrafter(tiny, heads_dir)
+    drafter = HeadsDrafter(tiny, heads_dir)
     ctx = tiny.prompt_ids("Hello there")
     assert drafter.tree and drafter.needs_hidden and drafter.tree_options()
     assert drafter.bucket(ctx) is None and drafter.propose_tree(ctx, 10) is None  # nothing observed yet
@@ -164,7 +165,7 @@ def test_drafter_tree_holds_the_heads_top_choices(tiny, heads_dir):
     assert len(tokens) == len(parents) == 10 and draft.q is None and draft.candidate is None
     assert all(-1 <= p < i for i, p in enumerate(parents))
     nodes = drafter.nodes[:10]
-    assert [p for p in parents] == dh.tree_parents(nodes)
+    assert [p for p in parents] == heads_tree.tree_parents(nodes)
     ranked = drafter.vocab[drafter.logits(hidden[1], ctx[-1]).argsort(dim=-1, descending=True)]
     for tok, node in zip(tokens, nodes):
         assert tok == int(ranked[len(node) - 1, node[-1]])
@@ -188,7 +189,8 @@ def test_drafter_tree_holds_the_heads_top_choices(tiny, heads_dir):
     # the int8 readout ranks as the float rows do, but for near-ties
     with torch.no_grad():
         e = tiny.model.embed(torch.tensor([ctx[-1]]))[0]
-        exact = dh.head_logits(drafter.heads, dh.output_rows(tiny.model, drafter.vocab), hidden[0], e, None)
+        rows = heads_net.output_rows(tiny.model, drafter.vocab)
+        exact = heads_net.head_logits(drafter.heads, rows, hidden[0], e, None)
     assert (exact.argmax(-1) == drafter.logits(hidden[0], ctx[-1]).argmax(-1)).float().mean() >= 0.5
     drafter.observe(None, None, hidden, [])
     drafter.start(ctx, None)  # a new generation forgets the last one's state
@@ -225,7 +227,7 @@ def test_cli_json_with_own_prompts(tmp_path, tiny_llama_dir):
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout.strip().splitlines()[-1])
     assert s["n_heads"] == 2 and len(s["top1"]) == 2 and s["samples"] == 6 and s["steps"] == 4
-    assert dh.load(out)[0]["n_heads"] == 2
+    assert heads_file.load(out)[0]["n_heads"] == 2
 
 
 def test_cli_ctrl_c_says_how_to_resume(tmp_path, tiny_llama_dir):

@@ -79,7 +79,7 @@ def test_echo_scores_every_prompt_token_even_beside_a_shared_prefix(tiny):
 def test_single_stream_and_speculative_logprobs_are_the_targets(tiny, draft):
     """The speculative loop reports the target's logprobs for drafted-and-accepted tokens (their
     rows of the verifying pass, chains and trees), equal to plain decoding's."""
-    from brisk.core.speculative import make_speculator
+    from brisk.core.spec.build import make_speculator
 
     ids = tiny.prompt_ids("the sky the sky the sky is the sky", raw=True)
     session = Session(tiny, make_speculator(tiny, draft) if draft else None)
@@ -91,7 +91,7 @@ def test_single_stream_and_speculative_logprobs_are_the_targets(tiny, draft):
 
 
 def test_serial_engine_echo_and_logprobs(tiny):
-    from brisk.core.speculative import make_speculator
+    from brisk.core.spec.build import make_speculator
 
     ids = tiny.prompt_ids("one two three four five", raw=True)
     engine = SerialEngine(tiny, make_speculator(tiny, "ngram"))

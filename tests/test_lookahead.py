@@ -13,12 +13,15 @@ import pytest
 import torch
 
 from brisk.core import GREEDY, LLM, BriskError, SamplingParams, Session
-from brisk.core import speculative as spec
-from brisk.core.drafting import Draft, Drafter
 from brisk.core.kv.base import ancestor_mask
 from brisk.core.sampling import Seen
-from brisk.core.lookahead import LookaheadDrafter, Shape, parse_lookahead
-from brisk.core.speculative import Speculator, TreePolicy, make_speculator, verify_tree
+from brisk.core.spec.build import make_speculator
+from brisk.core.spec.drafter import Draft, Drafter
+from brisk.core.spec.lookahead import LookaheadDrafter, Shape
+from brisk.core.spec.options import parse_lookahead
+from brisk.core.spec.speculator import Speculator
+from brisk.core.spec.tree_policy import TreePolicy
+from brisk.core.spec.verify import verify_tree
 
 from test_speculative import SAMPLING, assert_cache_holds, chi_square_fails, exact_distribution, run
 

@@ -145,7 +145,7 @@ def test_k_quant_model_keeps_greedy_promises(gemma_path):
 def _greedy_promises(llm, prompts, max_tokens=40):
     from brisk.core import GREEDY, Session
     from brisk.core.batching import Engine, Request
-    from brisk.core.speculative import make_speculator
+    from brisk.core.spec.build import make_speculator
 
     plain = []
     for p in prompts:

@@ -332,7 +332,7 @@ def test_request_limits_refuse_one_request_and_serve_the_next(server, tiny):
 def test_draft_server_answers_as_single_stream(tiny, draft, request):
     """brisk serve --draft: concurrent clients queue and each gets plain greedy's answer, streamed or
     not, through the speculative loop (trees for lookahead and heads)."""
-    from brisk.core.speculative import make_speculator
+    from brisk.core.spec.build import make_speculator
 
     spec = make_speculator(tiny, f"heads:{request.getfixturevalue('heads_dir')}" if draft == "heads" else draft)
     proposals = []
@@ -351,7 +351,7 @@ def test_draft_server_answers_as_single_stream(tiny, draft, request):
 
 
 def test_draft_server_client_disconnect(tiny):
-    from brisk.core.speculative import make_speculator
+    from brisk.core.spec.build import make_speculator
 
     engine = SerialEngine(tiny, make_speculator(tiny, "ngram"))
     s = Server(tiny, engine=engine, step_delay=0.02)

@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from brisk.core import GREEDY, LLM, BriskError, SamplingParams, Session
-from brisk.core import speculative as spec
+from brisk.core.spec import verify as verification
 from brisk.core.kv import ContiguousKV
 from brisk.core.sampling import probabilities
-from brisk.core.speculative import KPolicy, ModelDrafter, NgramDrafter, Speculator, make_speculator
+from brisk.core.spec.build import make_speculator
+from brisk.core.spec.chain_policy import KPolicy
+from brisk.core.spec.model_drafter import ModelDrafter
+from brisk.core.spec.ngram import NgramDrafter
+from brisk.core.spec.speculator import Speculator
 
 from conftest import write_hf_checkpoint
 
@@ -216,7 +220,7 @@ def test_sampling_matches_target_distribution(tiny, prompts, near_draft, drafter
     assert not chi_square_fails(counts, dist, 600)
     # The same test catches a wrong acceptance rule: keeping every draft samples the draft's
     # distribution instead of the target's.
-    monkeypatch.setattr(spec, "acceptance_probability", lambda p, q: 1.0)
+    monkeypatch.setattr(verification, "acceptance_probability", lambda p, q: 1.0)
     counts = sample(300)
     assert chi_square_fails(counts, dist, 300)
 
@@ -227,11 +231,11 @@ def test_verify_rule_units():
     g = torch.Generator().manual_seed(0)
     # a draft the target gives no mass to is always rejected and never resampled
     for _ in range(20):
-        n, nxt = spec.verify(logits, [2], None, params, g, None)
+        n, nxt = verification.verify(logits, [2], None, params, g, None)
         assert n == 0 and nxt in (0, 1)
     # greedy: keep the longest agreeing prefix, then the target's own token
-    assert spec.verify(logits, [0], None, SamplingParams(temperature=0), g, None) == (1, 2)
-    assert spec.verify(logits, [1], None, SamplingParams(temperature=0), g, None) == (0, 0)
+    assert verification.verify(logits, [0], None, SamplingParams(temperature=0), g, None) == (1, 2)
+    assert verification.verify(logits, [1], None, SamplingParams(temperature=0), g, None) == (0, 0)
 
 
 # ---------------------------------------------------------------- caches
@@ -392,6 +396,36 @@ def test_cli_draft_options(tiny_llama_dir, paired_dir):
     rows = json.loads(r.stdout)
     assert [row["test"].split(",")[0] for row in rows] == ["tg16", "tg16 text", "tg16 ngram K=auto"]
     assert rows[-1]["acceptance"] is not None
+
+
+def test_one_parser_for_the_command_line_and_the_api(tiny, tmp_path):
+    """parse_draft_options judges the speculation options for every caller: make_speculator
+    refuses with its very messages (options named as the API spells them; the command line
+    renders flags), and the command line refuses before any model loads."""
+    from typer.testing import CliRunner
+
+    from brisk.cli.main import app
+    from brisk.core.spec.options import parse_draft_options
+
+    cases = [(("ngram", "auto", "3,3,2"), "--lookahead needs --draft lookahead"),
+             (("ngram", "x", None), "draft_k must be a positive integer or auto"),
+             (("ngram", 0, None), "draft_k must be a positive integer or auto"),
+             (("lookahead", 3, None), "draft_k does not apply to --draft lookahead"),
+             (("lookahead", "auto", "1,1,1"), "lookahead 1,1,1: needs W >= 0, N >= 2, G >= 1"),
+             (("heads:", "auto", None), "draft heads:PATH needs the folder"),
+             (("heads:x", 99, None), "draft_k 99: a heads tree of K nodes"),
+             (("self:int2", "auto", None), "draft self:int2: use self:int8 or self:int4")]
+    for args, message in cases:
+        with pytest.raises(BriskError) as parsed:
+            parse_draft_options(*args)
+        with pytest.raises(BriskError) as made:
+            make_speculator(tiny, *args)
+        assert message in str(parsed.value) and str(made.value) == str(parsed.value)
+    assert parse_draft_options(None) is None
+    with pytest.raises(BriskError, match="--draft-k needs --draft"):
+        parse_draft_options(None, "2")
+    r = CliRunner().invoke(app, ["generate", str(tmp_path / "no-model"), "hi", "--draft", "self:int2"])
+    assert r.exit_code == 1 and "error: --draft self:int2: use self:int8 or self:int4" in r.stderr
 
 
 # ---------------------------------------------------------------- CUDA (skipped without a GPU)

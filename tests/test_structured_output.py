@@ -97,7 +97,7 @@ def test_batched_constrained_and_free_requests(smollm2):
 def test_speculation_under_a_grammar_equals_plain_greedy(smollm2, draft):
     """Chains are cut to what the grammar accepts and each row masked before verification (trees
     are not drafted): greedy output equals plain decoding's under the same grammar."""
-    from brisk.core.speculative import make_speculator
+    from brisk.core.spec.build import make_speculator
 
     vocab = Vocabulary.of(smollm2.tokenizer, smollm2.config.vocab_size)
     schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12},

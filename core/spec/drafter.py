@@ -1,8 +1,7 @@
 """What a drafter is to the decode loop: the Drafter interface and the Draft it proposes.
 
-Kept apart from speculative.py (the drafters it ships, the policies and verification) so that a
-drafter in its own module (lookahead.py, draft heads) imports only this, and speculative.py's
-make_speculator can import it back without an import cycle.
+Every drafter module (model_drafter, ngram, lookahead, heads) and the decode loop import only
+this, not each other.
 """
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, Seen
+from ..sampling import SamplingParams, Seen
 
 # Tokens one tree pass may hold (the pending token and the nodes), for every tree drafter: beyond it
 # float32 passes leave the native kernels' batch-invariant products (native.F32_MAX_ROWS) and greedy

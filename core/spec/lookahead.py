@@ -1,7 +1,7 @@
 """Lookahead decoding (Fu et al. 2024, "Break the sequential dependency of LLM inference using
 lookahead decoding"): speculation without a draft model or training.
 
-Each round is one target pass over a tree (speculative.Draft with parents) of two branches:
+Each round is one target pass over a tree (drafter.Draft with parents) of two branches:
 
 - the lookahead branch: a window of W future positions iterated in parallel, Jacobi style. It
   keeps N-1 levels of guesses; level l holds W tokens for the positions l+1 .. l+W past the
@@ -28,8 +28,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .drafting import MAX_TREE, Draft, Drafter
-from .errors import InvalidValue
+from .drafter import Draft, Drafter
 
 POOL_PER_KEY = 16  # n-grams kept per first token, the most recent
 
@@ -50,30 +49,11 @@ class Shape:
         return (self.ngram - 1) * (self.window + self.guesses)
 
 
-# What "auto" chooses among, cheapest first (the TreePolicy also runs plain steps): on this
-# project's 2-core CPU a pass over 5 tokens costs 1.4-2.3x one token's, so trees are small there
-# (bench/RESULTS.md, 2026-11-25). W = 0: the verification branch alone, its pool fed by the text
-# and by the window's n-grams from the rounds that ran it.
+# What "auto" chooses among, cheapest first (the TreePolicy also runs plain steps): on a CPU a pass
+# over a few tokens costs well over one token's (bench/RESULTS.md), so trees are small. W = 0: the
+# verification branch alone, its pool fed by the text and by the window's n-grams from the rounds
+# that ran it.
 AUTO_SHAPES = [Shape(0, 3, 1), Shape(2, 3, 2)]
-
-
-def parse_lookahead(value: str | None) -> Shape | None:
-    """`--lookahead W,N,G` -> Shape (None: not given); one-line errors for bad values."""
-    if value is None:
-        return None
-    parts = str(value).replace(" ", "").split(",")
-    try:
-        w, n, g = (int(p) for p in parts)
-    except ValueError:
-        raise InvalidValue("lookahead", value, "", template=f"{{option}} {value}: give three integers W,N,G "
-                           "(window, n-gram size, n-grams verified), e.g. 5,3,2") from None
-    if w < 0 or n < 2 or g < 1:
-        raise InvalidValue("lookahead", value, "", template=f"{{option}} {value}: needs W >= 0, N >= 2, G >= 1")
-    shape = Shape(w, n, g)
-    if shape.nodes + 1 > MAX_TREE:
-        raise InvalidValue("lookahead", value, "", template=f"{{option}} {value}: a round would run up to "
-                           f"(N-1)(W+G)+1 = {shape.nodes + 1} tokens; at most {MAX_TREE}")
-    return shape
 
 
 class LookaheadDrafter(Drafter):
