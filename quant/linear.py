@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native, triton_matmul
+from .lazy_native_weight import LazyNativeWeight
 
 SCALE_DTYPE = torch.bfloat16  # what the CPU kernels take; also the activations they take
 GROUP_SIZES = (32, 64, 128, 256)
@@ -163,7 +164,7 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int8Linear(QuantLinear):
+class Int8Linear(LazyNativeWeight, QuantLinear):
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
         if weight.device.type == "cpu" and weight.data_ptr() % 64:
@@ -189,16 +190,8 @@ class Int8Linear(QuantLinear):
     def native(self) -> bool:
         return self.use_kernel and self.weight.device.type == "cpu" and native.usable(self.in_features)
 
-    def _native(self) -> native.NativeWeight:
-        nw = self.__dict__.get("_native_weight")
-        if nw is None:  # built on first use, after any move between devices
-            nw = self.__dict__["_native_weight"] = native.NativeWeight(
-                native.I8R, self.out_features, self.in_features, self.weight, row_scales=self.scales)
-        return nw
-
-    def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_native_weight", None)
-        return super()._apply(fn, recurse)
+    def _build_native(self) -> native.NativeWeight:
+        return native.NativeWeight(native.I8R, self.out_features, self.in_features, self.weight, row_scales=self.scales)
 
     def _matmul(self, x):
         if self.use_kernel and x.device.type == "cpu":
@@ -289,7 +282,7 @@ def unpack_int4_kernel(packed: torch.Tensor, N: int, K: int, layout: str = "cpu"
     return q.view(N, K).to(packed.device)
 
 
-class Int4Linear(QuantLinear):
+class Int4Linear(LazyNativeWeight, QuantLinear):
     """Kept as torch's packed kernel data where a kernel takes the shape ("cpu" layout on the CPU,
     "tinygemm" on CUDA: `layout`), else as pack_int4 codes (`weight`) that the Triton kernel or
     the dequantizing fallback reads. Moving the layer between devices repacks it."""
@@ -374,16 +367,12 @@ class Int4Linear(QuantLinear):
     def native(self) -> bool:
         return self.layout == "native"
 
-    def _native(self) -> native.NativeWeight:
-        nw = self.__dict__.get("_native_weight")
-        if nw is None:  # built on first use, after any move between devices
-            nw = self.__dict__["_native_weight"] = native.NativeWeight(
-                native.I4G, self.out_features, self.in_features, self.weight, self.scales, self.zeros, self.group_size)
-        return nw
+    def _build_native(self) -> native.NativeWeight:
+        return native.NativeWeight(native.I4G, self.out_features, self.in_features, self.weight, self.scales,
+                                   self.zeros, self.group_size)
 
     def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_native_weight", None)
-        out = super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)  # LazyNativeWeight's: drops the descriptor first
         device = self.scales.device.type
         if self.layout is not None and (self.layout in ("cpu", "native")) != (device == "cpu"):
             # Moved between the CPU and CUDA: repack for the kernel of the new device.
