@@ -188,32 +188,3 @@ def load_speculator(llm, draft: Optional[str], draft_k: str, quiet: bool = False
         print(f"warning: {w.message}", file=sys.stderr)
     return speculator
 
-
-def job_bar(enabled: bool):
-    """The progress bar of a long job (quantize, distill) on stderr: description, bar, n/total,
-    elapsed, eta, and a note field."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
-                    console=err_console, disable=not enabled)
-
-
-def run_resumable_job(run, progress, out, as_json: bool, print_summary) -> None:
-    """run() a job that keeps its work in OUT.partial: Ctrl-C ends it with how to resume (exit 130);
-    then its summary as one line of JSON or as print_summary prints it."""
-    import json
-
-    try:
-        summary = run()
-    except KeyboardInterrupt:
-        progress.stop()
-        print(f"interrupted: run the same command again to resume from {out}.partial", file=sys.stderr)
-        raise typer.Exit(130)
-    finally:
-        progress.stop()
-    if as_json:
-        sys.stdout.write(json.dumps(summary.to_dict()) + "\n")
-    else:
-        print_summary(summary)
