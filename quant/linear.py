@@ -503,14 +503,15 @@ class QuantEmbedding(nn.Module):
 METHODS = ("int8", "int4")
 
 
-def quantize_linear(linear: nn.Linear, method: str, group_size: int = 32) -> nn.Module:
-    """The quantized replacement of one layer, or the layer itself where the method cannot apply."""
+def quantize_linear(linear: nn.Linear, method: str, group_size: int = 32, keep_codes: bool = False) -> nn.Module:
+    """The quantized replacement of one layer (anything with a float `weight` and a `bias`), or the
+    layer itself where the method cannot apply. keep_codes: see Int4Linear."""
     if method == "int8":
         return Int8Linear.from_float(linear)
     if method == "int4":
-        if linear.in_features % group_size:
+        if linear.weight.shape[1] % group_size:
             return linear  # keep it float rather than pad: only odd-shaped heads hit this
-        return Int4Linear.from_float(linear, group_size)
+        return Int4Linear.from_float(linear, group_size, keep_codes=keep_codes)
     raise ValueError(f"unknown quantization method {method!r}; use one of {', '.join(METHODS)}")
 
 
