@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..core.errors import BriskError
+from ..quant.settings import SettingError
 
 err_console = Console(stderr=True, highlight=False)
 
@@ -53,12 +54,14 @@ LookaheadOpt = typer.Option(None, "--lookahead", help="--draft lookahead's size 
 
 @contextlib.contextmanager
 def user_errors():
-    """BriskError -> 'error: ...' on stderr (options named as flags) and exit 1, never a traceback."""
+    """BriskError, or a BRISK_ setting brisk cannot read -> 'error: ...' on stderr (options named as
+    flags) and exit 1, never a traceback."""
     try:
         yield
-    except BriskError as e:
-        err_console.print(f"[red]error:[/red] {escape(e.cli_message())}", soft_wrap=True, markup=True) \
-            if sys.stderr.isatty() else print(f"error: {e.cli_message()}", file=sys.stderr)
+    except (BriskError, SettingError) as e:
+        message = e.cli_message() if isinstance(e, BriskError) else str(e)
+        err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, markup=True) \
+            if sys.stderr.isatty() else print(f"error: {message}", file=sys.stderr)
         raise typer.Exit(1)
 
 

@@ -18,14 +18,13 @@ takes bf16 scales) and the plain-torch fallback compute the same weights.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native, triton_matmul
+from . import native, settings, triton_matmul
 from .lazy_native_weight import LazyNativeWeight
 
 SCALE_DTYPE = torch.bfloat16  # what the CPU kernels take; also the activations they take
@@ -226,7 +225,7 @@ USE_TINYGEMM = True  # bench/gpu.py turns it off to time the Triton int4 kernel 
 # Int4Linear's layout on CUDA: torch's tinygemm, or the Triton planes kernel, which reads each weight
 # once for up to 64 activation rows (speculative verifying passes, batched decode), where tinygemm's
 # time grows with the rows (bench/RESULTS.md). BRISK_CUDA_INT4=tinygemm|planes chooses.
-CUDA_INT4 = os.environ.get("BRISK_CUDA_INT4", "tinygemm")
+CUDA_INT4 = settings.CUDA_INT4.get()
 
 
 def tinygemm_fits(N: int, K: int, group_size: int) -> bool:
