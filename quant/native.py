@@ -68,8 +68,8 @@ BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (2
 
 
 def _cache_dir() -> Path:
-    root = settings.CACHE.get() or os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                                                        os.path.expanduser("~/.cache"), "brisk")
+    root = settings.CACHE.get() or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                "brisk")
     return Path(root) / "native"
 
 

@@ -54,8 +54,8 @@ class Setting:
 
     def row(self) -> str:
         kind = " or ".join(self.choices) if self.kind == "choice" else self.kind
-        default = self.shown_default or {True: "on", False: "off"}.get(self.default, f"{self.default:g}"
-                                                                       if isinstance(self.default, float) else self.default)
+        default = self.shown_default or (("on" if self.default else "off") if isinstance(self.default, bool)
+                                          else f"{self.default:g}" if isinstance(self.default, float) else self.default)
         return f"| `{self.name}` | {kind} | {default} | {self.read} | {self.why} |"
 
 
@@ -95,10 +95,11 @@ ACT8_OUTLIERS = _declare("BRISK_ACT8_OUTLIERS", "float", 2.5e-4, "at import",
                          "an 8-bit activation block rounding worse than this keeps its largest inputs exact "
                          "(0: off); takes precedence over the split")
 ACT8_SPLIT = _declare("BRISK_ACT8_SPLIT", "float", 0.0, "at import",
-                      "an 8-bit activation row rounding worse than this also runs its remainder (0: off; "
-                      "slower prefill)")
+                      "an 8-bit activation row whose relative squared rounding error is above this also runs "
+                      "its remainder as a second row (0: off; the outlier remedy is cheaper)")
 OUTLIER_CACHE = _declare("BRISK_OUTLIER_CACHE", "float", 0.0625, "at import",
-                         "the outliers' float columns a weight keeps, as a share of its own bytes")
+                         "the outliers' dequantized float columns a weight keeps, as a share of its own bytes "
+                         "(a column not kept is dequantized again, to the same floats)")
 INTERLEAVE = _declare("BRISK_INTERLEAVE", "switch", True, "per GGUF weight loaded",
                       "0: GGUF rows keep the file's layout, not interleaved by 8 for the kernels (A/B runs)")
 
