@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -181,7 +180,6 @@ def test_already_quantized_input(tiny_llama_dir, tmp_path):
 
 # ---------------------------------------------------------------- resume
 
-BRISK = [sys.executable, "-c", "from brisk.cli.main import run; run()"]
 SAVE_LAYER = "brisk.core.quantize.resume:save_layer"  # the step after which an interrupted run stops
 
 
