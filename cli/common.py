@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..core.errors import BriskError
+from ..quant.settings import SettingError
 
 err_console = Console(stderr=True, highlight=False)
 
@@ -54,12 +55,14 @@ LookaheadOpt = typer.Option(None, "--lookahead", help="--draft lookahead's size 
 
 @contextlib.contextmanager
 def user_errors():
-    """BriskError -> 'error: ...' on stderr (options named as flags) and exit 1, never a traceback."""
+    """BriskError, or a BRISK_ setting brisk cannot read -> 'error: ...' on stderr (options named as
+    flags) and exit 1, never a traceback."""
     try:
         yield
-    except BriskError as e:
-        err_console.print(f"[red]error:[/red] {escape(e.cli_message())}", soft_wrap=True, markup=True) \
-            if sys.stderr.isatty() else print(f"error: {e.cli_message()}", file=sys.stderr)
+    except (BriskError, SettingError) as e:
+        message = e.cli_message() if isinstance(e, BriskError) else str(e)
+        err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, markup=True) \
+            if sys.stderr.isatty() else print(f"error: {message}", file=sys.stderr)
         raise typer.Exit(1)
 
 
@@ -173,32 +176,3 @@ def load_speculator(llm, options, quiet: bool = False):
         print(f"warning: {w.message}", file=sys.stderr)
     return speculator
 
-
-def job_bar(enabled: bool):
-    """The progress bar of a long job (quantize, distill) on stderr: description, bar, n/total,
-    elapsed, eta, and a note field."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
-                    console=err_console, disable=not enabled)
-
-
-def run_resumable_job(run, progress, out, as_json: bool, print_summary) -> None:
-    """run() a job that keeps its work in OUT.partial: Ctrl-C ends it with how to resume (exit 130);
-    then its summary as one line of JSON or as print_summary prints it."""
-    import json
-
-    try:
-        summary = run()
-    except KeyboardInterrupt:
-        progress.stop()
-        print(f"interrupted: run the same command again to resume from {out}.partial", file=sys.stderr)
-        raise typer.Exit(130)
-    finally:
-        progress.stop()
-    if as_json:
-        sys.stdout.write(json.dumps(summary.to_dict()) + "\n")
-    else:
-        print_summary(summary)

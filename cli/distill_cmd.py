@@ -1,7 +1,6 @@
 """`brisk distill`: train Medusa-style draft heads for a model on its own answers (self-distillation)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +11,7 @@ from rich.table import Table
 from ..core.distill_options import DistillOptions
 from . import common as c
 from .app import app
+from .resumable_job import JobProgress, run_resumable_job
 
 _D = DistillOptions()  # the defaults, shown in --help
 
@@ -64,51 +64,27 @@ def distill(
                               checkpoint_every=checkpoint_every, seed=seed, measure=measure,
                               data=str(data) if data else None)
         progress = _Progress(enabled=not as_json)
-        c.run_resumable_job(lambda: run_distill(model, out, opts, force=force, report=progress, device=device),
+        run_resumable_job(lambda: run_distill(model, out, opts, force=force, report=progress, device=device),
                             progress, out, as_json, _print_summary)
 
 
-class _Progress:
-    """The pipeline's report(event, ...) callback as rich progress bars on stderr."""
+class _Progress(JobProgress):
+    """The pipeline's events: a bar for generating the answers, one for training."""
 
     def __init__(self, enabled: bool):
-        self.enabled, self.bar = enabled, c.job_bar(enabled)
-        self.started = False
-        self.status = self.gen = self.train = None
+        super().__init__(enabled)
+        self.gen = self.train = None
         self.held = ""  # the last held-out evaluation, shown next to the loss
 
-    def stop(self):
-        if self.status is not None:
-            self.status.stop()
-            self.status = None
-        if self.started:
-            self.bar.stop()
-            self.started = False
-
-    def _bar(self):
-        if not self.started:
-            self.bar.start()
-            self.started = True
-
-    def __call__(self, event: str, **info):
-        if not self.enabled:
-            return
-        if event != "loading" and self.status is not None:
-            self.status.stop()
-            self.status = None
-        log = self.bar.console.print
-        if event == "loading" and sys.stderr.isatty():
-            self.status = c.err_console.status(f"loading {info['model']}…", spinner="dots")
-            self.status.start()
-        elif event == "restart":
-            log(f"starting over: {info['reason']}")
-        elif event == "prompts":
+    def show(self, event: str, info: dict) -> None:
+        log = self.log
+        if event == "prompts":
             log(f"{info['prompts']} prompts ({info['held_out']} held out), {info['samples']} answers to generate")
         elif event == "generate_start":
             if info["done"]:
                 log(f"resuming: {info['done']} answers already generated")
             if info["done"] < info["total"]:
-                self._bar()
+                self.start_bar()
                 self.gen = self.bar.add_task("generating", total=info["total"], completed=info["done"], note="")
         elif event == "generated":
             self.bar.update(self.gen, completed=info["done"], note=f"{info['tokens']:,} tokens")
@@ -118,7 +94,7 @@ class _Progress:
         elif event == "resume":
             log(f"resuming: step {info['step']} of {info['total']} from the last checkpoint")
         elif event == "train_start":
-            self._bar()
+            self.start_bar()
             if info.get("evaluation"):
                 self.held = _top1(info["evaluation"])
             self.train = self.bar.add_task("training", total=info["total"], completed=info["done"], note="")

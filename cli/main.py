@@ -19,6 +19,7 @@ def run() -> None:
     import warnings
 
     from ..core.errors import BriskError
+    from ..quant import settings
 
     def one_line(message, category, filename, lineno, file=None, line=None):
         # warnings raised while generating (not only at load) read like the loader's: one line each
@@ -30,6 +31,9 @@ def run() -> None:
         sys.exit(rv if isinstance(rv, int) else 0)
     except BriskError as e:
         print(f"error: {e.cli_message()}", file=sys.stderr)
+        sys.exit(1)
+    except settings.SettingError as e:
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -43,7 +47,7 @@ def run() -> None:
         if _is_click_error(e):  # click's own usage message (exit 2), as any click program
             e.show()
             sys.exit(e.exit_code)
-        if os.environ.get("BRISK_DEBUG"):
+        if settings.DEBUG.get():
             raise
         print(f"error: {type(e).__name__}: {e} (set BRISK_DEBUG=1 for a traceback)", file=sys.stderr)
         sys.exit(1)

@@ -1,7 +1,6 @@
 """`brisk quantize`: write a quantized Hugging Face checkpoint (GPTQ, AWQ, bitsandbytes NF4/FP4/int8)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -11,6 +10,7 @@ from rich.table import Table
 
 from . import common as c
 from .app import app
+from .resumable_job import JobProgress, run_resumable_job
 
 
 @app.command()
@@ -68,45 +68,28 @@ def quantize(
                             samples=samples, seq_len=seq_len, embedding=embedding,
                             dynamic=tuple(dynamic) if dynamic else None, compensate=compensate)
         progress = _Progress(enabled=not as_json)
-        c.run_resumable_job(lambda: quantize_model(model, out, opts, force=force, report=progress),
+        run_resumable_job(lambda: quantize_model(model, out, opts, force=force, report=progress),
                             progress, out, as_json, _print_summary)
 
 
-class _Progress:
-    """The pipeline's report(event, ...) callback as a rich progress bar on stderr."""
+class _Progress(JobProgress):
+    """The pipeline's events: one bar over the blocks."""
 
     def __init__(self, enabled: bool):
-        self.enabled, self.bar = enabled, c.job_bar(enabled)
-        self.task = self.status = self.calib = None
+        super().__init__(enabled)
+        self.task = self.calib = None
 
-    def stop(self):
-        if self.status is not None:
-            self.status.stop()
-            self.status = None
-        if self.task is not None:
-            self.bar.stop()
-
-    def __call__(self, event: str, **info):
-        if not self.enabled:
-            return
-        if event != "loading" and self.status is not None:
-            self.status.stop()
-            self.status = None
-        log = self.bar.console.print
-        if event == "loading" and sys.stderr.isatty():
-            self.status = c.err_console.status(f"loading {info['model']}…", spinner="dots")
-            self.status.start()
-        elif event == "calibration":  # told with the bar: until then an error is the only line
+    def show(self, event: str, info: dict) -> None:
+        log = self.log
+        if event == "calibration":  # told with the bar: until then an error is the only line
             self.calib = f"calibration: {info['samples']} sequences x {info['seq_len']} tokens"
         elif event == "resume":
             log(f"resuming: {info['layers']} layers already done")
-        elif event == "restart":
-            log(f"starting over: {info['reason']}")
         elif event == "start":
             if self.calib:
                 log(self.calib)
             # layers a previous run finished count as done from the start, so they stay out of the ETA
-            self.bar.start()
+            self.start_bar()
             self.task = self.bar.add_task("quantizing", total=info["total"], completed=info["done"], note="")
         elif event == "layer":
             st = info["stats"]

@@ -6,6 +6,7 @@ from typing import Optional
 import typer
 
 from . import common as c
+from ..quant import settings
 from .app import app
 
 
@@ -17,7 +18,7 @@ def serve(
     port: int = typer.Option(8000, "--port", help="TCP port.", min=0, max=65535),
     max_concurrency: int = typer.Option(16, "--max-concurrency", help="Sequences generated at once; more "
                                         "requests wait their turn.", min=1),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="BRISK_API_KEY",
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar=settings.API_KEY.name,
                                           help="Require 'Authorization: Bearer KEY' on every request."),
     served_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send "
                                               "(default: MODEL as given, or the default model's name)."),

@@ -14,12 +14,13 @@ BRISK_BLAS=0 turns this path off.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import torch
 
-ENABLED = os.environ.get("BRISK_BLAS", "1") != "0"
+from ..quant import settings
+
+ENABLED = settings.BLAS.get()
 _threads_set = False
 
 
@@ -48,7 +49,7 @@ def gemv(x: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
     """x: [..., in] holding one row; weight_np: [out, in], a NumPy view of the torch weight."""
     global _threads_set
     if not _threads_set:
-        _set_openblas_threads(int(os.environ.get("BRISK_BLAS_THREADS", "1")))
+        _set_openblas_threads(settings.BLAS_THREADS.get())
         _threads_set = True
     y = weight_np @ x.reshape(-1).numpy()
     return torch.from_numpy(y).view(*x.shape[:-1], -1)

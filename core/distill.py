@@ -25,9 +25,6 @@ Resume: everything goes to OUT.partial/: the generated data in chunks, and every
 function of the seed and the step, so nothing else is needed). Rerunning with the same
 arguments resumes and gives byte-identical heads; other arguments start over (data generated
 with the same data arguments is kept). OUT appears whole at the end (a temporary folder renamed).
-
-Test hook: BRISK_DISTILL_STOP_AFTER=N stops a run with an error after its N-th checkpoint, as a
-crash would; N:sigint sends SIGINT there instead, as Ctrl-C would.
 """
 from __future__ import annotations
 
@@ -36,7 +33,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from dataclasses import asdict
 from importlib import resources
@@ -52,7 +48,6 @@ from .spec import heads_file, heads_net, heads_tree
 from .spec.heads import HeadsDrafter
 
 PROMPTS_NAME = "distill_prompts.txt"  # package data: prompts separated by blank lines
-STOP_ENV = "BRISK_DISTILL_STOP_AFTER"
 _VERSION = 1  # bump when the same arguments would give other output: partial runs then restart
 CHUNK_SAMPLES = 32  # generated answers saved together (what an interruption can lose)
 PASS_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree sizes (incl. the pending token) whose pass is timed
@@ -275,17 +270,6 @@ class Partial:
     @property
     def checkpoint(self) -> Path:
         return self.dir / "train.safetensors"
-
-
-def stop_after() -> int:
-    return int(os.environ.get(STOP_ENV, "0").split(":")[0] or 0)
-
-
-def _stop(n: int) -> None:
-    if os.environ[STOP_ENV].endswith(":sigint"):  # a real Ctrl-C, at a known point
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5)  # the handler raises KeyboardInterrupt here
-    raise BriskError(f"stopped after {n} checkpoints ({STOP_ENV}); run again to resume")
 
 
 # ---------------------------------------------------------------- 1. the data
@@ -530,7 +514,6 @@ def train(trainer: Trainer, data: Data, held: Data, partial: Partial, key: str, 
     if start:
         report("resume", step=start, total=opts.steps)
     report("train_start", total=opts.steps, done=start, evaluation=extra.get("eval"))
-    halt, written = stop_after(), 0
     t0 = time.perf_counter()
     recent: list[list[float]] = []
     with torch_gets_the_threads():
@@ -545,9 +528,6 @@ def train(trainer: Trainer, data: Data, held: Data, partial: Partial, key: str, 
                 recent = []
                 trainer.save(partial.checkpoint, step + 1, key, extra)
                 report("checkpoint", step=step + 1, total=opts.steps, loss=loss, evaluation=ev)
-                written += 1
-                if halt and written >= halt and step + 1 < opts.steps:
-                    _stop(written)
     summary.loss = extra.get("loss", 0.0)
     summary.train_seconds = extra.get("seconds", 0.0)
     return extra

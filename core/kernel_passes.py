@@ -23,6 +23,7 @@ from .model import MLP, Attention, RMSNorm, Router, Transformer
 from .native_decoder import NativeDecoder
 from ..quant import native
 from ..quant.gguf_linear import GGUFLinear
+from ..quant.lazy_native_weight import LazyNativeWeight
 from ..quant.linear import concat_linears
 
 
@@ -40,7 +41,7 @@ class BlasLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-class NativeLinear(BlasLinear):
+class NativeLinear(LazyNativeWeight, BlasLinear):
     """nn.Linear whose float32 CPU products run on brisk's native kernels, the weight read where it
     lies: one kernel for any number of rows, so a row's bits do not depend on its batch (MKL's
     sgemv and sgemm round differently), and a float model's blocks can run in one native call
@@ -52,12 +53,12 @@ class NativeLinear(BlasLinear):
         w = self.weight
         return w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous() and native.usable(w.shape[1])
 
-    def _native(self) -> native.NativeWeight:
-        nw = self.__dict__.get("_native_weight")
-        if nw is None or nw.tensors[0] is not self.weight or nw.desc.data != self.weight.data_ptr():
-            nw = self.__dict__["_native_weight"] = native.NativeWeight(
-                native.F32, self.out_features, self.in_features, self.weight)
-        return nw
+    def _build_native(self) -> native.NativeWeight:
+        return native.NativeWeight(native.F32, self.out_features, self.in_features, self.weight)
+
+    def _native_stale(self, nw: native.NativeWeight) -> bool:
+        # a weight assigned anew (concat_linears' views of a joined one) or given other storage (`.data =`)
+        return nw.tensors[0] is not self.weight or nw.desc.data != self.weight.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)

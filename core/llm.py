@@ -19,7 +19,7 @@ from .kv import ContiguousKV
 from .model import MoE, Router, Transformer
 from ..quant import gguf_blocks, native
 from ..quant.gguf_linear import GGUFLinear
-from ..quant.linear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, replace_modules
+from ..quant.linear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, quantize_linear, replace_modules
 
 
 @dataclass
@@ -229,10 +229,8 @@ def quantize_at_load(net: Transformer, method: str) -> None:
                     layer.keep_codes = True
                 return layer
         source = SimpleNamespace(weight=m.dequantize(torch.float32), bias=m.bias) if isinstance(m, QuantLinear) else m
-        if method == "int4" and source.weight.shape[1] % 32:
-            return None  # stays as it is rather than pad: only odd-shaped heads hit this
-        return (Int4Linear.from_float(source, 32, keep_codes=tied and name == "lm_head") if method == "int4"
-                else Int8Linear.from_float(source))
+        layer = quantize_linear(source, method, 32, keep_codes=tied and name == "lm_head")
+        return None if layer is source else layer  # a layer the method cannot take stays as it is
 
     total = sum(_quantizable(m) for m in net.modules())
     done = 0

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from . import gguf_interleave, native
+from .lazy_native_weight import LazyNativeWeight
 from .linear import QuantLinear
 
 
-class GGUFLinear(QuantLinear):
+class GGUFLinear(LazyNativeWeight, QuantLinear):
     def __init__(self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
                  bias: torch.Tensor | None = None, layout: int = 0):
         """blocks: uint8 [N, bytes per row], the rows' blocks as the file stores them (layout 0) or
@@ -36,16 +37,8 @@ class GGUFLinear(QuantLinear):
             return None
         return JoinedGGUF(layers, bias)
 
-    def _native(self) -> native.NativeWeight:
-        nw = self.__dict__.get("_native_weight")
-        if nw is None:  # built on first use, after any move between devices
-            nw = self.__dict__["_native_weight"] = native.NativeWeight(
-                self.qtype, self.out_features, self.in_features, self.blocks, layout=self.layout)
-        return nw
-
-    def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_native_weight", None)
-        return super()._apply(fn, recurse)
+    def _build_native(self) -> native.NativeWeight:
+        return native.NativeWeight(self.qtype, self.out_features, self.in_features, self.blocks, layout=self.layout)
 
     def _matmul(self, x):
         if x.device.type == "cpu" and native.available():

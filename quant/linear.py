@@ -18,14 +18,14 @@ takes bf16 scales) and the plain-torch fallback compute the same weights.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native, triton_matmul
+from . import native, settings, triton_matmul
+from .lazy_native_weight import LazyNativeWeight
 
 SCALE_DTYPE = torch.bfloat16  # what the CPU kernels take; also the activations they take
 GROUP_SIZES = (32, 64, 128, 256)
@@ -163,7 +163,7 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int8Linear(QuantLinear):
+class Int8Linear(LazyNativeWeight, QuantLinear):
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
         if weight.device.type == "cpu" and weight.data_ptr() % 64:
@@ -189,16 +189,8 @@ class Int8Linear(QuantLinear):
     def native(self) -> bool:
         return self.use_kernel and self.weight.device.type == "cpu" and native.usable(self.in_features)
 
-    def _native(self) -> native.NativeWeight:
-        nw = self.__dict__.get("_native_weight")
-        if nw is None:  # built on first use, after any move between devices
-            nw = self.__dict__["_native_weight"] = native.NativeWeight(
-                native.I8R, self.out_features, self.in_features, self.weight, row_scales=self.scales)
-        return nw
-
-    def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_native_weight", None)
-        return super()._apply(fn, recurse)
+    def _build_native(self) -> native.NativeWeight:
+        return native.NativeWeight(native.I8R, self.out_features, self.in_features, self.weight, row_scales=self.scales)
 
     def _matmul(self, x):
         if self.use_kernel and x.device.type == "cpu":
@@ -233,7 +225,7 @@ USE_TINYGEMM = True  # bench/gpu.py turns it off to time the Triton int4 kernel 
 # Int4Linear's layout on CUDA: torch's tinygemm, or the Triton planes kernel, which reads each weight
 # once for up to 64 activation rows (speculative verifying passes, batched decode), where tinygemm's
 # time grows with the rows (bench/RESULTS.md). BRISK_CUDA_INT4=tinygemm|planes chooses.
-CUDA_INT4 = os.environ.get("BRISK_CUDA_INT4", "tinygemm")
+CUDA_INT4 = settings.CUDA_INT4.get()
 
 
 def tinygemm_fits(N: int, K: int, group_size: int) -> bool:
@@ -289,7 +281,7 @@ def unpack_int4_kernel(packed: torch.Tensor, N: int, K: int, layout: str = "cpu"
     return q.view(N, K).to(packed.device)
 
 
-class Int4Linear(QuantLinear):
+class Int4Linear(LazyNativeWeight, QuantLinear):
     """Kept as torch's packed kernel data where a kernel takes the shape ("cpu" layout on the CPU,
     "tinygemm" on CUDA: `layout`), else as pack_int4 codes (`weight`) that the Triton kernel or
     the dequantizing fallback reads. Moving the layer between devices repacks it."""
@@ -374,16 +366,12 @@ class Int4Linear(QuantLinear):
     def native(self) -> bool:
         return self.layout == "native"
 
-    def _native(self) -> native.NativeWeight:
-        nw = self.__dict__.get("_native_weight")
-        if nw is None:  # built on first use, after any move between devices
-            nw = self.__dict__["_native_weight"] = native.NativeWeight(
-                native.I4G, self.out_features, self.in_features, self.weight, self.scales, self.zeros, self.group_size)
-        return nw
+    def _build_native(self) -> native.NativeWeight:
+        return native.NativeWeight(native.I4G, self.out_features, self.in_features, self.weight, self.scales,
+                                   self.zeros, self.group_size)
 
     def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_native_weight", None)
-        out = super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)  # LazyNativeWeight's: drops the descriptor first
         device = self.scales.device.type
         if self.layout is not None and (self.layout in ("cpu", "native")) != (device == "cpu"):
             # Moved between the CPU and CUDA: repack for the kernel of the new device.
@@ -514,14 +502,15 @@ class QuantEmbedding(nn.Module):
 METHODS = ("int8", "int4")
 
 
-def quantize_linear(linear: nn.Linear, method: str, group_size: int = 32) -> nn.Module:
-    """The quantized replacement of one layer, or the layer itself where the method cannot apply."""
+def quantize_linear(linear: nn.Linear, method: str, group_size: int = 32, keep_codes: bool = False) -> nn.Module:
+    """The quantized replacement of one layer (anything with a float `weight` and a `bias`), or the
+    layer itself where the method cannot apply. keep_codes: see Int4Linear."""
     if method == "int8":
         return Int8Linear.from_float(linear)
     if method == "int4":
-        if linear.in_features % group_size:
+        if linear.weight.shape[1] % group_size:
             return linear  # keep it float rather than pad: only odd-shaped heads hit this
-        return Int4Linear.from_float(linear, group_size)
+        return Int4Linear.from_float(linear, group_size, keep_codes=keep_codes)
     raise ValueError(f"unknown quantization method {method!r}; use one of {', '.join(METHODS)}")
 
 

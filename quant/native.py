@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from . import gguf_interleave
+from . import gguf_interleave, settings
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "brisk_kernels.c"
 QB = 32  # every format's rows are whole blocks of 32 (or 256) weights
 LEVELS = ("plain", "avx2", "avx512")
-ENABLED = os.environ.get("BRISK_NATIVE", "1") != "0"  # layers built while it is on use the kernels
+ENABLED = settings.NATIVE.get()  # layers built while it is on use the kernels
 F32 = 0  # GGUF's id for plain float32 rows: a float model's weights, read in place
 # Float rows take products with up to this many activation rows here (decode, verification, batched
 # steps: bandwidth-bound, 1.4x MKL's sgemv); longer ones (prefill) go to torch's sgemm, about twice
@@ -48,28 +48,19 @@ I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type i
 # the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
 INT_DOT_TYPES = {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
 SUPER_TYPES = {10, 11, 12, 13, 14}  # of those, the ones whose activations are quantized per 256 (the K-quants), not per 32
-INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
+INT_DOT = settings.INT_DOT.get()
 # of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, 2.6x faster on
 # Q4_K than 16-bit ones); BRISK_ACT8=0 keeps them 16-bit, except Q2_K and Q3_K (10, 11): they have no 16-bit
 # path and take float32 activations then
 ACT8_TYPES = {10, 11, 12, 13, 14}
 X8 = 8  # bk_weight's layout of K-quant, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved by 8 (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h): the kernels' fastest
-ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
-# BRISK_ACT8_SPLIT=1e-3: an 8-bit activation row that rounds coarsely (relative squared error above it,
-# brisk_kernels.c split_err: the MLP's down projection's heavy-tailed input) also runs its remainder.
-# K-quant KL to the widened file ~3x lower (Gemma 3 Q2_K 0.046 -> 0.008), prefill 17-19% slower, so off
-# by default (bench/RESULTS.md)
-ACT8_SPLIT = float(os.environ.get("BRISK_ACT8_SPLIT", "0"))
-# BRISK_ACT8_OUTLIERS (default 2.5e-4, 0 off): an 8-bit activation block that rounds coarsely keeps its
-# largest inputs exact (brisk_kernels.c outlier_err): KL to the widened file by `brisk eval --base`, Gemma 3
-# Q4_K_M 1.7e-2 -> 6.8e-4, Q3_K_M 2.6e-2 -> 9.0e-4 (at 5e-4 one of its tokens stayed at KL 2.2: 1.2e-2),
-# for 10-12% of K-quant prefill and ~4% of Gemma 3's decode; a random-weight 1.1B, whose every block
-# looks heavy-tailed, decodes 20% slower (bench/RESULTS.md). Takes precedence over the split.
-DEFAULT_ACT8_OUTLIERS = 2.5e-4
-ACT8_OUTLIERS = float(os.environ.get("BRISK_ACT8_OUTLIERS", DEFAULT_ACT8_OUTLIERS))
-# The outliers' dequantized float columns a weight keeps, as a share of its own bytes (a column not kept
-# is dequantized again, to the same floats: brisk_kernels.c bk_columns)
-OUTLIER_CACHE = float(os.environ.get("BRISK_OUTLIER_CACHE", "0.0625"))
+ACT8 = settings.ACT8.get()
+# The 8-bit activations' remedies for coarse rounding (brisk_kernels.c split_err, outlier_err) and the
+# outliers' column cache (bk_columns): settings.py says what each does, bench/RESULTS.md what it costs
+ACT8_SPLIT = settings.ACT8_SPLIT.get()
+DEFAULT_ACT8_OUTLIERS = settings.ACT8_OUTLIERS.default
+ACT8_OUTLIERS = settings.ACT8_OUTLIERS.get()
+OUTLIER_CACHE = settings.OUTLIER_CACHE.get()
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K", 39: "MXFP4"}
 BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
@@ -77,8 +68,8 @@ BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (2
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("BRISK_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                                                        os.path.expanduser("~/.cache"), "brisk")
+    root = settings.CACHE.get() or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                "brisk")
     return Path(root) / "native"
 
 
@@ -261,7 +252,7 @@ def library():
     lib.bk_columns_count.argtypes, lib.bk_columns_count.restype = [p, i], ctypes.c_longlong
     lib.bk_act8_split.argtypes, lib.bk_act8_split.restype = [ctypes.c_float], None
     lib.bk_act8_split(ACT8_SPLIT)
-    lib.bk_threads(int(os.environ.get("BRISK_THREADS", 0)) or torch.get_num_threads())
+    lib.bk_threads(settings.THREADS.get() or torch.get_num_threads())
     if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):
         warnings.warn("brisk's native kernels for this CPU (AVX2) were built with GCC, whose code for them runs "
                       "4-10x slower than clang's: `pip install ziglang` (a clang brisk then uses) or install clang "
@@ -317,8 +308,8 @@ def level() -> int:
     """The instruction set the kernels use: 0 plain C, 1 AVX2+FMA, 2 AVX-512 with VNNI (level.cache_clear()
     after changing BRISK_NATIVE_LEVEL)."""
     best = library().bk_cpu_level()
-    cap = os.environ.get("BRISK_NATIVE_LEVEL")
-    return best if cap is None else min(best, int(cap))
+    cap = settings.NATIVE_LEVEL.get()
+    return best if cap is None else min(best, cap)
 
 
 def usable(K: int, group_size: int | None = None) -> bool:
@@ -335,7 +326,7 @@ def interleaves(qtype: int, rows: int, cols: int) -> bool:
     """Whether a kept GGUF weight of this type and shape is loaded with its rows interleaved by 8
     (X8: the faster layout, gguf_interleave.py). BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs)."""
     return (gguf_interleave.packable(qtype, rows, cols) and (ACT8 or qtype not in ACT8_TYPES)
-            and os.environ.get("BRISK_INTERLEAVE", "1") != "0")
+            and settings.INTERLEAVE.get())
 
 
 def outlier_columns(row_bytes: int) -> int:

@@ -37,13 +37,14 @@ from __future__ import annotations
 import torch
 
 from . import gguf_blocks, gguf_interleave, native, triton_matmul
+from .lazy_native_weight import LazyNativeWeight
 from .linear import QuantLinear, pack_int4, unpack_int4, unpack_int4_kernel
 
 KERNEL_GROUPS = (256, 128, 64, 32)
 Q8_0 = gguf_interleave.Q8_0  # the group sizes torch's CPU int4 kernel takes, largest first
 
 
-class ZeroPointLinear(QuantLinear):
+class ZeroPointLinear(LazyNativeWeight, QuantLinear):
     exact = False  # float32 kernel inputs: bit-exact to the checkpoint, much slower (see above)
 
     def __init__(self, in_features: int, out_features: int, bits: int, bias: torch.Tensor | None):
@@ -128,18 +129,19 @@ class ZeroPointLinear(QuantLinear):
         return (getattr(self, "_q4", None) is not None and self._q4.device.type == "cpu"
                 and getattr(self, "_perm", None) is None and native.usable(self.in_features, self.kernel_group))
 
-    def _native(self) -> native.NativeWeight:
-        nw = self.__dict__.get("_native_weight")
+    def _build_native(self) -> native.NativeWeight:
         q8 = getattr(self, "_q8", None)
-        if nw is None or nw.tensors[0] is not (self._q4 if q8 is None else q8):
-            nw = self.__dict__["_native_weight"] = native.NativeWeight(
-                native.I4G, self.out_features, self.in_features, self._q4, self._s4, self._z4, self.kernel_group) \
-                if q8 is None else native.NativeWeight(Q8_0, self.out_features, self.in_features, q8, layout=self._q8_layout)
-        return nw
+        if q8 is None:
+            return native.NativeWeight(native.I4G, self.out_features, self.in_features, self._q4, self._s4, self._z4,
+                                       self.kernel_group)
+        return native.NativeWeight(Q8_0, self.out_features, self.in_features, q8, layout=self._q8_layout)
+
+    def _native_stale(self, nw: native.NativeWeight) -> bool:
+        q8 = getattr(self, "_q8", None)  # the kernel data is rebuilt by assignment (_int4_layout, a Q8_0 layout)
+        return nw.tensors[0] is not (self._q4 if q8 is None else q8)
 
     def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_native_weight", None)
-        out = super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)  # LazyNativeWeight's: drops the descriptor first
         if self.use_kernel and getattr(self, "_packed", None) is not None and self._packed.device.type != "cpu":
             # moved off the CPU: rebuild the kernel data in the GPU kernel's layout
             q = unpack_int4_kernel(self._packed, self.out_features, self.in_features)

@@ -18,12 +18,12 @@ runner = CliRunner()
 BRISK = [sys.executable, "-c", "from brisk.cli.main import run; run()"]
 
 
-def brisk(*args, input=None, timeout=300):
+def brisk(*args, input=None, timeout=300, env=None):
     """The command in a subprocess; stdin is `input`, or /dev/null (not the test runner's stdin,
     which brisk would read as part of the prompt if it were a pipe)."""
     stdin = subprocess.DEVNULL if input is None else None
     return subprocess.run(BRISK + list(args), input=input, stdin=stdin, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "200"}, preexec_fn=default_sigint)
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200", **(env or {})}, preexec_fn=default_sigint)
 
 
 def assert_clean_error(r, *words):
@@ -217,6 +217,14 @@ def test_bench_json(tiny_llama_dir):
 
 
 # ------------------------------------------------------------------ bad inputs
+
+@pytest.mark.parametrize("name, value", [("BRISK_THREADS", "x"), ("BRISK_ACT8_SPLIT", "lots")])
+def test_a_bad_env_setting_is_one_error_line(tiny_gguf_path, name, value):
+    """A BRISK_ variable that does not parse (quant/settings.py) names itself, with no traceback,
+    whether it is read at import (BRISK_ACT8_SPLIT) or when the kernels load (BRISK_THREADS)."""
+    r = brisk("generate", str(tiny_gguf_path), "hi", "-n", "1", env={name: value})
+    assert_clean_error(r, f"{name}={value!r} is not")
+
 
 def test_missing_path():
     assert_clean_error(brisk("generate", "-m", "/no/such/model.gguf", "hi"), "no such file")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import default_sigint
+from interrupt import Stopped, brisk_command, stop_after
 from typer.testing import CliRunner
 
 from brisk.cli.main import app
@@ -67,10 +67,10 @@ def test_training_lowers_the_loss(tiny, tmp_path):
 
 def test_interrupted_run_resumes_byte_identical(tiny_llama_dir, heads_dir, tmp_path, monkeypatch):
     out = tmp_path / "resumed"
-    monkeypatch.setenv(D.STOP_ENV, "1")  # dies after its first checkpoint (step 4 of 12), as a crash would
-    with pytest.raises(BriskError, match="stopped after 1 checkpoints"):
-        D.distill(str(tiny_llama_dir), out, D.DistillOptions(**FAST))
-    monkeypatch.delenv(D.STOP_ENV)
+    with monkeypatch.context() as m:  # dies after its first checkpoint (step 4 of 12), as a crash would
+        m.setattr(D.Trainer, "save", stop_after(D.Trainer.save, 1))
+        with pytest.raises(Stopped, match="stopped after 1 calls of save"):
+            D.distill(str(tiny_llama_dir), out, D.DistillOptions(**FAST))
     partial = tmp_path / "resumed.partial"
     assert not out.exists() and (partial / "train.safetensors").is_file()
 
@@ -84,10 +84,10 @@ def test_interrupted_run_resumes_byte_identical(tiny_llama_dir, heads_dir, tmp_p
 
 def test_other_training_arguments_keep_the_data(tiny_llama_dir, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    monkeypatch.setenv(D.STOP_ENV, "1")
-    with pytest.raises(BriskError):
-        D.distill(str(tiny_llama_dir), out, D.DistillOptions(**FAST))
-    monkeypatch.delenv(D.STOP_ENV)
+    with monkeypatch.context() as m:
+        m.setattr(D.Trainer, "save", stop_after(D.Trainer.save, 1))
+        with pytest.raises(Stopped):
+            D.distill(str(tiny_llama_dir), out, D.DistillOptions(**FAST))
     events = []
     D.distill(str(tiny_llama_dir), out, D.DistillOptions(**{**FAST, "lr": 5e-3}), report=lambda e, **i: events.append(e))
     assert "resume" not in events and "restart" not in events  # steps start over, answers are reused
@@ -234,8 +234,9 @@ def test_cli_ctrl_c_says_how_to_resume(tmp_path, tiny_llama_dir):
     out = tmp_path / "heads"
     args = ["distill", str(tiny_llama_dir), "-o", str(out), "--samples", "6", "--max-tokens", "12", "--steps", "8",
             "--batch", "32", "--checkpoint-every", "2", "--no-measure"]
-    r = subprocess.run(BRISK + args, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                       env={**os.environ, D.STOP_ENV: "1:sigint"}, preexec_fn=default_sigint)
+    # a real Ctrl-C right after the first checkpoint (step 2 of 8) is written
+    r = subprocess.run(brisk_command("brisk.core.distill:Trainer.save", 1, "sigint") + args, capture_output=True,
+                       text=True, timeout=120, stdin=subprocess.DEVNULL, preexec_fn=default_sigint)
     assert r.returncode == 130 and "run the same command again to resume" in r.stderr, r.stderr
     assert not out.exists()
     r = runner.invoke(app, args)

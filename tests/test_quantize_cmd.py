@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import default_sigint
+from interrupt import brisk_command, stop_after
 from typer.testing import CliRunner
 
 from brisk.cli.main import app
 from brisk.core import calibration
 from brisk.core.errors import BriskError
-from brisk.core.quantize import STOP_ENV, QuantOptions, quantize_model
+from brisk.core.quantize import QuantOptions, quantize_model, resume
 
 runner = CliRunner()
 
@@ -180,7 +180,7 @@ def test_already_quantized_input(tiny_llama_dir, tmp_path):
 
 # ---------------------------------------------------------------- resume
 
-BRISK = [sys.executable, "-c", "from brisk.cli.main import run; run()"]
+SAVE_LAYER = "brisk.core.quantize.resume:save_layer"  # the step after which an interrupted run stops
 
 
 @pytest.mark.parametrize("kind, method", [("tiny_llama_dir", "gptq"), ("tiny_gemma3_dir", "awq")])
@@ -192,9 +192,9 @@ def test_resume_gives_the_same_bytes(kind, method, request, tmp_path):
 
     # a run that dies after one block (as a crash would), in its own process
     out = tmp_path / "resumed"
-    r = subprocess.run(BRISK + ["quantize", str(model), "-o", str(out), *args], capture_output=True, text=True,
-                       env={**os.environ, STOP_ENV: "1", "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert r.returncode == 1 and "stopped after 1 blocks" in r.stderr, r.stderr
+    r = subprocess.run(brisk_command(SAVE_LAYER, 1) + ["quantize", str(model), "-o", str(out), *args],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 1 and "stopped after 1 calls of save_layer" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
     partial = out.with_name("resumed.partial")
     assert [p.name for p in (partial / "layers").iterdir()] == ["layer_0000.safetensors"]
@@ -207,9 +207,11 @@ def test_resume_gives_the_same_bytes(kind, method, request, tmp_path):
     assert not partial.exists()
 
 
-def test_other_arguments_start_over(tiny_llama_dir, tmp_path):
+def test_other_arguments_start_over(tiny_llama_dir, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    r = quantize(tiny_llama_dir, out, "--method", "gptq", *CALIB, "--damp", "0.05", env={STOP_ENV: "1"})
+    with monkeypatch.context() as m:  # dies after its first block, as a crash would
+        m.setattr(resume, "save_layer", stop_after(resume.save_layer, 1))
+        r = quantize(tiny_llama_dir, out, "--method", "gptq", *CALIB, "--damp", "0.05")
     assert r.exit_code == 1 and (tmp_path / "out.partial").exists()
     events = []
     quantize_model(str(tiny_llama_dir), out, QuantOptions(method="gptq", samples=8, seq_len=64),
@@ -558,11 +560,9 @@ def test_default_model_nf4_interrupted_and_resumed(tmp_path):
     manifest = tmp_path / "smol-nf4.partial" / "manifest.json"
     # A Ctrl-C after two blocks, delivered by the process to itself at that point: polling for
     # the manifest and signalling from here raced with nf4's ~50 ms blocks (the run could finish).
-    env = {**os.environ, "BRISK_QUANTIZE_STOP_AFTER": "2:sigint"}
     args = ["--method", "nf4", "--double-quant", "--samples", "0"]  # round-to-nearest, as nf4 made at load
-    p = subprocess.Popen(BRISK + ["quantize", "-o", str(out), *args],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         preexec_fn=default_sigint)
+    p = subprocess.Popen(brisk_command(SAVE_LAYER, 2, "sigint") + ["quantize", "-o", str(out), *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 130 and "run the same command again" in err, err
     assert not out.exists() and manifest.exists()

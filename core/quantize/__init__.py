@@ -2,7 +2,6 @@
 from .options import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, METHODS, QuantOptions
 from .pipeline import LayerStats, QuantSummary, quantize_model
 from .recipes import AWQ_FEED, awq_groups, fold_scales
-from .resume import STOP_ENV
 
-__all__ = ["AWQ_FEED", "DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "METHODS", "STOP_ENV", "LayerStats", "QuantOptions",
+__all__ = ["AWQ_FEED", "DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "METHODS", "LayerStats", "QuantOptions",
            "QuantSummary", "awq_groups", "fold_scales", "quantize_model"]

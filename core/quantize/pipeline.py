@@ -137,14 +137,12 @@ def _quantize_blocks(net, ids, opts, fmt, qcfg, dtype, partial, done, report, su
     """Each block in turn: quantized (or reloaded from the partial run), saved, rebuilt from its
     checkpoint tensors and run to give the next block its inputs, then dropped."""
     layers = net.model.layers
-    stop_after = resume.stop_after()
     x = rope = kv = None
     if ids is not None:
         if opts.embedding == "16bit":  # calibrate on the embeddings the checkpoint will hold (int8: set already)
             blocks.round_(net.model.embed_tokens.weight, dtype)
         x, rope, kv = blocks.block_inputs(net, ids)
     report("start", total=len(layers), done=len(done))
-    fresh = 0
     for i in range(len(layers)):
         block, prefix = layers[i], f"model.layers.{i}."
         t0 = time.perf_counter()
@@ -170,9 +168,6 @@ def _quantize_blocks(net, ids, opts, fmt, qcfg, dtype, partial, done, report, su
         if i not in done:
             stats = LayerStats(i, time.perf_counter() - t0, errors)
             resume.save_layer(partial, i, tensors, stats.seconds, stats.errors)
-            fresh += 1
         layers[i] = nn.Identity()  # done with it: its tensors are on disk
         summary.layers.append(stats)
         report("layer", stats=stats, total=len(layers))
-        if stop_after and fresh >= stop_after and i + 1 < len(layers):
-            resume.stop(fresh)

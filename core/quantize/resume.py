@@ -1,18 +1,13 @@
 """Resume: each finished block is saved to OUT.partial/layers/ with a manifest keyed by a hash of
 everything that decides the output. A rerun with the same arguments reloads the finished blocks
 (running them to rebuild the activations), and produces the same bytes as an uninterrupted run.
-The folder appears at OUT only when complete.
-
-Test hook: BRISK_QUANTIZE_STOP_AFTER=N stops a run with an error after it has quantized N blocks,
-as a crash would; N:sigint sends the process a SIGINT there instead, as Ctrl-C would."""
+The folder appears at OUT only when complete."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import shutil
-import signal
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,7 +19,6 @@ from ..files import write_text_atomic
 
 from .options import QuantOptions
 
-STOP_ENV = "BRISK_QUANTIZE_STOP_AFTER"
 _VERSION = 3  # bump when the output for the same arguments changes: partial runs then restart
 
 
@@ -108,15 +102,3 @@ def load_layer(partial: Path, i: int) -> dict[str, torch.Tensor]:
 
     return load_file(str(layer_path(partial, i)))
 
-
-def stop_after() -> int:
-    """The test hook's N (0: off)."""
-    return int(os.environ.get(STOP_ENV, "0").split(":")[0] or 0)
-
-
-def stop(fresh: int) -> None:
-    """End the run as a crash would (or as Ctrl-C would, with N:sigint), `fresh` blocks in."""
-    if os.environ[STOP_ENV].endswith(":sigint"):  # a real Ctrl-C, at a known point
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5)  # the handler raises KeyboardInterrupt here
-    raise BriskError(f"stopped after {fresh} blocks ({STOP_ENV}); run again to resume")
