@@ -339,7 +339,8 @@ def test_nesting_bound_refuses_deep_bodies(server):
     from brisk.cli.http_limits import MAX_JSON_DEPTH
 
     def nested(depth):
-        return '{"model": "tiny", "prompt": "hi", "max_tokens": 1, "user": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+        inner = "[" * (depth - 1) + "]" * (depth - 1)  # the body object is the first level
+        return '{"model": "tiny", "prompt": "hi", "max_tokens": 1, "user": ' + inner + "}"
 
     for depth in (MAX_JSON_DEPTH + 1, 100_000):
         status, out = server.raw("POST", "/v1/completions", nested(depth))
