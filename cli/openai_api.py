@@ -24,17 +24,16 @@ from ..core.tool_calls import MAX_CALLS, checked_choice, checked_tools, tool_for
 from ..core.logprobs import checked_count
 from .openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from ..core.sampling import SamplingParams
-from ..core.batching import EngineThread, Sequence
+from ..core.batching import Engine, EngineThread, Sequence
+from .http_limits import MAX_BODY_BYTES, MAX_JSON_DEPTH, too_deep
 
-# A request's body is read into memory before anything else: bounded (a context's worth of text
-# is well under 1 MiB; a long chat history under a few)
-MAX_BODY_BYTES = 8 << 20
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "loop": "stop", "cancelled": "stop"}
 # OpenAI fields brisk does not implement: refused (400) rather than silently ignored, unless they
 # hold their "off" value (false, null, an empty list, a plain-text response format)
 UNSUPPORTED = ("functions", "function_call", "best_of", "suffix")
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts per /v1/completions request (lm-eval sends batches of them)
+NESTED = f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep"
 
 
 def _is_off(key: str, value) -> bool:
@@ -73,8 +72,9 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
                api_key: str | None = None, max_tokens: int = 512) -> FastAPI:
     """The app for one loaded model. sampling: defaults for fields a request leaves out;
     max_tokens: the chat default (completions default to 16, as OpenAI's do)."""
-    def check_key(request: HTTPRequest):
-        # a dependency rather than middleware: BaseHTTPMiddleware hides client disconnects
+    async def check_key(request: HTTPRequest):
+        # a dependency rather than middleware: BaseHTTPMiddleware hides client disconnects; async,
+        # as a plain def would run on a worker thread for every request
         if api_key is not None and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
@@ -94,7 +94,10 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
 
     @app.get("/health")
     async def health():  # for load balancers and scripts waiting for the server: no key needed
-        return {"status": "ok", "model": served_name}
+        out = {"status": "ok", "model": served_name}
+        if isinstance(runner.engine, Engine):  # the batching pool: blocks that leak show here (--draft has none)
+            out["kv_blocks"] = {"free": runner.engine.pool.n_free, "total": runner.engine.pool.n_blocks}
+        return out
 
     @app.get("/v1/models")
     async def models():
@@ -164,6 +167,10 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
             body = json.loads(bytes(data))
         except ValueError:
             raise APIError(400, "the request body is not valid JSON") from None
+        except RecursionError:  # past the parser's own bound, itself far deeper than ours
+            raise APIError(400, NESTED) from None
+        if too_deep(body):
+            raise APIError(400, NESTED)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         if not isinstance(body.get("model"), str):

@@ -53,6 +53,7 @@ def serve(
         from ..core.errors import BriskError
         from ..core.batching import Engine, EngineThread, SerialEngine
         from .openai_api import create_app
+        from .http_limits import server_options
 
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
@@ -77,7 +78,7 @@ def serve(
                             + (" · API key required" if api_key else ""), highlight=False)
         try:
             # "info": uvicorn's access log, one line per request
-            uvicorn.run(api, host=host, port=port, log_level="info", timeout_graceful_shutdown=2)
+            uvicorn.run(api, host=host, port=port, log_level="info", timeout_graceful_shutdown=2, **server_options())
         finally:
             runner.close()
 

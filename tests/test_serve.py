@@ -17,6 +17,7 @@ from brisk.core.batching import Engine, EngineThread, SerialEngine
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
+from brisk.cli.http_limits import HEAD_TIMEOUT_S, server_options  # noqa: E402
 from brisk.cli.openai_api import create_app  # noqa: E402
 
 from test_distill import heads_dir  # noqa: E402,F401 (fixture: heads trained on the tiny model in seconds)
@@ -33,7 +34,8 @@ def free_port() -> int:
 class Server:
     """uvicorn on a thread, on a free loopback port, around one engine thread."""
 
-    def __init__(self, llm, name="tiny", api_key=KEY, max_batch=8, step_delay=0.0, engine=None):
+    def __init__(self, llm, name="tiny", api_key=KEY, max_batch=8, step_delay=0.0, engine=None,
+                 head_timeout_s=HEAD_TIMEOUT_S):
         self.runner = EngineThread(engine or Engine(llm, max_batch=max_batch))
         self.submitted = []
         submit = self.runner.submit
@@ -49,7 +51,8 @@ class Server:
             self.runner.engine.step = lambda: (time.sleep(step_delay), step())[1]
         app = create_app(llm, self.runner, GREEDY, name, api_key, max_tokens=16)
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    **server_options(head_timeout_s)))  # as brisk serve runs it
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -237,7 +240,10 @@ def test_health_needs_no_key(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.request("GET", "/health")
     r = conn.getresponse()
-    assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    out = json.loads(r.read())
+    assert r.status == 200 and out["status"] == "ok"
+    engine = server.runner.engine  # the pool's free blocks, for scripts that watch for leaks
+    assert out["kv_blocks"] == {"free": engine.pool.n_free, "total": engine.pool.n_blocks}
 
 
 @pytest.mark.parametrize("field,value", [("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 2),
@@ -324,6 +330,61 @@ def test_request_limits_refuse_one_request_and_serve_the_next(server, tiny):
         assert code == 400 and "stop" in out["error"]["message"], out
     r = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=4)
     assert r.choices[0].text == reference(tiny, tiny.prompt_ids("Hello", raw=True), 4).text
+
+
+def test_nesting_bound_refuses_deep_bodies(server):
+    """A body nested past MAX_JSON_DEPTH (or past the JSON parser's own bound) is a 400 in OpenAI's shape,
+    not a server error; one at the bound passes the check."""
+    from brisk.cli.openai_api import NESTED
+    from brisk.cli.http_limits import MAX_JSON_DEPTH
+
+    def nested(depth):
+        inner = "[" * (depth - 1) + "]" * (depth - 1)  # the body object is the first level
+        return '{"model": "tiny", "prompt": "hi", "max_tokens": 1, "user": ' + inner + "}"
+
+    for depth in (MAX_JSON_DEPTH + 1, 100_000):
+        status, out = server.raw("POST", "/v1/completions", nested(depth))
+        assert status == 400 and out["error"]["message"] == NESTED, out
+        assert out["error"]["type"] == "invalid_request_error"
+    assert server.raw("POST", "/v1/completions", nested(MAX_JSON_DEPTH))[0] == 200
+
+
+def test_slow_request_head_is_timed_out_while_others_are_served(tiny):
+    """A connection trickling its headers (slow-loris) gets a 408 and is closed once the head timeout
+    passes, while normal requests are answered meanwhile; a request whose head arrived in time may run
+    (and stream) for longer than the timeout."""
+    s = Server(tiny, step_delay=0.05, head_timeout_s=0.5)
+    try:
+        slow = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(4)]
+        for sock in slow:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        t0 = time.time()
+        r = s.client.completions.create(model="tiny", prompt="Hello", max_tokens=40, stream=True)
+        chunks = list(r)
+        assert chunks[-1].choices[0].finish_reason and time.time() - t0 > 0.5  # outlived the head timeout
+        for sock in slow:
+            got = b""
+            try:
+                while True:
+                    sock.sendall(b"a")  # a byte at a time, never the end of the head
+                    part = sock.recv(4096)
+                    if not part:
+                        break
+                    got += part
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            assert got.startswith(b"HTTP/1.1 408") and time.time() - t0 < 5, got
+            sock.close()
+    finally:
+        s.close()
+
+
+def test_key_check_runs_no_worker_threads(server):
+    """Concurrent requests do not each take a worker thread (a sync dependency would run on anyio's pool)."""
+    before = {t.name for t in threading.enumerate()}
+    with ThreadPoolExecutor(16) as pool:
+        assert set(pool.map(lambda _: server.raw("GET", "/v1/models")[0], range(32))) == {200}
+    assert not [t.name for t in threading.enumerate() if t.name not in before and "AnyIO" in t.name]
 
 
 # ---------------------------------------------------------------- --draft: one request at a time, speculative
