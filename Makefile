@@ -65,7 +65,7 @@ test: install-test
 # the native kernels cross-compiled for 64-bit ARM (NEON) with zig's C compiler (~400 MB, not in make test)
 check-arm: install-test
 	$(PIP) install -q ziglang
-	$(PY) -m pytest -q tests/test_native.py -k arm
+	$(PY) -m pytest -q tests/test_native.py -m cross
 
 bench: install-test
 	$(PIP) install -q -e '.[bench]'
