@@ -116,6 +116,9 @@ def generate(
             sys.stdout.write("\n")
             if res.finish_reason == "loop":
                 print(c.LOOP_NOTE, file=sys.stderr)
+            elif not res.text and res.finish_reason in ("stop", "eos"):  # an empty answer, explained
+                print("(the answer is empty: " + ("it began with a --stop string" if res.finish_reason == "stop"
+                      else "the model ended it at once, with its end-of-sequence token") + ")", file=sys.stderr)
         if res.finish_reason == "interrupted":  # what was generated is printed; the exit says Ctrl-C
             raise typer.Exit(130)
 

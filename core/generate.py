@@ -90,8 +90,8 @@ class Session:
                     yield piece
                 if out.finished:
                     break
-        except GeneratorExit:  # the consumer stopped early (Ctrl-C in chat)
-            out.finish("interrupted")
+        except (GeneratorExit, KeyboardInterrupt):  # Ctrl-C, in the consumer's hands or mid-step here
+            out.finish("interrupted")  # timed, so the speed of what was generated is still reported
             raise
         finally:
             tokens.close()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -172,6 +173,15 @@ def test_a_system_message_without_a_chat_template_is_refused(tiny_gguf_path):
     assert_clean_error(brisk("generate", "hi", "--system", "Be brief.", "--raw", "-n", "1"), "system message", "--raw")
 
 
+def test_an_empty_answer_says_why(tiny_llama_dir):
+    """A --stop string the answer begins with left empty output and exit 0 without a word."""
+    first = brisk("generate", str(tiny_llama_dir), "The fox", "--raw", "-n", "3", "-t", "0")
+    assert first.returncode == 0 and first.stdout.strip(), first.stderr
+    r = brisk("generate", str(tiny_llama_dir), "The fox", "--raw", "-n", "3", "-t", "0", "--stop", first.stdout[:1])
+    assert r.returncode == 0 and r.stdout.strip() == "", r.stdout
+    assert "answer is empty" in r.stderr and "--stop" in r.stderr, r.stderr
+
+
 def test_piped_stdin_is_appended_to_a_prompt_argument(tiny_llama_dir):
     """`echo TEXT | brisk generate MODEL "Translate:"`: the prompt is the argument, a blank line,
     then stdin (as ollama does); invalid UTF-8 on stdin is a one-line error."""
@@ -333,6 +343,8 @@ def test_chat_ctrl_c_interrupts_the_answer_not_the_session():
     out = (first + out).decode()
     assert p.returncode == 0, err
     assert "[interrupted]" in out and "turns 1" in out
+    decode = float(re.search(r"decode ([0-9.]+) tok/s", out).group(1))  # it read 0.0 when Ctrl-C came mid-step
+    assert decode > 0, out
     assert b"Traceback" not in err
 
 
