@@ -173,8 +173,10 @@ def create_app(llm, runner: EngineThread, sampling: SamplingParams, served_name:
             raise APIError(400, NESTED)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        if not isinstance(body.get("model"), str):
-            raise APIError(400, "'model' (a string) is required", param="model")
+        if "model" not in body:  # one model served: what else could be meant (vLLM, llama-server agree)
+            body["model"] = served_name
+        if not isinstance(body["model"], str):
+            raise APIError(400, "'model' must be a string", param="model")
         if body["model"] not in names:
             raise APIError(404, f"model {body['model']!r} does not exist; this server has {served_name!r}",
                            "model_not_found", "model")

@@ -33,6 +33,7 @@ def serve(
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
     threads: Optional[int] = c.ThreadsOpt,
+    quantize: str = c.QuantizeOpt,
     ctx: Optional[int] = c.CtxOpt,
     draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding for each request (as generate's "
                                         "--draft: a draft model, self:int8|self:int4, ngram, lookahead or heads:PATH). "
@@ -63,7 +64,7 @@ def serve(
         if draft and kv_tokens is not None:
             raise BriskError("--kv-tokens sizes the batching pool, which --draft does not use (one sequence at a time)")
         _check_port(host, port)  # before the model load, which takes a while
-        llm = c.load_llm(name, device, dtype, ctx, threads=threads)
+        llm = c.load_llm(name, device, dtype, ctx, quantize=quantize, threads=threads)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, 1.0, None)
         served = served_name or name or llm.name.removesuffix(" (default)")
         speculator = c.load_speculator(llm, draft_options)

@@ -140,7 +140,7 @@ def test_stop_strings_and_defaults(server, tiny):
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ({"model": 5, "messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ({"model": "tiny"}, 400, "messages"),
     ({"model": "tiny", "messages": "hi"}, 400, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
@@ -155,6 +155,13 @@ def test_malformed_chat_requests_get_4xx_json(server, body, status, words):
     code, out = server.raw("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     assert code == status, out
     assert words.lower() in out["error"]["message"].lower() and out["error"]["type"] == "invalid_request_error"
+
+
+def test_a_request_without_model_gets_the_served_one(server):
+    """As vLLM and llama-server do: one model is served, so a body without `model` means it."""
+    code, out = server.raw("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 2})
+    assert code == 200 and out["model"] == "tiny" and out["choices"][0]["message"]["role"] == "assistant", out
 
 
 def test_raw_http_errors(server):
