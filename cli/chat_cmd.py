@@ -20,7 +20,7 @@ def chat(
     model_pos: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="Model (default: embedded SmolLM2)."),
     model: Optional[str] = c.ModelArg,
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message."),
-    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per answer.", min=1),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", "--n-predict", help="Most tokens per answer.", min=1),
     temperature: Optional[float] = c.TempOpt,
     top_k: Optional[int] = c.TopKOpt,
     top_p: Optional[float] = c.TopPOpt,

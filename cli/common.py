@@ -22,7 +22,7 @@ QuantizeOpt = typer.Option("auto", "--quantize", "-q", help="auto: run the check
                            "their blocks on the CPU: README, \"What it runs\" lists the types; GPTQ/AWQ/bitsandbytes stay in "
                            "their formats) | none: widen to --dtype | "
                            "int8 | int4 | nf4: quantize float weights at load.")
-CtxOpt = typer.Option(None, "--ctx", help="Context length to allocate (default: min(4096, model's)).", min=16)
+CtxOpt = typer.Option(None, "--ctx", "-c", "--ctx-size", help="Context length to allocate (default: min(4096, model's)).", min=16)
 TempOpt = typer.Option(None, "--temperature", "-t", help="0 = greedy. Default: the model's recommended setting, else 0.3.")
 TopKOpt = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off). Default: the model's, else 40.")
 TopPOpt = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off). Default: the model's, else 0.9.")
@@ -36,7 +36,7 @@ FrequencyOpt = typer.Option(None, "--frequency-penalty", help="In [-2, 2]: subtr
 LoopOpt = typer.Option(True, "--loop-stop/--no-loop-stop", help="End an answer that has fallen into a word-for-word "
                        "loop (small models do). Off for output that repeats on purpose.")
 SeedOpt = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output.")
-MaxTokOpt = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate.", min=1)
+MaxTokOpt = typer.Option(256, "--max-tokens", "-n", "--n-predict", help="Most tokens to generate.", min=1)
 StopOpt = typer.Option(None, "--stop", help="Stop when this text appears (repeatable); it is not printed.")
 DraftOpt = typer.Option(None, "--draft", help="Speculative decoding. The draft: a smaller model with the same "
                         "tokenizer, self:int8 | self:int4 (a quantized copy of the model), ngram (continues text "

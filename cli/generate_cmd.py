@@ -21,6 +21,8 @@ def generate(
                                                help="Model then prompt; with one argument it is the prompt "
                                                     "(or the model, when the prompt comes from stdin or --file)."),
     model: Optional[str] = c.ModelArg,
+    prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt, as an option (llama-cli's "
+                                             "-p); the positional argument is then the model."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the prompt from this file."),
     max_tokens: int = c.MaxTokOpt,
     temperature: Optional[float] = c.TempOpt,
@@ -70,6 +72,8 @@ def generate(
                 raise BriskError("--json-schema and --grammar go with a single prompt (not with --batch)")
             if logprobs is not None:
                 raise BriskError("--logprobs goes with a single prompt's --json (not with --batch)")
+            if prompt_opt is not None:
+                raise BriskError("--prompt goes with a single prompt (with --batch the prompts come from the file)")
             from ..core.device import set_cpu_threads
 
             set_cpu_threads(threads)
@@ -82,6 +86,13 @@ def generate(
             raise BriskError("-o/--output goes with --batch (a single answer streams to stdout)")
         if logprobs is not None and not as_json:
             raise BriskError("--logprobs goes with --json (the logprobs are part of its object)")
+        if prompt_opt is not None:
+            if len(args or []) > 1 or file is not None:
+                raise BriskError("prompt given twice (--prompt, and an argument or --file)")
+            if args and model:
+                raise BriskError("model given twice (positional and --model)")
+            args = [args[0] if args else model, prompt_opt] if (args or model) else [prompt_opt]
+            model = None
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)  # fail fast
@@ -243,6 +254,8 @@ def _split_args(args: list[str], model: Optional[str], file: Optional[Path]) -> 
         model_arg, prompt = None, None
     if model is not None and model_arg is not None:
         raise BriskError("model given twice (positional and --model)")
+    if prompt is not None and file is not None:  # the file would be ignored without a word
+        raise BriskError(f"prompt given twice (the argument {prompt[:40]!r} and --file)")
     model = model or model_arg
     if prompt is None:
         if file is not None:

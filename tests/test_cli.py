@@ -182,6 +182,18 @@ def test_an_empty_answer_says_why(tiny_llama_dir):
     assert "answer is empty" in r.stderr and "--stop" in r.stderr, r.stderr
 
 
+def test_llama_cpp_flag_names_are_aliases(tiny_llama_dir):
+    """-p PROMPT, -c/--ctx-size, --n-predict: what llama-cli users type gives the same answer."""
+    a = brisk("generate", str(tiny_llama_dir), "The fox", "--raw", "-n", "3", "-t", "0", "--ctx", "64", "--json")
+    b = brisk("generate", str(tiny_llama_dir), "-p", "The fox", "--raw", "--n-predict", "3", "-t", "0", "-c", "64",
+              "--json")
+    c = brisk("generate", "-m", str(tiny_llama_dir), "--prompt", "The fox", "--raw", "-n", "3", "-t", "0",
+              "--ctx-size", "64", "--json")
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr + b.stderr + c.stderr
+    assert json.loads(a.stdout)["text"] == json.loads(b.stdout)["text"] == json.loads(c.stdout)["text"]
+    assert_clean_error(brisk("generate", str(tiny_llama_dir), "The fox", "-p", "again"), "prompt given twice")
+
+
 def test_piped_stdin_is_appended_to_a_prompt_argument(tiny_llama_dir):
     """`echo TEXT | brisk generate MODEL "Translate:"`: the prompt is the argument, a blank line,
     then stdin (as ollama does); invalid UTF-8 on stdin is a one-line error."""
