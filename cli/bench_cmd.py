@@ -1,6 +1,7 @@
 """`brisk bench`: prompt-processing and generation speed, like llama-bench."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import sys
@@ -73,15 +74,27 @@ def bench(
                 llm = c.load_llm(model or model_pos, dev, dt, max(pps + tgs + [16]) + 1 + (128 if draft else 0),
                                  quiet=as_json or as_csv, quantize=quant)  # --draft: room for its prompt
                 for p in ([] if batches else pps):
-                    out.add(benchmark.run(llm, p, 0, reps))
+                    with _measuring(f"prefill of {p} tokens", out.form):
+                        rows = benchmark.run(llm, p, 0, reps)
+                    out.add(rows)  # after the spinner is gone: the row goes to stdout
                 for n in tgs:
-                    out.add(benchmark.run_batch(llm, batches, n, reps) if batches else benchmark.run(llm, 0, n, reps))
+                    with _measuring(f"decode of {n} tokens", out.form):
+                        rows = benchmark.run_batch(llm, batches, n, reps) if batches else benchmark.run(llm, 0, n, reps)
+                    out.add(rows)
                 if draft:  # plain and speculative decoding of real text, one pair of rows per -n
                     speculator = c.load_speculator(llm, draft_options, quiet=True)
                     for n in tgs:
                         out.add(benchmark.run_speculative(llm, speculator, n, reps) if n else [])
                 del llm
     out.finish()
+
+
+def _measuring(what: str, form: str):
+    """A transient spinner on a terminal while a row is measured (a pp512 row takes tens of seconds
+    on a small CPU), with the repetitions done; nothing in JSON/CSV form or off a terminal."""
+    if form != "table" or not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    return c.loading_bar(f"measuring {what}")
 
 
 class _Rows:

@@ -1,6 +1,7 @@
 """`brisk generate`: one prompt in, streamed text out; or a JSONL file of requests, batched."""
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -105,12 +106,17 @@ def generate(
         speculator = c.load_speculator(llm, draft_options, quiet=as_json)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                      presence_penalty, frequency_penalty)
-        from ..core.generate import Session
+        from ..core.generate import PREFILL_CHUNK, Session
 
         session = Session(llm, speculator=speculator)
         ids = llm.prompt_ids(prompt, raw=raw, system=system)
         try:
-            for piece in session.stream(ids, sampling, max_tokens, tuple(stop or ()), logprobs, grammar):
+            pieces = session.stream(ids, sampling, max_tokens, tuple(stop or ()), logprobs, grammar)
+            if len(ids) > 2 * PREFILL_CHUNK and not as_json and sys.stderr.isatty():
+                with c.loading_bar(f"reading the prompt ({len(ids)} tokens)"):  # until the first piece
+                    first = next(pieces, "")
+                pieces = itertools.chain([first], pieces)
+            for piece in pieces:
                 if not as_json:
                     sys.stdout.write(piece)
                     sys.stdout.flush()

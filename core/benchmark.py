@@ -10,6 +10,7 @@ import torch
 
 from .cuda_graph import decode_step
 from .model import LAST
+from .progress import track
 
 
 @dataclass
@@ -86,7 +87,7 @@ def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
     reset_peak_memory(llm.device)
     if n_prompt:
         time_prefill(llm, min(n_prompt, 64), gen)  # warm-up
-        speeds = [n_prompt / time_prefill(llm, n_prompt, gen) for _ in range(reps)]
+        speeds = [n_prompt / time_prefill(llm, n_prompt, gen) for _ in track(range(reps), f"pp{n_prompt}", reps)]
         med = statistics.median(speeds)
         rows.append(BenchRow(test=f"pp{n_prompt}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
                              ttft_s=n_prompt / med, gb_s=model_bytes * med / n_prompt / 1e9,
@@ -94,7 +95,7 @@ def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
     if n_gen:
         step = decode_step(llm.model, llm.new_cache(n_gen + 1))
         time_decode(llm, n_gen, step)  # warm-up (captures the CUDA graphs)
-        speeds = [n_gen / time_decode(llm, n_gen, step) for _ in range(reps)]
+        speeds = [n_gen / time_decode(llm, n_gen, step) for _ in track(range(reps), f"tg{n_gen}", reps)]
         med = statistics.median(speeds)
         rows.append(BenchRow(test=f"tg{n_gen}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
                              ttft_s=1 / med, gb_s=llm.load_info.step_bytes * med / 1e9,
@@ -133,7 +134,7 @@ def run_batch(llm, concurrencies: list[int], n_gen: int, reps: int) -> list[Benc
     rows = []
     for c in concurrencies:
         reset_peak_memory(llm.device)
-        runs = [time_batch(llm, c, n_gen, gen) for _ in range(reps)]
+        runs = [time_batch(llm, c, n_gen, gen) for _ in track(range(reps), f"tg{n_gen} x{c}", reps)]
         speeds = [e.stats.decode_tokens / e.stats.decode_s for e, _ in runs]
         med = statistics.median(speeds)
         ttft = statistics.mean(s.result.ttft_s for _, seqs in runs for s in seqs)

@@ -10,6 +10,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from . import progress
 from .cuda_graph import decode_step, verify_pass
 from .spec.drafter import Draft
 from .errors import BriskError, PromptTooLong
@@ -37,6 +38,8 @@ def prefill(model, kv, ids: list[int], start: int, device, return_hidden: bool =
     for s in range(start, len(ids), PREFILL_CHUNK):
         out = model(torch.tensor([ids[s:s + PREFILL_CHUNK]], device=device), s, kv, logit_rows=LAST,
                     return_hidden=return_hidden)
+        if len(ids) - start > PREFILL_CHUNK:  # a long prompt: minutes on a small CPU, said as it goes
+            progress.report("prompt tokens read", min(s + PREFILL_CHUNK, len(ids)) - start, len(ids) - start)
     return (out[0][0, -1], out[1][0, -1]) if return_hidden else out[0, -1]
 
 

@@ -1,6 +1,7 @@
 """The command line, through Typer's runner and as a real subprocess; bad inputs fail cleanly."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import os
@@ -192,6 +193,45 @@ def test_llama_cpp_flag_names_are_aliases(tiny_llama_dir):
     assert a.returncode == b.returncode == c.returncode == 0, a.stderr + b.stderr + c.stderr
     assert json.loads(a.stdout)["text"] == json.loads(b.stdout)["text"] == json.loads(c.stdout)["text"]
     assert_clean_error(brisk("generate", str(tiny_llama_dir), "The fox", "-p", "again"), "prompt given twice")
+
+
+def _stderr_on_a_terminal(args) -> tuple[int, str, str]:
+    """Run brisk with stderr on a pty (spinners show there) and stdout a pipe: (exit, stdout, stderr)."""
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen(BRISK + args, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL,
+                         env={**os.environ, "COLUMNS": "200"})
+    os.close(slave)
+    chunks = []
+
+    def drain():  # a pty holds a few kB: unread, the spinner would block the process
+        with contextlib.suppress(OSError):
+            while data := os.read(master, 65536):
+                chunks.append(data)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    out, _ = p.communicate(timeout=300)
+    t.join(10)
+    os.close(master)
+    return p.returncode, out.decode(), b"".join(chunks).decode(errors="replace")
+
+
+def test_long_work_shows_progress_on_a_terminal_and_keeps_stdout_clean(tmp_path, tiny_gguf_path):
+    """A prompt of a few thousand tokens and each bench row took tens of seconds without a sign:
+    a transient spinner on stderr (a terminal) now says what runs; stdout holds the same answer and
+    rows as without one."""
+    f = tmp_path / "long.txt"
+    f.write_text("The quick brown fox jumps over the lazy dog. " * 120)  # > 1024 tokens
+    code, out, err = _stderr_on_a_terminal(["generate", "-f", str(f), "--raw", "-n", "3", "-t", "0"])
+    plain = brisk("generate", "-f", str(f), "--raw", "-n", "3", "-t", "0")
+    assert code == 0 and out == plain.stdout and out.strip(), (out, plain.stdout)
+    assert "reading the prompt" in err and "prompt tokens read" in err
+    code, out, err = _stderr_on_a_terminal(["bench", str(tiny_gguf_path), "-p", "32", "-n", "8", "-r", "2"])
+    assert code == 0 and "| pp32 |" in out and "| tg8 |" in out, out
+    assert "measuring" not in out and "measuring prefill of 32 tokens" in err, (out, err)
 
 
 def test_piped_stdin_is_appended_to_a_prompt_argument(tiny_llama_dir):
