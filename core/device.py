@@ -35,6 +35,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if cpu_has_fast_bf16() and not native.available() else torch.float32
     if name not in DTYPES:
         raise InvalidValue("dtype", name, "must be auto, float32, bfloat16 or float16")
+    if device.type == "cpu" and DTYPES[name] != torch.float32 and not cpu_has_fast_bf16():
+        import warnings
+
+        warnings.warn(f"this CPU has no native bfloat16/float16 arithmetic (no avx512_bf16 or AMX): {name} is "
+                      "emulated, several times slower than float32 (--dtype auto picks float32 here)")
     return DTYPES[name]
 
 
