@@ -10,7 +10,8 @@ from rich.console import Console
 from . import common as c
 from .app import app
 
-HELP = ("/reset  forget the conversation · /system TEXT  set the system message · /save FILE · "
+HELP = ("/reset  forget the conversation · /system TEXT  set the system message · /set NAME VALUE  a sampling "
+        "setting (temperature, top_k, ..., max_tokens) · /save FILE · "
         "/load FILE · /stats · /exit (or Ctrl-D). Ctrl-C stops an answer. \"\"\" on a line of its own "
         "starts and ends a multi-line message.")
 
@@ -128,6 +129,35 @@ def _read_block(interactive: bool) -> str:
     return "\n".join(lines)
 
 
+# /set NAME VALUE: the sampling flags, changed for the answers that follow (as ollama's /set parameter)
+SETTABLE = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float,
+            "presence_penalty": float, "frequency_penalty": float, "seed": int, "max_tokens": int}
+
+
+def _set(conv, arg: str) -> None:
+    """/set NAME VALUE, checked as the flags are; /set alone shows the settings."""
+    from dataclasses import replace
+
+    from ..core.errors import BriskError, InvalidValue
+
+    if not arg:
+        return
+    name, _, value = arg.partition(" ")
+    name = name.replace("-", "_")
+    if name not in SETTABLE or not value.strip():
+        raise BriskError(f"/set NAME VALUE, NAME one of {', '.join(SETTABLE)}")
+    try:
+        v = SETTABLE[name](value.strip())
+    except ValueError:
+        raise InvalidValue(name, value.strip(), f"must be {'an integer' if SETTABLE[name] is int else 'a number'}") from None
+    if name == "max_tokens":
+        if v < 1:
+            raise InvalidValue(name, v, "must be >= 1")
+        conv.max_tokens = v
+    else:
+        conv.sampling = replace(conv.sampling, **{name: v}).validate()
+
+
 def _command(line: str, conv, out: Console) -> bool:
     """Run a /command; False means leave the session."""
     from ..core.errors import BriskError
@@ -169,6 +199,10 @@ def _command(line: str, conv, out: Console) -> bool:
                         f"accepted ({sp['acceptance_rate']:.0%}), {sp['mean_accepted']:.2f} per round "
                         f"over {sp['rounds']} rounds, {sp['passes']} target passes")
             out.print(msg, style="dim", markup=False)
+        elif cmd == "/set":
+            _set(conv, arg)
+            out.print("(" + ", ".join(f"{k} {v}" for k, v in c.sampling_summary(conv.sampling).items())
+                      + f", max_tokens {conv.max_tokens})", style="dim", markup=False)
         elif cmd in ("/help", "/?"):
             out.print(HELP, style="dim")
         else:

@@ -266,6 +266,17 @@ def test_chat_piped_with_commands(tiny_llama_dir, tmp_path):
     assert "sampling: temperature 0.0, repetition_penalty 1.0, stop_loops True" in r.stdout
 
 
+def test_chat_set_changes_sampling_for_the_answers_that_follow(tiny_llama_dir):
+    """/set NAME VALUE as ollama's /set parameter: checked as the flags are, in force from the next
+    answer."""
+    script = "/set temperature 0\n/set max-tokens 3\n/set top_k x\n/set nope 1\nhello\n/stats\n"
+    r = brisk("chat", str(tiny_llama_dir), "--temperature", "0.9", "--seed", "3", "-n", "20", input=script)
+    assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stderr
+    assert "(temperature 0.0," in r.stdout and "max_tokens 3)" in r.stdout
+    assert "must be an integer, got 'x'" in r.stdout and "/set NAME VALUE" in r.stdout
+    assert "last answer: 3 tokens" in r.stdout and "sampling: temperature 0.0" in r.stdout
+
+
 def test_bench_json(tiny_llama_dir):
     r = runner.invoke(app, ["bench", str(tiny_llama_dir), "-p", "16", "-n", "8", "-r", "2", "--json",
                             "--dtype", "float32,bfloat16"])
