@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.fuzz import gguf_edit, harness  # noqa: E402
+from tests.fuzz import folder_mutators, gguf_edit, harness  # noqa: E402
 
 from brisk.core.errors import BriskError, FileError  # noqa: E402
 
@@ -30,6 +30,54 @@ def test_fuzz_slice(capsys):
     assert not bad, "replay with python scripts/fuzz.py --replay ID:\n" + "\n".join(
         f"{r.case.id} {r.category} {r.case.mutator}: {r.message}" for r in bad)
     assert len({r.category for r in results} & {"ok", "clean"}) == 2  # the mutations do both
+
+
+@pytest.fixture(scope="module")
+def folder_corpus(tmp_path_factory):
+    harness.prepare_parent()
+    corpus = harness.Corpus(tmp_path_factory.mktemp("fuzz"))
+    return corpus, harness.calibrate(corpus, 20.0)
+
+
+@pytest.mark.parametrize("mutator", sorted(folder_mutators.FOLDER_MUTATORS))
+def test_fuzz_folder_category(folder_corpus, mutator):
+    """A few seeded cases of each model-folder category, drawn for it (the slice above may miss
+    one): none may be internal, hang, memory, crash, silent, outside or lost."""
+    corpus, budget = folder_corpus
+    results = [harness.run_case_forked(harness.make_case(corpus, FUZZ_SEED, i, mutator), 20.0, budget) for i in range(4)]
+    bad = [r for r in results if r.category not in ("ok", "clean")]
+    assert not bad, "\n".join(f"{r.case.id} {r.category} {r.case.detail}: {r.message}" for r in bad)
+
+
+def test_fuzz_verdicts(tmp_path):
+    """The folder rules: an inconsistent folder that loads is silent, a stale file read while
+    loading is silent, an outside target opened is outside, a changed file is lost."""
+    outside = tmp_path / "outside"
+    case = harness.Case("t", "hf", "m", "", tmp_path / "hf", marks=folder_mutators.Marks("float", must_refuse=True))
+    assert harness.verdict(case, "ok", "", [], False, [])[0] == "silent"
+    assert harness.verdict(case, "clean", "x", [], False, [])[0] == "clean"
+    case.marks = folder_mutators.Marks("float", forbidden=[tmp_path / "hf" / "stale.safetensors"])
+    assert harness.verdict(case, "ok", "", [str(tmp_path / "hf" / "stale.safetensors")], False, [])[0] == "silent"
+    case.marks = folder_mutators.Marks("float", outside=outside / "x.safetensors")
+    assert harness.verdict(case, "clean", "", [str(outside / "x.safetensors")], False, [])[0] == "outside"
+    assert harness.verdict(case, "hang", "", [], True, [])[0] == "outside"
+    assert harness.verdict(case, "ok", "", [], False, ["hf/config.json"])[0] == "lost"
+
+
+def test_outside_fifo_opened_is_seen(tmp_path):
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert not harness._fifo_opened(fifo)
+    t = threading.Thread(target=lambda: open(fifo, "rb").read(), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not harness._fifo_opened(fifo) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert time.monotonic() < deadline
+    t.join(5)
 
 
 # ---------------------------------------------------------------- GGUF header
