@@ -50,7 +50,7 @@ class Checkpoint:
     def file_bytes(self) -> int:
         if self.path.is_file():
             return self.path.stat().st_size
-        return sum(p.stat().st_size for p in self.path.glob("*.safetensors"))
+        return sum(p.stat().st_size for p in self.path.glob("*.safetensors") if p.is_file())  # not a dangling link
 
 
 def default_model_path() -> Path:

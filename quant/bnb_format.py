@@ -165,11 +165,17 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
     return None
 
 
-def _pop(tensors: dict, key: str) -> torch.Tensor:
+def _pop(tensors: dict, key: str, real: bool | None = None) -> torch.Tensor:
+    """tensors[key], removed; real=True: it must hold floating-point numbers (a scale, a code book),
+    real=False: integers (codes), as an integer tensor read as scales is another format's bytes."""
     try:
-        return tensors.pop(key)
+        t = tensors.pop(key)
     except KeyError:
         raise FormatError(f"bitsandbytes checkpoint lacks {key}") from None
+    if real is not None and t.is_floating_point() != real:
+        raise FormatError(f"{key} is {str(t.dtype).removeprefix('torch.')}, not "
+                          + ("a floating-point tensor" if real else "an integer tensor"))
+    return t
 
 
 def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
@@ -184,11 +190,12 @@ def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
     packed = _pop(tensors, f"{prefix}.weight")
     if packed.dtype != torch.uint8:  # bnb_4bit_quant_storage other than uint8: the same bytes
         packed = packed.contiguous().view(-1).view(torch.uint8)
-    absmax = _pop(tensors, f"{prefix}.weight.absmax")
-    code = _pop(tensors, f"{prefix}.weight.quant_map").float()
-    if f"{prefix}.weight.nested_absmax" in tensors:
-        nested = _pop(tensors, f"{prefix}.weight.nested_absmax")
-        nested_code = _pop(tensors, f"{prefix}.weight.nested_quant_map")
+    double = f"{prefix}.weight.nested_absmax" in tensors
+    absmax = _pop(tensors, f"{prefix}.weight.absmax", real=not double)  # double quantization: 8-bit codes
+    code = _pop(tensors, f"{prefix}.weight.quant_map", real=True).float()
+    if double:
+        nested = _pop(tensors, f"{prefix}.weight.nested_absmax", real=True)
+        nested_code = _pop(tensors, f"{prefix}.weight.nested_quant_map", real=True)
         if "nested_offset" not in state:
             raise FormatError(f"{state_key}: double-quantized layer without nested_offset")
         absmax = undo_double_quant(absmax, nested, nested_code, float(state["nested_offset"]),
@@ -200,7 +207,7 @@ def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
 
 
 def _load_int8(tensors: dict, prefix: str, bias) -> Int8Linear:
-    weight, scb = _pop(tensors, f"{prefix}.weight"), _pop(tensors, f"{prefix}.SCB")
+    weight, scb = _pop(tensors, f"{prefix}.weight"), _pop(tensors, f"{prefix}.SCB", real=True)
     fmt = tensors.pop(f"{prefix}.weight_format", None)
     if fmt is not None and int(fmt.reshape(-1)[0]) != 0:  # 0 = row-major; the tiled GPU layouts are gone
         raise FormatError(f"{prefix}: int8 weight_format {int(fmt.reshape(-1)[0])} (only row-major is supported)")

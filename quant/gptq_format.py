@@ -132,6 +132,13 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
             or G != -(-K // gs):
         raise FormatError(f"{prefix}: GPTQ tensors of inconsistent shapes (qweight {tuple(qweight.shape)}, "
                           f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group_size {gs})")
+    # the bytes of another type would be read as codes or scales without a word
+    if qzeros.dtype != torch.int32 or not scales.is_floating_point() \
+            or (g_idx is not None and (g_idx.is_floating_point() or g_idx.dtype == torch.bool)):
+        raise FormatError(f"{prefix}: GPTQ tensors of the wrong types (qzeros {qzeros.dtype}, scales {scales.dtype}"
+                          + (f", g_idx {g_idx.dtype})" if g_idx is not None else ")"))
+    if g_idx is None and layer["desc_act"] is True:  # act-order: the column order is only in g_idx
+        raise FormatError(f"{prefix}: desc_act checkpoint without its g_idx")
     if g_idx is None:  # some writers leave it out when it is just k // group_size
         g_idx = torch.arange(K, dtype=torch.int32) // gs
     if g_idx.shape != (K,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= G:

@@ -290,7 +290,7 @@ def test_gptq_settings_of_the_wrong_type_or_range(tmp_path, change):
     refused(_quantized(tmp_path, "gptq_4bit_g64_asym", **change), "GPTQ", "not supported")
 
 
-@pytest.mark.parametrize("change", [{"bits": "x"}, {"bits": None}, {"bits": [4]}, {"group_size": 0},
+@pytest.mark.parametrize("change", [{"bits": "x"}, {"bits": None}, {"bits": [4]}, {"bits": 4.0}, {"group_size": 0},
                                     {"group_size": 7}, {"group_size": "128"}, {"group_size": -1}])
 def test_awq_settings_of_the_wrong_type_or_not_the_tensors(tmp_path, change):
     """bits "x" raised ValueError from int(); a group_size the tensors do not have was ignored."""
@@ -308,3 +308,65 @@ def test_a_backtracking_dynamic_regex_ends_in_time(tmp_path, pattern, ends):
         assert "llm" in out, out
     else:
         assert isinstance(out.get("error"), FileError) and "backtracks" in str(out["error"]), out
+
+
+# ---------------------------------------------------------------- quantized tensors of the wrong type (make fuzz)
+
+def _retyped(tmp_path, name, change):
+    """A copy of fixture `name` whose tensors `change` maps to new tensors (None: removed)."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / name
+    shutil.copytree(FIXTURES / name, d)
+    t = load_file(str(d / "model.safetensors"))
+    for k, f in change.items():
+        if f is None:
+            del t[k]
+        else:
+            t[k] = f(t[k])
+    save_file(t, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("name, tensor, dtype", [
+    ("gptq_4bit_g64_asym", "model.layers.0.self_attn.q_proj.qzeros", torch.float32),
+    ("gptq_4bit_g64_asym", "model.layers.0.mlp.down_proj.scales", torch.int16),
+    ("gptq_4bit_g32_desc_act", "model.layers.1.self_attn.v_proj.g_idx", torch.float32),
+    ("awq_gemm_4bit_g128", "model.layers.0.self_attn.q_proj.scales", torch.int16),
+    ("awq_gemm_4bit_g128", "model.layers.0.self_attn.q_proj.qzeros", torch.float32),
+])
+def test_gptq_awq_tensors_of_another_type_are_refused(tmp_path, name, tensor, dtype):
+    """The same bytes under another type (qzeros as floats, scales as integers) loaded as if they
+    were the right ones: the model then ran on garbage weights without a word."""
+    refused(_retyped(tmp_path, name, {tensor: lambda t: t.view(dtype)}), tensor.rsplit(".", 2)[0], "wrong types")
+
+
+def test_act_order_gptq_without_g_idx_is_refused(tmp_path):
+    """With desc_act the input columns' groups are only in g_idx; k // group_size in its place was wrong."""
+    refused(_retyped(tmp_path, "gptq_4bit_g32_desc_act", {"model.layers.1.self_attn.v_proj.g_idx": None}),
+            "v_proj", "desc_act", "g_idx")
+
+
+@pytest.mark.parametrize("name, tensor, dtype", [
+    ("bnb_nf4", "model.layers.0.self_attn.q_proj.weight.quant_map", torch.int32),
+    ("bnb_nf4_dq", "model.layers.0.mlp.gate_proj.weight.nested_quant_map", torch.int32),
+    ("bnb_nf4", "model.layers.0.self_attn.q_proj.weight.absmax", torch.int32),
+    ("bnb_int8", "model.layers.0.self_attn.q_proj.SCB", torch.int32),
+])
+def test_bitsandbytes_scales_and_code_books_of_another_type_are_refused(tmp_path, name, tensor, dtype):
+    refused(_retyped(tmp_path, name, {tensor: lambda t: t.view(dtype)}), tensor, "not a floating-point tensor")
+
+
+def test_a_tokenizer_json_that_makes_the_reader_panic(folder):
+    """A malformed Precompiled normalizer: the Rust reader panics (a BaseException) at load."""
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    tj["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": "!!"}
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    refused(folder, "tokenizer.json", "unreadable tokenizer")
+
+
+def test_a_dangling_link_beside_the_weights_does_not_stop_a_load(folder):
+    """A *.safetensors link to nothing beside model.safetensors (not read): counting the folder's
+    weight bytes for the load's summary stat()ed it and failed with a raw FileNotFoundError."""
+    (folder / "reference.safetensors").symlink_to(folder / "gone.safetensors")
+    assert "llm" in load_within(folder)
