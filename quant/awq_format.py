@@ -71,9 +71,11 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
     qweight = tensors.pop(f"{prefix}.qweight")
     qzeros = tensors.pop(f"{prefix}.qzeros")
     scales = tensors.pop(f"{prefix}.scales")
-    K, N = qweight.shape[0], qweight.shape[1] * 8
-    G = scales.shape[0]
-    if qweight.dtype != torch.int32 or scales.shape[1] != N or qzeros.shape != (G, N // 8) or K % G:
+    matrices = qweight.dim() == qzeros.dim() == scales.dim() == 2
+    K, N = (qweight.shape[0], qweight.shape[1] * 8) if matrices else (0, 0)
+    G = scales.shape[0] if matrices else 0
+    if not matrices or qweight.dtype != torch.int32 or scales.shape[1] != N or qzeros.shape != (G, N // 8) \
+            or not G or K % G:
         raise FormatError(f"{prefix}: AWQ tensors of inconsistent shapes (qweight {tuple(qweight.shape)}, "
                           f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)})")
     if qzeros.dtype != torch.int32 or not scales.is_floating_point():  # another type's bytes, read as these

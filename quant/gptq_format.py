@@ -125,11 +125,12 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
     qzeros = tensors.pop(f"{prefix}.qzeros")
     scales = tensors.pop(f"{prefix}.scales")
     g_idx = tensors.pop(f"{prefix}.g_idx", None)
-    K, N = qweight.shape[0] * 32 // bits, qweight.shape[1]
-    G = scales.shape[0]
+    matrices = qweight.dim() == qzeros.dim() == scales.dim() == 2
+    K, N = (qweight.shape[0] * 32 // bits, qweight.shape[1]) if matrices else (0, 0)
+    G = scales.shape[0] if matrices else 0
     gs = K if gs == -1 else gs
-    if qweight.dtype != torch.int32 or qzeros.shape != (G, N * bits // 32) or scales.shape[1] != N \
-            or G != -(-K // gs):
+    if not matrices or not K or qweight.dtype != torch.int32 or qzeros.shape != (G, N * bits // 32) \
+            or scales.shape[1] != N or G != -(-K // gs):
         raise FormatError(f"{prefix}: GPTQ tensors of inconsistent shapes (qweight {tuple(qweight.shape)}, "
                           f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group_size {gs})")
     # the bytes of another type would be read as codes or scales without a word

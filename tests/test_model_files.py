@@ -370,3 +370,12 @@ def test_a_dangling_link_beside_the_weights_does_not_stop_a_load(folder):
     weight bytes for the load's summary stat()ed it and failed with a raw FileNotFoundError."""
     (folder / "reference.safetensors").symlink_to(folder / "gone.safetensors")
     assert "llm" in load_within(folder)
+
+
+@pytest.mark.parametrize("name, tensor", [("awq_gemm_4bit_g128", "model.layers.0.self_attn.k_proj.scales"),
+                                          ("awq_gemm_4bit_g128", "model.layers.0.self_attn.k_proj.qweight"),
+                                          ("gptq_4bit_g64_asym", "model.layers.0.self_attn.k_proj.scales"),
+                                          ("gptq_4bit_g64_asym", "model.layers.0.self_attn.k_proj.qzeros")])
+def test_quantized_tensors_that_are_not_matrices(tmp_path, name, tensor):
+    """A flattened scales or qweight: its second dimension was read anyway (IndexError)."""
+    refused(_retyped(tmp_path, name, {tensor: lambda t: t.reshape(-1)}), "k_proj", "inconsistent shapes")
