@@ -69,8 +69,10 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
         raise FormatError(f"AWQ with bits={bits}, zero_point={qcfg.get('zero_point')} is not supported "
                           "(brisk reads 4-bit AWQ with zero points)")
     qweight = tensors.pop(f"{prefix}.qweight")
-    qzeros = tensors.pop(f"{prefix}.qzeros")
-    scales = tensors.pop(f"{prefix}.scales")
+    try:
+        qzeros, scales = tensors.pop(f"{prefix}.qzeros"), tensors.pop(f"{prefix}.scales")
+    except KeyError as e:
+        raise FormatError(f"{prefix}: AWQ checkpoint lacks {e.args[0]}") from None
     matrices = qweight.dim() == qzeros.dim() == scales.dim() == 2
     K, N = (qweight.shape[0], qweight.shape[1] * 8) if matrices else (0, 0)
     G = scales.shape[0] if matrices else 0

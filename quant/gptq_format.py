@@ -122,8 +122,10 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
         raise FormatError(f"{prefix}: {bits!r}-bit GPTQ in groups of {gs!r} is not supported (brisk reads "
                           f"{', '.join(map(str, packing.BITS))} bits, groups of -1 or a positive integer)")
     qweight = tensors.pop(f"{prefix}.qweight")
-    qzeros = tensors.pop(f"{prefix}.qzeros")
-    scales = tensors.pop(f"{prefix}.scales")
+    try:
+        qzeros, scales = tensors.pop(f"{prefix}.qzeros"), tensors.pop(f"{prefix}.scales")
+    except KeyError as e:
+        raise FormatError(f"{prefix}: GPTQ checkpoint lacks {e.args[0]}") from None
     g_idx = tensors.pop(f"{prefix}.g_idx", None)
     matrices = qweight.dim() == qzeros.dim() == scales.dim() == 2
     K, N = (qweight.shape[0] * 32 // bits, qweight.shape[1]) if matrices else (0, 0)

@@ -379,3 +379,26 @@ def test_a_dangling_link_beside_the_weights_does_not_stop_a_load(folder):
 def test_quantized_tensors_that_are_not_matrices(tmp_path, name, tensor):
     """A flattened scales or qweight: its second dimension was read anyway (IndexError)."""
     refused(_retyped(tmp_path, name, {tensor: lambda t: t.reshape(-1)}), "k_proj", "inconsistent shapes")
+
+
+@pytest.mark.parametrize("name, tensor", [("gptq_4bit_g64_asym", "model.layers.0.self_attn.k_proj.scales"),
+                                          ("gptq_4bit_g32_desc_act", "model.layers.0.self_attn.q_proj.qzeros"),
+                                          ("awq_gemm_4bit_g128", "model.layers.1.mlp.up_proj.scales")])
+def test_a_quantized_layer_without_its_scales_or_zeros(tmp_path, name, tensor):
+    """It was a KeyError naming the tensor, raw."""
+    refused(_retyped(tmp_path, name, {tensor: None}), "lacks", tensor)
+
+
+def test_bitsandbytes_vectors_with_a_unit_dimension_load(tmp_path):
+    """A code book stored [1, 16] (the same 16 values) failed inside the layer's setup (RuntimeError)."""
+    d = _retyped(tmp_path, "bnb_nf4_dq", {"model.layers.1.mlp.up_proj.weight.quant_map": lambda t: t.reshape(1, -1),
+                                          "model.layers.1.mlp.up_proj.weight.absmax": lambda t: t.reshape(-1, 1)})
+    assert "llm" in load_within(d)
+
+
+@pytest.mark.parametrize("tensor, change", [("nested_absmax", lambda t: torch.cat([t, t])),
+                                            ("nested_quant_map", lambda t: t[:16])])
+def test_double_quantization_tensors_of_the_wrong_size(tmp_path, tensor, change):
+    """A nested absmax with a value too many was ignored; a nested code book too short read past its end."""
+    d = _retyped(tmp_path, "bnb_nf4_dq", {f"model.layers.1.mlp.down_proj.weight.{tensor}": change})
+    refused(d, "down_proj", "double-quantization tensors do not match")
