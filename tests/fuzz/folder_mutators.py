@@ -499,12 +499,13 @@ def m_quant_tensors(rng, folder: Path, marks: Marks) -> str:
         else:
             items[i] = (n, new, shape, _resized(blob, size))
             storage = name.endswith(".weight") and marks.base in BNB and "int8" not in marks.base  # 4-bit codes: any storage type
-            marks.must_refuse = new != dtype and (integer == (new in FLOAT_DTYPES)) and not storage
+            flag = name.endswith(".weight_format")  # its value is read and checked, whatever the type
+            marks.must_refuse = new != dtype and (integer == (new in FLOAT_DTYPES)) and not storage and not flag
             detail = f"dtype of {name} {dtype} -> {new} (bytes reinterpreted)"
     elif choice == "remove":
         del items[i]
-        optional_gidx = name.endswith(".g_idx") and marks.base != "gptq_4bit_g32_desc_act"
-        marks.must_refuse = not optional_gidx
+        optional = (name.endswith(".g_idx") and marks.base != "gptq_4bit_g32_desc_act") or name.endswith(".weight_format")
+        marks.must_refuse = not optional  # (g_idx is k // group_size without act-order; weight_format 0 by default)
         detail = f"{name} removed"
     else:
         if name.endswith(".g_idx"):

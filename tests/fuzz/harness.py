@@ -1,7 +1,7 @@
 """brisk's fuzz harness: mutated GGUF files, Hugging Face folders, chat templates and prompts, each
 loaded and run the way `brisk generate` does, in a forked child with bounded memory and time.
 
-    python scripts/fuzz.py -n 1000 --seed 1          # the long run (make fuzz)
+    python scripts/fuzz.py -n 2000 --seed 1          # the long run (make fuzz)
     python scripts/fuzz.py --replay 1:417            # one case again, with its traceback
 
 A case is SEED:INDEX; its mutation is drawn from random.Random(f"{SEED}:{INDEX}"), so a case id
