@@ -158,7 +158,8 @@ def safetensors_files(folder: Path) -> list[Path]:
         raise FileError("empty weight_map", index)
     for f in shards:
         if not files_exists(f):
-            raise FileError("shard listed in the index is missing", f)
+            # named by the index, the name cut short: a long one (past the system's limit) is missing too
+            raise FileError(f"shard listed in the index is missing: {shown(str(f.relative_to(folder)))}", index)
         regular_file(f)
     return shards
 

@@ -195,6 +195,9 @@ def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
     double = f"{prefix}.weight.nested_absmax" in tensors
     # (flattened: a unit dimension more or less is the same vector)
     absmax = _pop(tensors, f"{prefix}.weight.absmax", real=not double).reshape(-1)  # double quantization: 8-bit codes
+    if double and absmax.dtype != torch.uint8:  # codes that index the nested code book
+        raise FormatError(f"{prefix}.weight.absmax is {str(absmax.dtype).removeprefix('torch.')}, not the uint8 codes "
+                          "of double quantization")
     code = _pop(tensors, f"{prefix}.weight.quant_map", real=True).float().reshape(-1)
     if double:
         nested = _pop(tensors, f"{prefix}.weight.nested_absmax", real=True).reshape(-1)

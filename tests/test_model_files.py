@@ -402,3 +402,17 @@ def test_double_quantization_tensors_of_the_wrong_size(tmp_path, tensor, change)
     """A nested absmax with a value too many was ignored; a nested code book too short read past its end."""
     d = _retyped(tmp_path, "bnb_nf4_dq", {f"model.layers.1.mlp.down_proj.weight.{tensor}": change})
     refused(d, "down_proj", "double-quantization tensors do not match")
+
+
+@pytest.mark.parametrize("shard", ["gone.safetensors", "x" * 5000 + ".safetensors"])
+def test_a_missing_shard_is_named_short_by_its_index(folder, shard):
+    """A 5000-character shard name (missing: past the system's limit) made a 5 kB error line."""
+    sharded(folder, {"model.embed_tokens.weight": shard})
+    msg = refused(folder, "model.safetensors.index.json", "shard listed in the index is missing", shard[:10])
+    assert len(msg) < 300
+
+
+def test_double_quantized_absmax_of_another_integer_type(tmp_path):
+    """int16 absmax codes indexed the 256-entry nested code book out of range (IndexError)."""
+    d = _retyped(tmp_path, "bnb_nf4_dq", {"model.layers.1.self_attn.v_proj.weight.absmax": lambda t: t.to(torch.int16)})
+    refused(d, "v_proj.weight.absmax", "uint8")
