@@ -493,7 +493,7 @@ def m_quant_tensors(rng, folder: Path, marks: Marks) -> str:
             from safetensors.torch import _getdtype
 
             t = torch.frombuffer(bytearray(blob), dtype=_getdtype(dtype)).reshape(shape) if blob else torch.empty(shape)
-            blob2 = t.to(_getdtype(new)).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            blob2 = t.to(_getdtype(new)).reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
             items[i] = (n, new, shape, blob2)
             detail = f"dtype of {name} {dtype} -> {new} (values converted)"
         else:
