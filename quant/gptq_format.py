@@ -137,7 +137,7 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
                           f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group_size {gs})")
     # the bytes of another type would be read as codes or scales without a word
     if qzeros.dtype != torch.int32 or not scales.is_floating_point() \
-            or (g_idx is not None and (g_idx.is_floating_point() or g_idx.dtype == torch.bool)):
+            or (g_idx is not None and g_idx.dtype not in (torch.int16, torch.int32, torch.int64)):
         raise FormatError(f"{prefix}: GPTQ tensors of the wrong types (qzeros {qzeros.dtype}, scales {scales.dtype}"
                           + (f", g_idx {g_idx.dtype})" if g_idx is not None else ")"))
     if g_idx is None and layer["desc_act"] is True:  # act-order: the column order is only in g_idx

@@ -332,6 +332,7 @@ def _retyped(tmp_path, name, change):
     ("gptq_4bit_g64_asym", "model.layers.0.self_attn.q_proj.qzeros", torch.float32),
     ("gptq_4bit_g64_asym", "model.layers.0.mlp.down_proj.scales", torch.int16),
     ("gptq_4bit_g32_desc_act", "model.layers.1.self_attn.v_proj.g_idx", torch.float32),
+    ("gptq_4bit_g64_asym", "model.layers.0.mlp.up_proj.g_idx", torch.uint32),  # (torch has no min() for it)
     ("awq_gemm_4bit_g128", "model.layers.0.self_attn.q_proj.scales", torch.int16),
     ("awq_gemm_4bit_g128", "model.layers.0.self_attn.q_proj.qzeros", torch.float32),
 ])
