@@ -340,6 +340,21 @@ def test_an_integer_too_big_for_a_float(hf_copy):
         assert "temperature" not in load_checkpoint(str(hf_copy)).generation
 
 
+def test_an_integer_rope_theta_past_int64(hf_copy):
+    """rope_parameters.rope_theta = 2**64 passed the range check (under 1e30) and then overflowed
+    torch's conversion of a Python integer when the rope table was built."""
+    from brisk.core import LLM
+    from brisk.core.sampling import SamplingParams
+
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
+    cfg.pop("rope_theta", None)
+    cfg[key] = {**cfg[key], "rope_theta": 2**64}
+    (hf_copy / "config.json").write_text(json.dumps(cfg))
+    llm = LLM.load(str(hf_copy), device="cpu", dtype="float32")
+    assert llm.generate("hi", SamplingParams(temperature=0), max_tokens=2).tokens
+
+
 def test_prompt_argument_that_is_not_utf8_is_replaced_and_said_once(capsys):
     from brisk.cli.generate_cmd import _split_args
 

@@ -417,3 +417,14 @@ def test_double_quantized_absmax_of_another_integer_type(tmp_path):
     """int16 absmax codes indexed the 256-entry nested code book out of range (IndexError)."""
     d = _retyped(tmp_path, "bnb_nf4_dq", {"model.layers.1.self_attn.v_proj.weight.absmax": lambda t: t.to(torch.int16)})
     refused(d, "v_proj.weight.absmax", "uint8")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8])
+def test_a_float_weight_stored_as_integers_is_refused(folder, dtype):
+    """The bytes of a float32 weight declared I32 (or codes declared U8) were converted to floats
+    as integers: the model ran on garbage without a word."""
+    t = _weights(folder)
+    w = t["model.layers.1.mlp.down_proj.weight"]
+    t["model.layers.1.mlp.down_proj.weight"] = w.view(torch.int32) if dtype == torch.int32 else w.to(torch.uint8)
+    _save(t, folder / "model.safetensors")
+    refused(folder, "model.layers.1.mlp.down_proj.weight", "not a floating-point type")
