@@ -421,7 +421,8 @@ def m_quant_config(rng, folder: Path, marks: Marks) -> str:
         marks.must_refuse = not (type(v) is int and v == old)
     elif key == "group_size":
         v = rng.choice([0, -1, 7, 16, 32, 64, 128, 256, "64", 64.0, None, 2**40, -2])
-        marks.must_refuse = not matches_tensors(folder, marks.base, v)
+        # AWQ without a group_size (null too) takes the groups the tensors have
+        marks.must_refuse = not matches_tensors(folder, marks.base, v) and not (v is None and marks.base in AWQ)
     elif key == "dynamic":
         pattern = rng.choice(["-:(", "+:[a-", "-:(a+)+$", "-:^((\\w|.)+)*\\1\\1\\1$", "-:(\\w|.)*!", "-:.*",
                               "+:.*", ".*", "-:model\\.layers\\.0\\..*", "+:model\\.layers\\.1\\.mlp\\..*", "-:\\"])
