@@ -114,7 +114,7 @@ OFFGRID_ROWS = gptq-4bit-g32-asym --embedding int8 --samples 128,gptq-4bit-g32-a
 # counts per category and mutator, and the id of every case that is not clean, to replay with
 # `$(PY) scripts/fuzz.py --replay SEED:INDEX`
 FUZZ_SEED ?= 1
-FUZZ_CASES ?= 1000
+FUZZ_CASES ?= 2000
 fuzz: install-test
 	$(PY) scripts/fuzz.py -n $(FUZZ_CASES) --seed $(FUZZ_SEED)
 

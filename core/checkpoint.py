@@ -51,7 +51,7 @@ class Checkpoint:
     def file_bytes(self) -> int:
         if self.path.is_file():
             return self.path.stat().st_size
-        return sum(p.stat().st_size for p in self.path.glob("*.safetensors"))
+        return sum(p.stat().st_size for p in self.path.glob("*.safetensors") if p.is_file())  # not a dangling link
 
 
 def default_model_path() -> Path:
@@ -159,7 +159,8 @@ def safetensors_files(folder: Path) -> list[Path]:
         raise FileError("empty weight_map", index)
     for f in shards:
         if not files_exists(f):
-            raise FileError("shard listed in the index is missing", f)
+            # named by the index, the name cut short: a long one (past the system's limit) is missing too
+            raise FileError(f"shard listed in the index is missing: {shown(str(f.relative_to(folder)))}", index)
         regular_file(f)
     return shards
 

@@ -151,7 +151,8 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
             raise FileError("checkpoint has no embedding weights", ckpt.name)
         else:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    expected = {k for k, v in net.state_dict().items() if v.is_meta}
+    targets = net.state_dict()
+    expected = {k for k, v in targets.items() if v.is_meta}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise FileError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]}", ckpt.name)
@@ -161,6 +162,8 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
         # Popped: each source is freed once converted (a float32 copy is not held next to the
         # model until the load ends). Sources all exist before the loop, so ids cannot collide.
         t = tensors.pop(k)
+        if targets[k].is_floating_point() and not t.is_floating_point():  # integers would be taken as the weights
+            raise FileError(f"tensor {k} is {str(t.dtype).removeprefix('torch.')}, not a floating-point type", ckpt.name)
         key = id(t)
         if key not in converted:  # tied weights stay shared
             converted[key] = t.to(device=device, dtype=dtype)

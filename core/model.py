@@ -39,7 +39,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None, max_len: int = 0) -> torch.Tensor:
-    inv = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    # float(): config.json may give an integer, and torch cannot take one past int64 (2**64)
+    inv = 1.0 / float(theta) ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
     if scaling and scaling.get("rope_type") == "longrope":
         # Phi-3: per-frequency factors, the long ones when the context passes the pretrained one
         # (as llama.cpp picks them by context; transformers by the sequence's length)

@@ -95,8 +95,11 @@ class Tokenizer:
             raise FileError(f"is over {MAX_JSON_BYTES >> 20} MiB", tj)
         try:
             backend = tokenizers.Tokenizer.from_file(str(tj))
-        except Exception as e:
-            raise FileError(f"unreadable tokenizer ({e})", tj) from None
+        except BaseException as e:  # some malformed parts make the Rust side panic (a BaseException)
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
+            raise FileError(f"unreadable tokenizer ({str(e).splitlines()[0][:300] if str(e) else type(e).__name__})",
+                            tj) from None
         cfg = _read_json(path / "tokenizer_config.json")
         smap = _read_json(path / "special_tokens_map.json")
         gen = _read_json(path / "generation_config.json")

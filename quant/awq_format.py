@@ -65,17 +65,23 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
     if version not in VERSIONS:
         raise FormatError(f"AWQ version {version!r} is not supported (brisk reads the GEMM layout)")
     bits = qcfg.get("bits", qcfg.get("w_bit", 4))
-    if bits != 4 or isinstance(bits, bool) or not qcfg.get("zero_point", True):
+    if type(bits) is not int or bits != 4 or not qcfg.get("zero_point", True):  # 4.0 or True: not what was written
         raise FormatError(f"AWQ with bits={bits}, zero_point={qcfg.get('zero_point')} is not supported "
                           "(brisk reads 4-bit AWQ with zero points)")
     qweight = tensors.pop(f"{prefix}.qweight")
-    qzeros = tensors.pop(f"{prefix}.qzeros")
-    scales = tensors.pop(f"{prefix}.scales")
-    K, N = qweight.shape[0], qweight.shape[1] * 8
-    G = scales.shape[0]
-    if qweight.dtype != torch.int32 or scales.shape[1] != N or qzeros.shape != (G, N // 8) or K % G:
+    try:
+        qzeros, scales = tensors.pop(f"{prefix}.qzeros"), tensors.pop(f"{prefix}.scales")
+    except KeyError as e:
+        raise FormatError(f"{prefix}: AWQ checkpoint lacks {e.args[0]}") from None
+    matrices = qweight.dim() == qzeros.dim() == scales.dim() == 2
+    K, N = (qweight.shape[0], qweight.shape[1] * 8) if matrices else (0, 0)
+    G = scales.shape[0] if matrices else 0
+    if not matrices or qweight.dtype != torch.int32 or scales.shape[1] != N or qzeros.shape != (G, N // 8) \
+            or not G or K % G:
         raise FormatError(f"{prefix}: AWQ tensors of inconsistent shapes (qweight {tuple(qweight.shape)}, "
                           f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)})")
+    if qzeros.dtype != torch.int32 or not scales.is_floating_point():  # another type's bytes, read as these
+        raise FormatError(f"{prefix}: AWQ tensors of the wrong types (qzeros {qzeros.dtype}, scales {scales.dtype})")
     gs = qcfg.get("group_size", qcfg.get("q_group_size"))
     if gs is not None and not (isinstance(gs, int) and not isinstance(gs, bool) and (gs * G == K or gs == -1 and G == 1)):
         raise FormatError(f"{prefix}: quantization_config group_size {gs!r} does not match the tensors "

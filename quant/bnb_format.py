@@ -165,11 +165,17 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
     return None
 
 
-def _pop(tensors: dict, key: str) -> torch.Tensor:
+def _pop(tensors: dict, key: str, real: bool | None = None) -> torch.Tensor:
+    """tensors[key], removed; real=True: it must hold floating-point numbers (a scale, a code book),
+    real=False: integers (codes), as an integer tensor read as scales is another format's bytes."""
     try:
-        return tensors.pop(key)
+        t = tensors.pop(key)
     except KeyError:
         raise FormatError(f"bitsandbytes checkpoint lacks {key}") from None
+    if real is not None and t.is_floating_point() != real:
+        raise FormatError(f"{key} is {str(t.dtype).removeprefix('torch.')}, not "
+                          + ("a floating-point tensor" if real else "an integer tensor"))
+    return t
 
 
 def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
@@ -181,18 +187,29 @@ def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
         raise FormatError(f"{state_key}: unreadable quant_state ({e})") from None
     if quant_type not in QUANT_TYPES:
         raise FormatError(f"{prefix}: unknown 4-bit type {quant_type!r}")
+    if blocksize <= 0 or N <= 0 or K <= 0:
+        raise FormatError(f"{state_key}: quant_state shape [{N}, {K}] or blocksize {blocksize} is not positive")
     packed = _pop(tensors, f"{prefix}.weight")
     if packed.dtype != torch.uint8:  # bnb_4bit_quant_storage other than uint8: the same bytes
         packed = packed.contiguous().view(-1).view(torch.uint8)
-    absmax = _pop(tensors, f"{prefix}.weight.absmax")
-    code = _pop(tensors, f"{prefix}.weight.quant_map").float()
-    if f"{prefix}.weight.nested_absmax" in tensors:
-        nested = _pop(tensors, f"{prefix}.weight.nested_absmax")
-        nested_code = _pop(tensors, f"{prefix}.weight.nested_quant_map")
-        if "nested_offset" not in state:
-            raise FormatError(f"{state_key}: double-quantized layer without nested_offset")
-        absmax = undo_double_quant(absmax, nested, nested_code, float(state["nested_offset"]),
-                                   int(state.get("nested_blocksize", NESTED_BLOCKSIZE)))
+    double = f"{prefix}.weight.nested_absmax" in tensors
+    # (flattened: a unit dimension more or less is the same vector)
+    absmax = _pop(tensors, f"{prefix}.weight.absmax", real=not double).reshape(-1)  # double quantization: 8-bit codes
+    if double and absmax.dtype != torch.uint8:  # codes that index the nested code book
+        raise FormatError(f"{prefix}.weight.absmax is {str(absmax.dtype).removeprefix('torch.')}, not the uint8 codes "
+                          "of double quantization")
+    code = _pop(tensors, f"{prefix}.weight.quant_map", real=True).float().reshape(-1)
+    if double:
+        nested = _pop(tensors, f"{prefix}.weight.nested_absmax", real=True).reshape(-1)
+        nested_code = _pop(tensors, f"{prefix}.weight.nested_quant_map", real=True).reshape(-1)
+        try:
+            offset, nested_blocksize = float(state["nested_offset"]), int(state.get("nested_blocksize", NESTED_BLOCKSIZE))
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{state_key}: double-quantized layer without a valid nested_offset") from None
+        if nested_blocksize <= 0 or nested_code.numel() != 256 or nested.numel() != -(-absmax.numel() // nested_blocksize):
+            raise FormatError(f"{prefix}: double-quantization tensors do not match the {absmax.numel()} absmax codes "
+                              f"and nested blocksize {nested_blocksize}")
+        absmax = undo_double_quant(absmax, nested, nested_code, offset, nested_blocksize)
     n = N * K
     if packed.numel() != (n + 1) // 2 or absmax.numel() != -(-n // blocksize) or code.numel() != 16:
         raise FormatError(f"{prefix}: 4-bit tensors do not match the shape [{N}, {K}] and blocksize {blocksize}")
@@ -200,10 +217,10 @@ def _load_4bit(tensors: dict, prefix: str, state_key: str, bias) -> NF4Linear:
 
 
 def _load_int8(tensors: dict, prefix: str, bias) -> Int8Linear:
-    weight, scb = _pop(tensors, f"{prefix}.weight"), _pop(tensors, f"{prefix}.SCB")
+    weight, scb = _pop(tensors, f"{prefix}.weight"), _pop(tensors, f"{prefix}.SCB", real=True)
     fmt = tensors.pop(f"{prefix}.weight_format", None)
-    if fmt is not None and int(fmt.reshape(-1)[0]) != 0:  # 0 = row-major; the tiled GPU layouts are gone
-        raise FormatError(f"{prefix}: int8 weight_format {int(fmt.reshape(-1)[0])} (only row-major is supported)")
+    if fmt is not None and (fmt.numel() != 1 or int(fmt.reshape(-1)[0]) != 0):  # 0 = row-major; the tiled GPU layouts are gone
+        raise FormatError(f"{prefix}: int8 weight_format {fmt.reshape(-1).tolist()[:4]} (only row-major 0 is supported)")
     if weight.dtype != torch.int8 or weight.dim() != 2 or scb.shape != (weight.shape[0],):
         raise FormatError(f"{prefix}: int8 weight {tuple(weight.shape)} {weight.dtype} does not match SCB {tuple(scb.shape)}")
     return Int8Linear(weight.contiguous(), (scb.float() / 127).to(SCALE_DTYPE), bias)

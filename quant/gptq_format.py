@@ -122,16 +122,26 @@ def load_linear(tensors: dict[str, torch.Tensor], prefix: str, qcfg: dict,
         raise FormatError(f"{prefix}: {bits!r}-bit GPTQ in groups of {gs!r} is not supported (brisk reads "
                           f"{', '.join(map(str, packing.BITS))} bits, groups of -1 or a positive integer)")
     qweight = tensors.pop(f"{prefix}.qweight")
-    qzeros = tensors.pop(f"{prefix}.qzeros")
-    scales = tensors.pop(f"{prefix}.scales")
+    try:
+        qzeros, scales = tensors.pop(f"{prefix}.qzeros"), tensors.pop(f"{prefix}.scales")
+    except KeyError as e:
+        raise FormatError(f"{prefix}: GPTQ checkpoint lacks {e.args[0]}") from None
     g_idx = tensors.pop(f"{prefix}.g_idx", None)
-    K, N = qweight.shape[0] * 32 // bits, qweight.shape[1]
-    G = scales.shape[0]
+    matrices = qweight.dim() == qzeros.dim() == scales.dim() == 2
+    K, N = (qweight.shape[0] * 32 // bits, qweight.shape[1]) if matrices else (0, 0)
+    G = scales.shape[0] if matrices else 0
     gs = K if gs == -1 else gs
-    if qweight.dtype != torch.int32 or qzeros.shape != (G, N * bits // 32) or scales.shape[1] != N \
-            or G != -(-K // gs):
+    if not matrices or not K or qweight.dtype != torch.int32 or qzeros.shape != (G, N * bits // 32) \
+            or scales.shape[1] != N or G != -(-K // gs):
         raise FormatError(f"{prefix}: GPTQ tensors of inconsistent shapes (qweight {tuple(qweight.shape)}, "
                           f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group_size {gs})")
+    # the bytes of another type would be read as codes or scales without a word
+    if qzeros.dtype != torch.int32 or not scales.is_floating_point() \
+            or (g_idx is not None and g_idx.dtype not in (torch.int16, torch.int32, torch.int64)):
+        raise FormatError(f"{prefix}: GPTQ tensors of the wrong types (qzeros {qzeros.dtype}, scales {scales.dtype}"
+                          + (f", g_idx {g_idx.dtype})" if g_idx is not None else ")"))
+    if g_idx is None and layer["desc_act"] is True:  # act-order: the column order is only in g_idx
+        raise FormatError(f"{prefix}: desc_act checkpoint without its g_idx")
     if g_idx is None:  # some writers leave it out when it is just k // group_size
         g_idx = torch.arange(K, dtype=torch.int32) // gs
     if g_idx.shape != (K,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= G:

@@ -1,4 +1,4 @@
-"""Fuzz brisk's model loading: `python scripts/fuzz.py -n 1000 --seed 1`, `--replay SEED:INDEX`.
+"""Fuzz brisk's model loading: `python scripts/fuzz.py -n 2000 --seed 1`, `--replay SEED:INDEX`.
 See tests/fuzz/harness.py."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("-n", type=int, default=1000, help="cases to run")
+    ap.add_argument("-n", type=int, default=2000, help="cases to run")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--start", type=int, default=0, help="first case index")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds before a case counts as a hang")

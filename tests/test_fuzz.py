@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.fuzz import gguf_edit, harness  # noqa: E402
+from tests.fuzz import folder_mutators, gguf_edit, harness  # noqa: E402
 
 from brisk.core.errors import BriskError, FileError  # noqa: E402
 
@@ -30,6 +30,54 @@ def test_fuzz_slice(capsys):
     assert not bad, "replay with python scripts/fuzz.py --replay ID:\n" + "\n".join(
         f"{r.case.id} {r.category} {r.case.mutator}: {r.message}" for r in bad)
     assert len({r.category for r in results} & {"ok", "clean"}) == 2  # the mutations do both
+
+
+@pytest.fixture(scope="module")
+def folder_corpus(tmp_path_factory):
+    harness.prepare_parent()
+    corpus = harness.Corpus(tmp_path_factory.mktemp("fuzz"))
+    return corpus, harness.calibrate(corpus, 20.0)
+
+
+@pytest.mark.parametrize("mutator", sorted(folder_mutators.FOLDER_MUTATORS))
+def test_fuzz_folder_category(folder_corpus, mutator):
+    """A few seeded cases of each model-folder category, drawn for it (the slice above may miss
+    one): none may be internal, hang, memory, crash, silent, outside or lost."""
+    corpus, budget = folder_corpus
+    results = [harness.run_case_forked(harness.make_case(corpus, FUZZ_SEED, i, mutator), 20.0, budget) for i in range(4)]
+    bad = [r for r in results if r.category not in ("ok", "clean")]
+    assert not bad, "\n".join(f"{r.case.id} {r.category} {r.case.detail}: {r.message}" for r in bad)
+
+
+def test_fuzz_verdicts(tmp_path):
+    """The folder rules: an inconsistent folder that loads is silent, a stale file read while
+    loading is silent, an outside target opened is outside, a changed file is lost."""
+    outside = tmp_path / "outside"
+    case = harness.Case("t", "hf", "m", "", tmp_path / "hf", marks=folder_mutators.Marks("float", must_refuse=True))
+    assert harness.verdict(case, "ok", "", [], False, [])[0] == "silent"
+    assert harness.verdict(case, "clean", "x", [], False, [])[0] == "clean"
+    case.marks = folder_mutators.Marks("float", forbidden=[tmp_path / "hf" / "stale.safetensors"])
+    assert harness.verdict(case, "ok", "", [str(tmp_path / "hf" / "stale.safetensors")], False, [])[0] == "silent"
+    case.marks = folder_mutators.Marks("float", outside=outside / "x.safetensors")
+    assert harness.verdict(case, "clean", "", [str(outside / "x.safetensors")], False, [])[0] == "outside"
+    assert harness.verdict(case, "hang", "", [], True, [])[0] == "outside"
+    assert harness.verdict(case, "ok", "", [], False, ["hf/config.json"])[0] == "lost"
+
+
+def test_outside_fifo_opened_is_seen(tmp_path):
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert not harness._fifo_opened(fifo)
+    t = threading.Thread(target=lambda: open(fifo, "rb").read(), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not harness._fifo_opened(fifo) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert time.monotonic() < deadline
+    t.join(5)
 
 
 # ---------------------------------------------------------------- GGUF header
@@ -290,6 +338,21 @@ def test_an_integer_too_big_for_a_float(hf_copy):
     (hf_copy / "generation_config.json").write_text(json.dumps({"temperature": 10**400}))
     with pytest.warns(UserWarning, match="temperature"):
         assert "temperature" not in load_checkpoint(str(hf_copy)).generation
+
+
+def test_an_integer_rope_theta_past_int64(hf_copy):
+    """rope_parameters.rope_theta = 2**64 passed the range check (under 1e30) and then overflowed
+    torch's conversion of a Python integer when the rope table was built."""
+    from brisk.core import LLM
+    from brisk.core.sampling import SamplingParams
+
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
+    cfg.pop("rope_theta", None)
+    cfg[key] = {**cfg[key], "rope_theta": 2**64}
+    (hf_copy / "config.json").write_text(json.dumps(cfg))
+    llm = LLM.load(str(hf_copy), device="cpu", dtype="float32")
+    assert llm.generate("hi", SamplingParams(temperature=0), max_tokens=2).tokens
 
 
 def test_prompt_argument_that_is_not_utf8_is_replaced_and_said_once(capsys):

@@ -290,7 +290,7 @@ def test_gptq_settings_of_the_wrong_type_or_range(tmp_path, change):
     refused(_quantized(tmp_path, "gptq_4bit_g64_asym", **change), "GPTQ", "not supported")
 
 
-@pytest.mark.parametrize("change", [{"bits": "x"}, {"bits": None}, {"bits": [4]}, {"group_size": 0},
+@pytest.mark.parametrize("change", [{"bits": "x"}, {"bits": None}, {"bits": [4]}, {"bits": 4.0}, {"group_size": 0},
                                     {"group_size": 7}, {"group_size": "128"}, {"group_size": -1}])
 def test_awq_settings_of_the_wrong_type_or_not_the_tensors(tmp_path, change):
     """bits "x" raised ValueError from int(); a group_size the tensors do not have was ignored."""
@@ -308,3 +308,123 @@ def test_a_backtracking_dynamic_regex_ends_in_time(tmp_path, pattern, ends):
         assert "llm" in out, out
     else:
         assert isinstance(out.get("error"), FileError) and "backtracks" in str(out["error"]), out
+
+
+# ---------------------------------------------------------------- quantized tensors of the wrong type (make fuzz)
+
+def _retyped(tmp_path, name, change):
+    """A copy of fixture `name` whose tensors `change` maps to new tensors (None: removed)."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / name
+    shutil.copytree(FIXTURES / name, d)
+    t = load_file(str(d / "model.safetensors"))
+    for k, f in change.items():
+        if f is None:
+            del t[k]
+        else:
+            t[k] = f(t[k])
+    save_file(t, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("name, tensor, dtype", [
+    ("gptq_4bit_g64_asym", "model.layers.0.self_attn.q_proj.qzeros", torch.float32),
+    ("gptq_4bit_g64_asym", "model.layers.0.mlp.down_proj.scales", torch.int16),
+    ("gptq_4bit_g32_desc_act", "model.layers.1.self_attn.v_proj.g_idx", torch.float32),
+    ("gptq_4bit_g64_asym", "model.layers.0.mlp.up_proj.g_idx", torch.uint32),  # (torch has no min() for it)
+    ("awq_gemm_4bit_g128", "model.layers.0.self_attn.q_proj.scales", torch.int16),
+    ("awq_gemm_4bit_g128", "model.layers.0.self_attn.q_proj.qzeros", torch.float32),
+])
+def test_gptq_awq_tensors_of_another_type_are_refused(tmp_path, name, tensor, dtype):
+    """The same bytes under another type (qzeros as floats, scales as integers) loaded as if they
+    were the right ones: the model then ran on garbage weights without a word."""
+    refused(_retyped(tmp_path, name, {tensor: lambda t: t.view(dtype)}), tensor.rsplit(".", 2)[0], "wrong types")
+
+
+def test_act_order_gptq_without_g_idx_is_refused(tmp_path):
+    """With desc_act the input columns' groups are only in g_idx; k // group_size in its place was wrong."""
+    refused(_retyped(tmp_path, "gptq_4bit_g32_desc_act", {"model.layers.1.self_attn.v_proj.g_idx": None}),
+            "v_proj", "desc_act", "g_idx")
+
+
+@pytest.mark.parametrize("name, tensor, dtype", [
+    ("bnb_nf4", "model.layers.0.self_attn.q_proj.weight.quant_map", torch.int32),
+    ("bnb_nf4_dq", "model.layers.0.mlp.gate_proj.weight.nested_quant_map", torch.int32),
+    ("bnb_nf4", "model.layers.0.self_attn.q_proj.weight.absmax", torch.int32),
+    ("bnb_int8", "model.layers.0.self_attn.q_proj.SCB", torch.int32),
+])
+def test_bitsandbytes_scales_and_code_books_of_another_type_are_refused(tmp_path, name, tensor, dtype):
+    refused(_retyped(tmp_path, name, {tensor: lambda t: t.view(dtype)}), tensor, "not a floating-point tensor")
+
+
+def test_a_tokenizer_json_that_makes_the_reader_panic(folder):
+    """A malformed Precompiled normalizer: the Rust reader panics (a BaseException) at load."""
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    tj["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": "!!"}
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    refused(folder, "tokenizer.json", "unreadable tokenizer")
+
+
+def test_a_dangling_link_beside_the_weights_does_not_stop_a_load(folder):
+    """A *.safetensors link to nothing beside model.safetensors (not read): counting the folder's
+    weight bytes for the load's summary stat()ed it and failed with a raw FileNotFoundError."""
+    (folder / "reference.safetensors").symlink_to(folder / "gone.safetensors")
+    assert "llm" in load_within(folder)
+
+
+@pytest.mark.parametrize("name, tensor", [("awq_gemm_4bit_g128", "model.layers.0.self_attn.k_proj.scales"),
+                                          ("awq_gemm_4bit_g128", "model.layers.0.self_attn.k_proj.qweight"),
+                                          ("gptq_4bit_g64_asym", "model.layers.0.self_attn.k_proj.scales"),
+                                          ("gptq_4bit_g64_asym", "model.layers.0.self_attn.k_proj.qzeros")])
+def test_quantized_tensors_that_are_not_matrices(tmp_path, name, tensor):
+    """A flattened scales or qweight: its second dimension was read anyway (IndexError)."""
+    refused(_retyped(tmp_path, name, {tensor: lambda t: t.reshape(-1)}), "k_proj", "inconsistent shapes")
+
+
+@pytest.mark.parametrize("name, tensor", [("gptq_4bit_g64_asym", "model.layers.0.self_attn.k_proj.scales"),
+                                          ("gptq_4bit_g32_desc_act", "model.layers.0.self_attn.q_proj.qzeros"),
+                                          ("awq_gemm_4bit_g128", "model.layers.1.mlp.up_proj.scales")])
+def test_a_quantized_layer_without_its_scales_or_zeros(tmp_path, name, tensor):
+    """It was a KeyError naming the tensor, raw."""
+    refused(_retyped(tmp_path, name, {tensor: None}), "lacks", tensor)
+
+
+def test_bitsandbytes_vectors_with_a_unit_dimension_load(tmp_path):
+    """A code book stored [1, 16] (the same 16 values) failed inside the layer's setup (RuntimeError)."""
+    d = _retyped(tmp_path, "bnb_nf4_dq", {"model.layers.1.mlp.up_proj.weight.quant_map": lambda t: t.reshape(1, -1),
+                                          "model.layers.1.mlp.up_proj.weight.absmax": lambda t: t.reshape(-1, 1)})
+    assert "llm" in load_within(d)
+
+
+@pytest.mark.parametrize("tensor, change", [("nested_absmax", lambda t: torch.cat([t, t])),
+                                            ("nested_quant_map", lambda t: t[:16])])
+def test_double_quantization_tensors_of_the_wrong_size(tmp_path, tensor, change):
+    """A nested absmax with a value too many was ignored; a nested code book too short read past its end."""
+    d = _retyped(tmp_path, "bnb_nf4_dq", {f"model.layers.1.mlp.down_proj.weight.{tensor}": change})
+    refused(d, "down_proj", "double-quantization tensors do not match")
+
+
+@pytest.mark.parametrize("shard", ["gone.safetensors", "x" * 5000 + ".safetensors"])
+def test_a_missing_shard_is_named_short_by_its_index(folder, shard):
+    """A 5000-character shard name (missing: past the system's limit) made a 5 kB error line."""
+    sharded(folder, {"model.embed_tokens.weight": shard})
+    msg = refused(folder, "model.safetensors.index.json", "shard listed in the index is missing", shard[:10])
+    assert len(msg) < 300
+
+
+def test_double_quantized_absmax_of_another_integer_type(tmp_path):
+    """int16 absmax codes indexed the 256-entry nested code book out of range (IndexError)."""
+    d = _retyped(tmp_path, "bnb_nf4_dq", {"model.layers.1.self_attn.v_proj.weight.absmax": lambda t: t.to(torch.int16)})
+    refused(d, "v_proj.weight.absmax", "uint8")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8])
+def test_a_float_weight_stored_as_integers_is_refused(folder, dtype):
+    """The bytes of a float32 weight declared I32 (or codes declared U8) were converted to floats
+    as integers: the model ran on garbage without a word."""
+    t = _weights(folder)
+    w = t["model.layers.1.mlp.down_proj.weight"]
+    t["model.layers.1.mlp.down_proj.weight"] = w.view(torch.int32) if dtype == torch.int32 else w.to(torch.uint8)
+    _save(t, folder / "model.safetensors")
+    refused(folder, "model.layers.1.mlp.down_proj.weight", "not a floating-point type")

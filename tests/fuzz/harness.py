@@ -1,14 +1,16 @@
 """brisk's fuzz harness: mutated GGUF files, Hugging Face folders, chat templates and prompts, each
 loaded and run the way `brisk generate` does, in a forked child with bounded memory and time.
 
-    python scripts/fuzz.py -n 1000 --seed 1          # the long run (make fuzz)
+    python scripts/fuzz.py -n 2000 --seed 1          # the long run (make fuzz)
     python scripts/fuzz.py --replay 1:417            # one case again, with its traceback
 
 A case is SEED:INDEX; its mutation is drawn from random.Random(f"{SEED}:{INDEX}"), so a case id
 replays the same bytes anywhere. Categories: ok (still loads and generates), clean (a BriskError
 with a one-line message), internal (anything else, or a BriskError that only wraps an internal
 error), hang (killed after the timeout), memory (MemoryError / the address-space limit), crash
-(killed by a signal).
+(killed by a signal), silent (a folder made inconsistent loaded anyway, or a stale weights file was
+read and it loaded), outside (a file outside the model folder that its index names was opened),
+lost (a file of the model folder was changed or removed by loading it).
 """
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import gguf_edit
+from . import folder_mutators, gguf_edit
 
-CATEGORIES = ("ok", "clean", "internal", "hang", "memory", "crash")
+CATEGORIES = ("ok", "clean", "internal", "hang", "memory", "crash", "silent", "outside", "lost")
 HUGE = [2**64 - 1, 2**63, 2**60, 2**40, 2**32 + 7, 2**31]
 
 EVIL_TEMPLATES = {
@@ -64,6 +66,7 @@ class Case:
     path: Path
     stdin: bytes | None = None
     prompt: str = "hi"
+    marks: folder_mutators.Marks | None = None  # a folder mutation's verdict rules
 
 
 @dataclass
@@ -459,17 +462,30 @@ class Corpus:
         self.hf = work / "hf-base"
         if not (self.hf / "config.json").exists():
             make_hf_folder(self.hf)
+        self.bases = {folder_mutators.FLOAT: self.hf,
+                      **{name: folder_mutators.FIXTURES / name for name in folder_mutators.QUANTIZED}}
 
 
-def make_case(corpus: Corpus, seed: int, index: int) -> Case:
+def make_case(corpus: Corpus, seed: int, index: int, mutator: str | None = None) -> Case:
+    """Case SEED:INDEX; with `mutator`, that mutator's draw for it (the test's slice per category)."""
     rng = random.Random(f"{seed}:{index}")
-    names = list(GGUF_MUTATORS) + list(HF_MUTATORS)
-    weights = [w for _, w in GGUF_MUTATORS.values()] + [w for _, w in HF_MUTATORS.values()]
-    mutator = rng.choices(names, weights)[0]
+    fm = folder_mutators.FOLDER_MUTATORS
+    names = list(GGUF_MUTATORS) + list(HF_MUTATORS) + list(fm)
+    weights = ([w for _, w in GGUF_MUTATORS.values()] + [w for _, w in HF_MUTATORS.values()]
+               + [w for _, w, _ in fm.values()])
+    drawn = rng.choices(names, weights)[0]
+    mutator = mutator or drawn
     cid = f"{seed}:{index}"
     folder = corpus.work / f"case-{seed}-{index}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
+    if mutator in fm:
+        func, _, bases = fm[mutator]
+        marks = folder_mutators.Marks(rng.choice(bases))
+        hf = folder / "hf"
+        shutil.copytree(corpus.bases[marks.base], hf, symlinks=True)
+        detail = f"[{marks.base}] " + func(rng, hf, marks)
+        return Case(cid, "hf", mutator, detail, hf, prompt=marks.prompt or "hi", marks=marks)
     if mutator in GGUF_MUTATORS:
         data, detail = GGUF_MUTATORS[mutator][0](rng, corpus.gguf_bytes, corpus.layout)
         path = folder / "model.gguf"
@@ -550,9 +566,113 @@ def _vm_size() -> int:
     return 0
 
 
+def _watched_paths(case: Case) -> list[str]:
+    """The paths whose opening the child reports: what an index names outside the folder, and
+    stale files that must stay unread."""
+    m = case.marks
+    if m is None:
+        return []
+    paths = [str(p) for p in m.forbidden]
+    if m.outside is not None:
+        paths.append(str(m.outside.parent))
+    return [os.path.realpath(p) for p in paths]
+
+
+def _record_opens(watched: list[str], opened: list[str]) -> None:
+    """Wrap Python's ways of opening a file so that opening a watched path (or one below a watched
+    folder) is noted: brisk reads headers and JSON through them; the FIFO probe of the parent sees
+    what native readers open."""
+    import builtins
+    import io
+
+    def note(path):
+        try:
+            real = os.path.realpath(os.fsdecode(path)) if isinstance(path, (str, bytes, os.PathLike)) else None
+        except (TypeError, ValueError):
+            return
+        if real and any(real == w or real.startswith(w + os.sep) for w in watched):
+            opened.append(real)
+
+    real_open, real_os_open = builtins.open, os.open
+
+    def open_(file, *a, **k):
+        note(file)
+        return real_open(file, *a, **k)
+
+    def os_open(path, *a, **k):
+        note(path)
+        return real_os_open(path, *a, **k)
+
+    builtins.open = io.open = open_
+    os.open = os_open
+
+
+def _snapshot(*folders: Path) -> dict:
+    """Every entry below the folders (links not followed): its type, size and modification time."""
+    out = {}
+    for top in folders:
+        if not top.exists():
+            continue
+        for root, dirs, files in os.walk(top):
+            for n in dirs + files:
+                p = os.path.join(root, n)
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    continue
+                out[p] = (stat_kind(st.st_mode), st.st_size, st.st_mtime_ns)
+    return out
+
+
+def stat_kind(mode: int) -> str:
+    import stat
+
+    return "dir" if stat.S_ISDIR(mode) else "fifo" if stat.S_ISFIFO(mode) else "link" if stat.S_ISLNK(mode) else "file"
+
+
+def _fifo_opened(path: Path | None) -> bool:
+    """Whether someone holds the FIFO at `path` open for reading (a non-blocking open for writing
+    succeeds only then)."""
+    if path is None:
+        return False
+    try:
+        if stat_kind(os.lstat(path).st_mode) != "fifo":
+            return False
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def verdict(case: Case, category: str, message: str, opened: list[str], fifo: bool, changed: list[str]) -> tuple[str, str]:
+    """The folder rules over a case's own outcome: outside, lost, then silent."""
+    m = case.marks
+    if m is None:
+        return category, message
+    if fifo or (m.outside is not None and any(o.startswith(os.path.realpath(m.outside.parent)) for o in opened)):
+        return "outside", f"opened {m.outside} ({category}: {message})"[:300]
+    if changed:
+        return "lost", f"changed or removed: {', '.join(changed[:3])}"[:300]
+    if category == "ok" and any(o in map(os.path.realpath, map(str, m.forbidden)) for o in opened):
+        return "silent", f"read the stale {', '.join(sorted(set(opened)))} and loaded"[:300]
+    if category == "ok" and m.must_refuse:
+        return "silent", "an inconsistent folder loaded without a word"
+    return category, message
+
+
 def run_case_forked(case: Case, timeout: float, mem_budget: int) -> Result:
     """The case in a forked child: address space bounded to what the parent has mapped plus
-    mem_budget, killed after `timeout` seconds. The child reports (category, message) on a pipe."""
+    mem_budget, killed after `timeout` seconds (or the case's own shorter bound). The child reports
+    (category, message, watched paths it opened) on a pipe; the parent watches an outside FIFO and
+    compares the folder before and after."""
+    if case.marks is not None and case.marks.timeout:
+        timeout = min(timeout, case.marks.timeout)
+    outside = case.marks.outside if case.marks is not None else None
+    watched = _watched_paths(case)
+    kept = [case.path] + ([outside.parent] if outside is not None else [])  # what loading must leave as it was
+    before = _snapshot(*kept) if case.marks is not None else None
+    fifo_opened = False
     rfd, wfd = os.pipe()
     t0 = time.monotonic()
     pid = os.fork()
@@ -571,6 +691,9 @@ def run_case_forked(case: Case, timeout: float, mem_budget: int) -> Result:
             from brisk.core import checkpoint
 
             checkpoint.CACHE_DIR = case.path.parent / "cache"  # each case parses its file afresh
+            opened: list[str] = []
+            if watched:
+                _record_opens(watched, opened)
             try:
                 run_case_inline(case)
                 exc = None
@@ -580,7 +703,7 @@ def run_case_forked(case: Case, timeout: float, mem_budget: int) -> Result:
                 category, message = classify(exc)
             except MemoryError:
                 category, message = "memory", "MemoryError while classifying"
-            os.write(wfd, json.dumps([category, message]).encode()[:60000])
+            os.write(wfd, json.dumps([category, message, opened[:20]]).encode()[:60000])
         except BaseException:  # noqa: BLE001
             code = 3
         finally:
@@ -592,6 +715,7 @@ def run_case_forked(case: Case, timeout: float, mem_budget: int) -> Result:
         if left <= 0:
             break
         r, _, _ = select.select([rfd], [], [], min(left, 0.2))
+        fifo_opened = fifo_opened or _fifo_opened(outside)
         if r:
             b = os.read(rfd, 65536)
             if b:
@@ -608,16 +732,24 @@ def run_case_forked(case: Case, timeout: float, mem_budget: int) -> Result:
             break
     os.close(rfd)
     seconds = time.monotonic() - t0
+    opened = []
     if status is None:
+        fifo_opened = fifo_opened or _fifo_opened(outside)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        return Result(case, "hang", f"no answer after {timeout:.0f} s", seconds)
-    if os.WIFSIGNALED(status):
-        return Result(case, "crash", f"killed by signal {os.WTERMSIG(status)}", seconds)
-    try:
-        category, message = json.loads(b"".join(chunks))
-    except ValueError:
-        return Result(case, "crash", f"child exited {os.WEXITSTATUS(status)} without a report", seconds)
+        category, message = "hang", f"no answer after {timeout:.0f} s"
+    elif os.WIFSIGNALED(status):
+        category, message = "crash", f"killed by signal {os.WTERMSIG(status)}"
+    else:
+        try:
+            category, message, opened = json.loads(b"".join(chunks))
+        except ValueError:
+            category, message = "crash", f"child exited {os.WEXITSTATUS(status)} without a report"
+    changed = []
+    if before is not None:
+        after = _snapshot(*kept)
+        changed = [os.path.relpath(p, case.path.parent) for p, v in before.items() if after.get(p) != v]
+    category, message = verdict(case, category, message, opened, fifo_opened, changed)
     return Result(case, category, message, seconds)
 
 
