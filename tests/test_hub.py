@@ -204,6 +204,16 @@ def test_pull_a_quant_type_then_generate(env, fake_hub, tiny_gguf_path):
     assert info["path"].endswith("tinycoder-Q4_K_M.gguf")
 
 
+def test_a_revision_and_a_model_never_pulled(env, fake_hub):
+    out = json.loads(ok(brisk(env, "pull", "acme/tiny", "--revision", "v1", "--json")))
+    assert out["revision"] == COMMIT and ("GET", "/api/models/acme/tiny/revision/v1", None) in fake_hub.log
+    info = json.loads(ok(brisk(env, "info", "acme/tiny@v1", "--json")))  # info never downloads
+    assert info["path"] == out["path"]
+    one_line_error(brisk(env, "info", "acme/tiny-GGUF:Q8_0"), "not in the local Hugging Face cache")
+    ok(brisk(env, "generate", "acme/tiny-GGUF:Q8_0", "x", "-n", "2"))  # generate pulls what it lacks
+    assert any(m == "GET" and p.endswith("tinycoder-Q8_0.gguf") for m, p, _ in fake_hub.log)
+
+
 def test_a_quant_type_that_is_not_there_or_ambiguous(env):
     err = one_line_error(brisk(env, "pull", "acme/tiny-GGUF:Q5_K_M"), "no GGUF file of type Q5_K_M")
     assert "Q4_K_M, Q8_0" in err
