@@ -94,7 +94,7 @@ def pull(name: str, revision: str | None = None, progress: bool = True) -> PullR
     checksums. name: `org/name[@revision][:QUANT]`; revision: overrides the name's; progress:
     huggingface_hub's progress bars on stderr."""
     from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     hub = _parse_or_fail(name)
     rev = revision or hub.revision
@@ -106,16 +106,20 @@ def pull(name: str, revision: str | None = None, progress: bool = True) -> PullR
     files = _wanted(list(siblings), hub, rev)
     folder = _snapshot_folder(hub.repo, info.sha)
     cached = {f for f in files if folder is not None and (folder / f).exists()}
-    (enable_progress_bars if progress else disable_progress_bars)()
+    quiet = not progress and not are_progress_bars_disabled()
+    if quiet:
+        disable_progress_bars()
     try:
         snapshot = Path(snapshot_download(hub.repo, revision=rev or "main", allow_patterns=files))
     except Exception as e:
         raise FileError(f"download failed ({_reason(e)})", hub.text) from None
     finally:
-        enable_progress_bars()
-    for f in files:
-        if f not in cached:
-            _verify(snapshot / f, siblings[f], hub.text)
+        if quiet:
+            enable_progress_bars()
+    # every new file is checked before any error: one left unchecked would pass as cached next time
+    wrong = [w for f in files if f not in cached and (w := _mismatch(snapshot / f, siblings[f]))]
+    if wrong:
+        raise FileError(f"{'; '.join(wrong)} (a corrupted download: deleted, pull again)", hub.text)
     path = snapshot / files[0] if hub.quant else snapshot
     return PullResult(hub.repo, snapshot.name, str(path), files,
                       sum((snapshot / f).stat().st_size for f in files), len(files) - len(cached))
@@ -216,23 +220,22 @@ def _cached_commit(repo: str, revision: str | None) -> str | None:
     return ref.read_text().strip() if ref.is_file() else None
 
 
-def _verify(path: Path, sibling, name: str) -> None:
-    """The file's sha256 (an LFS file) or git blob id (any other) must be the hub's; a file that is
-    not is deleted from the cache, so that the next pull fetches it again."""
+def _mismatch(path: Path, sibling) -> str | None:
+    """None where the file's sha256 (an LFS file) or git blob id (any other) is the hub's; else what
+    differs, and the file is deleted from the cache so that the next pull fetches it again."""
     if sibling.lfs is not None and sibling.lfs.sha256:
         algorithm, expected, actual = "sha256", sibling.lfs.sha256.lower(), _sha256(path)
     elif sibling.blob_id:
         algorithm, expected, actual = "git blob id", sibling.blob_id.lower(), _git_blob_id(path)
     else:
-        return  # the hub gave no checksum for it
+        return None  # the hub gave no checksum for it
     if actual == expected:
-        return
+        return None
     blob = path.resolve()
     path.unlink(missing_ok=True)
     if blob != path:
         blob.unlink(missing_ok=True)
-    raise FileError(f"{path.name}: {algorithm} {actual[:12]}… is not the hub's {expected[:12]}… "
-                    "(a corrupted download: deleted, pull again)", name)
+    return f"{path.name}: {algorithm} {actual[:12]}… is not the hub's {expected[:12]}…"
 
 
 def _sha256(path: Path) -> str:

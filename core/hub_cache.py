@@ -51,11 +51,11 @@ def remove(name: str) -> CachedModel:
     """Delete a cached model named as cached_models() names it: its whole revision through
     huggingface_hub's deletion strategy, or where the revision holds other models too (several GGUF
     types), only its own files. FileError if no cached model has that name."""
-    found = [m for m in cached_models() if m.name.lower() == name.lower()]
-    if not found:
+    models = cached_models()
+    model = next((m for m in models if m.name.lower() == name.lower()), None)
+    if model is None:
         raise FileError("no such model in the local Hugging Face cache (`brisk list` shows them)", name)
-    model = found[0]
-    together = [m for m in cached_models() if (m.repo, m.revision) == (model.repo, model.revision)]
+    together = [m for m in models if (m.repo, m.revision) == (model.repo, model.revision)]
     if len(together) == 1:
         from huggingface_hub import scan_cache_dir
 

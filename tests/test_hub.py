@@ -248,13 +248,17 @@ def test_a_dropped_connection_resumes_where_it_stopped(env, fake_hub):
 
 
 def test_a_corrupted_download_is_refused(env, fake_hub):
-    fake_hub.corrupt.add("model.safetensors")
-    one_line_error(brisk(env, "pull", "acme/tiny"), "model.safetensors", "sha256", "corrupted")
-    snapshots = Path(env["HF_HUB_CACHE"], "models--acme--tiny", "snapshots", COMMIT)
-    assert not (snapshots / "model.safetensors").exists()  # never left for a load to trust
+    fake_hub.corrupt.update({"model.safetensors", "tokenizer.json"})  # an LFS file and a plain one
+    one_line_error(brisk(env, "pull", "acme/tiny"), "model.safetensors: sha256", "tokenizer.json: git blob id",
+                   "corrupted")
+    snapshot = Path(env["HF_HUB_CACHE"], "models--acme--tiny", "snapshots", COMMIT)
+    assert not (snapshot / "model.safetensors").exists()  # never left for a load to trust
+    assert not list(snapshot.parent.parent.glob("blobs/*.incomplete"))
+    gen = brisk(env, "generate", "acme/tiny", "x", "-n", "2")  # the same checks (after huggingface_hub's bars)
+    assert gen.returncode == 1 and "corrupted" in gen.stderr.strip().splitlines()[-1], gen.stderr
     fake_hub.corrupt.clear()
     out = json.loads(ok(brisk(env, "pull", "acme/tiny", "--json")))
-    assert out["downloaded"] == 1  # only the refused file again
+    assert out["downloaded"] == 2  # only the refused files again
 
 
 def test_list_and_rm(env, fake_hub):
