@@ -1,9 +1,10 @@
 """Models from the Hugging Face hub: what a hub name means (`org/name[@revision][:QUANT]`), downloading
 the files brisk needs into the HF cache (`brisk pull`), and finding them there again.
 
-Downloads go through huggingface_hub, so its cache layout, progress bar and retries apply; the
-checksums the hub lists for each file are checked here, since huggingface_hub's plain HTTP download
-only checks a file's size.
+Downloads go through huggingface_hub, so its cache layout, progress bars and retries apply. Two
+things are added here: the weights (the hub's LFS files) are downloaded through a partial file that
+outlives an interrupted pull (huggingface_hub deletes its own), and every file is checked against
+the checksum the hub lists for it (huggingface_hub's plain HTTP download checks only the size).
 """
 from __future__ import annotations
 
@@ -110,14 +111,20 @@ def pull(name: str, revision: str | None = None, progress: bool = True) -> PullR
     if quiet:
         disable_progress_bars()
     try:
-        snapshot = Path(snapshot_download(hub.repo, revision=rev or "main", allow_patterns=files))
+        # the weights first, each into its blob under its sha256, resumable: snapshot_download then
+        # links them and fetches the small files
+        refused = {f: w for f in files if f not in cached and siblings[f].lfs is not None
+                   and (w := _fetch_lfs(hub.repo, info.sha, f, siblings[f].lfs.sha256.lower(), siblings[f].lfs.size))}
+        snapshot = Path(snapshot_download(hub.repo, revision=rev or "main",
+                                          allow_patterns=[f for f in files if f not in refused]))
     except Exception as e:
         raise FileError(f"download failed ({_reason(e)})", hub.text) from None
     finally:
         if quiet:
             enable_progress_bars()
     # every new file is checked before any error: one left unchecked would pass as cached next time
-    wrong = [w for f in files if f not in cached and (w := _mismatch(snapshot / f, siblings[f]))]
+    wrong = list(refused.values()) + [w for f in files if f not in cached and siblings[f].lfs is None
+                                      and (w := _mismatch(snapshot / f, siblings[f].blob_id))]
     if wrong:
         raise FileError(f"{'; '.join(wrong)} (a corrupted download: deleted, pull again)", hub.text)
     path = snapshot / files[0] if hub.quant else snapshot
@@ -220,22 +227,45 @@ def _cached_commit(repo: str, revision: str | None) -> str | None:
     return ref.read_text().strip() if ref.is_file() else None
 
 
-def _mismatch(path: Path, sibling) -> str | None:
-    """None where the file's sha256 (an LFS file) or git blob id (any other) is the hub's; else what
+def _fetch_lfs(repo: str, commit: str, filename: str, sha256: str, size: int) -> str | None:
+    """Download an LFS file into the cache's blob of its sha256, through `<sha256>.incomplete`, which
+    an interrupted pull leaves for the next one to resume from (huggingface_hub's own download
+    deletes its partial file). The bytes are checked before they become the blob: None if they are
+    the hub's, else what differs (the partial file deleted)."""
+    from huggingface_hub.file_download import hf_hub_url, http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    blob = _repo_folder(repo) / "blobs" / sha256
+    if blob.exists():
+        return None
+    part = blob.with_name(f"{sha256}.incomplete")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    if part.exists() and part.stat().st_size > size:  # not a prefix of this file: start again
+        part.unlink()
+    with open(part, "ab") as f:
+        http_get(hf_hub_url(repo, filename, revision=commit), f, resume_size=f.tell(), headers=build_hf_headers(),
+                 expected_size=size, displayed_filename=Path(filename).name)
+    actual = _sha256(part)
+    if actual != sha256:
+        part.unlink()
+        return f"{filename}: sha256 {actual[:12]}… is not the hub's {sha256[:12]}…"
+    part.replace(blob)
+    return None
+
+
+def _mismatch(path: Path, blob_id: str | None) -> str | None:
+    """None where a plain (non-LFS) file's git blob id is the hub's, or the hub gave none; else what
     differs, and the file is deleted from the cache so that the next pull fetches it again."""
-    if sibling.lfs is not None and sibling.lfs.sha256:
-        algorithm, expected, actual = "sha256", sibling.lfs.sha256.lower(), _sha256(path)
-    elif sibling.blob_id:
-        algorithm, expected, actual = "git blob id", sibling.blob_id.lower(), _git_blob_id(path)
-    else:
-        return None  # the hub gave no checksum for it
-    if actual == expected:
+    if not blob_id:
+        return None
+    actual = _git_blob_id(path)
+    if actual == blob_id.lower():
         return None
     blob = path.resolve()
     path.unlink(missing_ok=True)
     if blob != path:
         blob.unlink(missing_ok=True)
-    return f"{path.name}: {algorithm} {actual[:12]}… is not the hub's {expected[:12]}…"
+    return f"{path.name}: git blob id {actual[:12]}… is not the hub's {blob_id.lower()[:12]}…"
 
 
 def _sha256(path: Path) -> str:

@@ -36,6 +36,7 @@ class FakeHub(http.server.ThreadingHTTPServer):
         self.repos: dict[str, dict[str, bytes]] = {}
         self.drop: set[str] = set()
         self.corrupt: set[str] = set()
+        self.fail: set[str] = set()  # paths whose ranged GETs answer 500: the pull gives up
         self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
 
     @property
@@ -99,6 +100,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if data is None:
                 return self._missing()
             e = _entry(file, data)
+            if file in self.server.fail and self.headers.get("Range") and not head:
+                self.send_response(500)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             start = int(self.headers["Range"].removeprefix("bytes=").split("-")[0]) if self.headers.get("Range") else 0
             self.send_response(206 if start else 200)
             self.send_header("X-Repo-Commit", COMMIT)
@@ -151,6 +157,7 @@ def env(fake_hub, tmp_path):
     fake_hub.log.clear()
     fake_hub.drop.clear()
     fake_hub.corrupt.clear()
+    fake_hub.fail.clear()
     return {**os.environ, "HF_ENDPOINT": fake_hub.url, "HF_HUB_CACHE": str(tmp_path / "hf-cache"),
             "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
             "NO_PROXY": "127.0.0.1", "COLUMNS": "200"}
@@ -233,18 +240,35 @@ def test_the_quant_in_a_file_name():
     assert hub.parse("./model.gguf") is None
 
 
-def test_a_dropped_connection_resumes_where_it_stopped(env, fake_hub):
+def test_an_interrupted_download_resumes(env, fake_hub):
     # huggingface_hub writes what it receives in chunks of DOWNLOAD_CHUNK_SIZE (10 MiB): a file of
     # 2.5 chunks cut off halfway has one chunk on disk to resume from
     from huggingface_hub import constants
 
-    data = os.urandom(constants.DOWNLOAD_CHUNK_SIZE * 5 // 2)
+    chunk = constants.DOWNLOAD_CHUNK_SIZE
+    data = os.urandom(chunk * 5 // 2)
     fake_hub.repos["acme/big-GGUF"] = {"big-Q4_0.gguf": data}
+    gets = lambda: [rng for m, p, rng in fake_hub.log if m == "GET" and p.endswith("big-Q4_0.gguf")]  # noqa: E731
+    # dropped mid-file: resumed within the pull
     fake_hub.drop.add("big-Q4_0.gguf")
     out = json.loads(ok(brisk(env, "pull", "acme/big-GGUF:Q4_0", "--json")))
     assert Path(out["path"]).read_bytes() == data and out["bytes"] == len(data)
-    gets = [rng for m, p, rng in fake_hub.log if m == "GET" and p.endswith("big-Q4_0.gguf")]
-    assert gets == [None, f"bytes={constants.DOWNLOAD_CHUNK_SIZE}-"]  # the second asks only for the rest
+    assert gets() == [None, f"bytes={chunk}-"]  # the second asks only for the rest
+
+    # dropped, and the hub then fails: the pull gives up, and the next one resumes
+    ok(brisk(env, "rm", "acme/big-GGUF:Q4_0"))
+    fake_hub.log.clear()
+    fake_hub.drop.add("big-Q4_0.gguf")
+    fake_hub.fail.add("big-Q4_0.gguf")
+    r = brisk(env, "pull", "acme/big-GGUF:Q4_0")  # (huggingface_hub logs its retry first)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: acme/big-GGUF:Q4_0: download "
+                                                                              "failed"), r.stderr
+    blobs = Path(env["HF_HUB_CACHE"], "models--acme--big-GGUF", "blobs")
+    assert [p.stat().st_size for p in blobs.glob("*.incomplete")] == [chunk]
+    fake_hub.fail.clear()
+    out = json.loads(ok(brisk(env, "pull", "acme/big-GGUF:Q4_0", "--json")))
+    assert Path(out["path"]).read_bytes() == data
+    assert gets() == [None, f"bytes={chunk}-", f"bytes={chunk}-"] and not list(blobs.glob("*.incomplete"))
 
 
 def test_a_corrupted_download_is_refused(env, fake_hub):
