@@ -311,3 +311,30 @@ def test_list_and_rm(env, fake_hub):
     ok(brisk(env, "rm", "acme/tiny"))  # no terminal: nothing to ask
     assert json.loads(ok(brisk(env, "list", "--json"))) == []
     assert not Path(env["HF_HUB_CACHE"], "models--acme--tiny").exists()
+
+
+def test_rm_asks_on_a_terminal(env, tmp_path):
+    import pty
+
+    snapshot = Path(env["HF_HUB_CACHE"], "models--acme--x", "snapshots", COMMIT)
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(COMMIT)
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')
+    (snapshot / "model.safetensors").write_bytes(b"\0" * 16)
+    for answer, code, said in ((b"n\n", 1, "aborted"), (b"y\n", 0, "deleted acme/x")):
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: brisk on a terminal
+            os.execve(sys.executable, BRISK + ["rm", "acme/x"], env)
+        out = b""
+        while b"[y/N]" not in out:
+            out += os.read(fd, 1024)
+        os.write(fd, answer)
+        try:
+            while chunk := os.read(fd, 1024):
+                out += chunk
+        except OSError:  # the terminal closes with the child
+            pass
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == code
+        assert said in out.decode(), out
+        assert snapshot.exists() == (code == 1)
