@@ -140,10 +140,7 @@ def cached(name: str) -> Path:
     if snapshot is None or not snapshot.is_dir():
         raise NotCached("not in the local Hugging Face cache (`brisk pull` downloads it)", name)
     if not hub.quant:
-        if not _complete(snapshot):
-            if not (snapshot / "config.json").exists() and any(snapshot.rglob("*.gguf")):
-                ggufs = sorted({quant_of(p.name) or p.name for p in snapshot.rglob("*.gguf")})
-                raise FileError(f"only GGUF files of it are in the cache: name one as {hub.repo}:{ggufs[0]}", name)
+        if not _complete(snapshot):  # (a pull of one of its GGUFs only, or a pull cut off)
             raise NotCached("not whole in the local Hugging Face cache (`brisk pull` downloads it)", name)
         return snapshot
     ggufs = [str(p.relative_to(snapshot)) for p in snapshot.rglob("*.gguf")]
