@@ -230,18 +230,28 @@ def _fetch_lfs(repo: str, commit: str, filename: str, sha256: str, size: int) ->
     deletes its partial file). The bytes are checked before they become the blob: None if they are
     the hub's, else what differs (the partial file deleted)."""
     from huggingface_hub.file_download import hf_hub_url, http_get
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
 
-    blob = _repo_folder(repo) / "blobs" / sha256
-    if blob.exists():
-        return None
+    folder = _repo_folder(repo)
+    blob = folder / "blobs" / sha256
     part = blob.with_name(f"{sha256}.incomplete")
     part.parent.mkdir(parents=True, exist_ok=True)
-    if part.exists() and part.stat().st_size > size:  # not a prefix of this file: start again
-        part.unlink()
-    with open(part, "ab") as f:
-        http_get(hf_hub_url(repo, filename, revision=commit), f, resume_size=f.tell(), headers=build_hf_headers(),
-                 expected_size=size, displayed_filename=Path(filename).name)
+    lock = folder.parent / ".locks" / folder.name / f"{sha256}.lock"  # the lock huggingface_hub takes for this blob
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with WeakFileLock(lock):  # two pulls at once would append to one partial file
+        if blob.exists():
+            return None
+        if part.exists() and part.stat().st_size > size:  # not a prefix of this file: start again
+            part.unlink()
+        with open(part, "ab") as f:
+            http_get(hf_hub_url(repo, filename, revision=commit), f, resume_size=f.tell(),
+                     headers=build_hf_headers(), expected_size=size, displayed_filename=Path(filename).name)
+        return _checked_into(part, blob, filename, sha256)
+
+
+def _checked_into(part: Path, blob: Path, filename: str, sha256: str) -> str | None:
+    """A downloaded weight becomes its blob if its sha256 is the hub's; else it is deleted and the
+    difference told."""
     actual = _sha256(part)
     if actual != sha256:
         part.unlink()

@@ -57,9 +57,14 @@ def remove(name: str) -> CachedModel:
         raise FileError("no such model in the local Hugging Face cache (`brisk list` shows them)", name)
     together = [m for m in models if (m.repo, m.revision) == (model.repo, model.revision)]
     if len(together) == 1:
+        from dataclasses import replace
+
         from huggingface_hub import scan_cache_dir
 
-        scan_cache_dir().delete_revisions(model.revision).execute()
+        cache = scan_cache_dir()
+        # this repo alone: a commit can be in several repos (a copy of a repo keeps its history)
+        own = frozenset(r for r in cache.repos if (r.repo_id, r.repo_type) == (model.repo, "model"))
+        replace(cache, repos=own).delete_revisions(model.revision).execute()
         return model
     snapshot = Path(model.snapshot)
     kept = {(snapshot / f).resolve() for m in together if m.name != model.name for f in m.files}

@@ -307,7 +307,8 @@ def test_list_and_rm(env, fake_hub):
     names = [m["name"] for m in json.loads(ok(brisk(env, "list", "--json")))]
     assert names == ["acme/tiny", "acme/tiny-GGUF:Q8_0"]
     ok(brisk(env, "generate", "acme/tiny-GGUF:Q8_0", "x", "-n", "2"))  # the other type is still whole
-    ok(brisk(env, "rm", "acme/tiny-GGUF:Q8_0", "--yes"))
+    ok(brisk(env, "rm", "acme/tiny-GGUF:Q8_0", "--yes"))  # the fake repos share a commit: only this one goes
+    assert [m["name"] for m in json.loads(ok(brisk(env, "list", "--json")))] == ["acme/tiny"]
     ok(brisk(env, "rm", "acme/tiny"))  # no terminal: nothing to ask
     assert json.loads(ok(brisk(env, "list", "--json"))) == []
     assert not Path(env["HF_HUB_CACHE"], "models--acme--tiny").exists()
