@@ -24,8 +24,9 @@ def pull(
 
     ORG/NAME takes the checkpoint's config, tokenizer, chat template and *.safetensors files (never
     pickles or other formats); ORG/NAME:Q4_K_M takes the repo's GGUF file of that quant type, all
-    parts of a split one. A download cut off (a dropped connection, Ctrl-C) resumes where it stopped, at the next pull if need be; every file is checked
-    against the checksum the hub lists for it.
+    parts of a split one. A download cut off (a dropped connection, Ctrl-C) resumes where it
+    stopped, at the next pull if need be; every file is checked against the checksum the hub lists
+    for it.
 
     Examples:  brisk pull org/name  ·  brisk pull org/name-GGUF:Q4_K_M  ·  brisk pull org/name --revision v2
     """

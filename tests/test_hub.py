@@ -8,7 +8,6 @@ import hashlib
 import http.server
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -314,7 +313,7 @@ def test_list_and_rm(env, fake_hub):
     assert not Path(env["HF_HUB_CACHE"], "models--acme--tiny").exists()
 
 
-def test_rm_asks_on_a_terminal(env, tmp_path):
+def test_rm_asks_on_a_terminal(env):
     import pty
 
     snapshot = Path(env["HF_HUB_CACHE"], "models--acme--x", "snapshots", COMMIT)
