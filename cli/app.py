@@ -19,8 +19,8 @@ _no_type_for_flags()
 app = typer.Typer(
     name="brisk",
     help="Run and quantize language models locally, fast.\n\n"
-         "MODEL is a Hugging Face folder, a hub id (org/name[@revision]), a .gguf file, "
-         "or omitted for the embedded default (SmolLM2-135M-Instruct).",
+         "MODEL is a Hugging Face folder, a hub id (org/name[@revision], or org/name:QUANT for its GGUF "
+         "of that type), a .gguf file, or omitted for the embedded default (SmolLM2-135M-Instruct).",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,

@@ -11,7 +11,7 @@ import typer
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .app import app  # noqa: E402
-from . import bench_cmd, cache_cmd, chat_cmd, distill_cmd, eval_cmd, generate_cmd, info_cmd, quantize_cmd, serve_cmd  # noqa: E402,F401  (registers the commands)
+from . import bench_cmd, cache_cmd, chat_cmd, distill_cmd, eval_cmd, generate_cmd, info_cmd, models_cmd, pull_cmd, quantize_cmd, serve_cmd  # noqa: E402,F401  (registers the commands)
 
 
 def run() -> None:

@@ -23,6 +23,7 @@ import torch
 
 from . import arch as arch_mod
 from . import config as config_mod
+from . import hub
 from . import progress
 from .config import ModelConfig
 from .errors import FileError, shown
@@ -66,7 +67,7 @@ def default_model_path() -> Path:
     raise FileError(f"package {DEFAULT_MODEL_DIST} holds no .gguf file")
 
 
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
+HUB_ID = hub.HUB_NAME  # org/name[@revision][:QUANT]
 
 
 def resolve(name: str | None) -> tuple[str, Path]:
@@ -83,24 +84,7 @@ def resolve(name: str | None) -> tuple[str, Path]:
         return name, p
     if name.endswith(".gguf") or name.startswith((".", "/", "~")) or not HUB_ID.match(name):
         raise FileError("no such file or folder", name)
-    return name, _hub_snapshot(name)
-
-
-def _hub_snapshot(repo: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    repo_id, _, revision = repo.partition("@")
-    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
-    try:  # the cache first: works offline and costs no request
-        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns,
-                                      local_files_only=True))
-    except Exception:
-        pass
-    try:
-        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
-    except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise FileError(f"not in the local Hugging Face cache and could not be downloaded ({reason})", repo) from None
+    return name, hub.fetch(name)  # the cache first: works offline and costs no request
 
 
 # ---------------------------------------------------------------- HF folders

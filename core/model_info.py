@@ -125,15 +125,13 @@ def _locate(model: str | None) -> tuple[str, Path]:
     if model is None or model == "default" or Path(model).expanduser().exists() or model.endswith(".gguf") \
             or model.startswith((".", "/", "~")) or not checkpoint.HUB_ID.match(model):
         return checkpoint.resolve(model)
-    from huggingface_hub import snapshot_download
+    from . import hub
 
-    repo_id, _, revision = model.partition("@")
     try:
-        return model, Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True,
-                                             allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
-    except Exception:
+        return model, hub.cached(model)
+    except hub.NotCached:
         raise FileError("no such file or folder, and not in the local Hugging Face cache (info never "
-                        "downloads: `brisk generate` or `brisk chat` fetch a hub model)", model) from None
+                        "downloads: `brisk pull` fetches a hub model)", model) from None
 
 
 # ---------------------------------------------------------------- GGUF

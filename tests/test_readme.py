@@ -61,7 +61,7 @@ def scratch(tmp_path_factory, smollm2_path, tiny_gguf_path):
 
 def test_the_readme_has_examples_of_every_command():
     text = " ".join(commands([README]))
-    for cmd in ("generate", "chat", "info", "bench", "quantize", "eval", "serve", "distill", "cache"):
+    for cmd in ("generate", "chat", "info", "bench", "quantize", "eval", "serve", "distill", "cache", "pull"):
         assert f"brisk {cmd}" in text, cmd
     assert len(blocks("python", [README])) == 1  # the Python API's example
 
