@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import gguf_interleave, native
+from . import gguf_interleave, gguf_types, native
 from .linear import QuantLinear
 
 
@@ -28,7 +28,7 @@ class GGUFLinear(QuantLinear):
 
     @property
     def type_name(self) -> str:
-        return native.GGUF_TYPES[self.qtype]
+        return gguf_types.BY_ID[self.qtype].name
 
     @classmethod
     def concat(cls, layers, bias):

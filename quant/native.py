@@ -32,48 +32,44 @@ from pathlib import Path
 
 import torch
 
-from . import gguf_interleave
+from . import gguf_interleave, gguf_types
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "brisk_kernels.c"
 QB = 32  # every format's rows are whole blocks of 32 (or 256) weights
 LEVELS = ("plain", "avx2", "avx512")
 ENABLED = os.environ.get("BRISK_NATIVE", "1") != "0"  # layers built while it is on use the kernels
-F32 = 0  # GGUF's id for plain float32 rows: a float model's weights, read in place
+F32 = gguf_types.F32  # GGUF's id for plain float32 rows: a float model's weights, read in place
 # Float rows take products with up to this many activation rows here (decode, verification, batched
-# steps: bandwidth-bound, 1.4x MKL's sgemv); longer ones (prefill) go to torch's sgemm, about twice
-# the kernels' 4x4 register tiles there (2026-11-25: 75-110 vs 180-190 GFLOP/s, one AVX-512 core).
+# steps: bandwidth-bound, faster than MKL's sgemv); longer ones (prefill) go to torch's sgemm, which
+# outruns the kernels' 4x4 register tiles there (compute-bound).
 F32_MAX_ROWS = 64
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
-# the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
-INT_DOT_TYPES = {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
-SUPER_TYPES = {10, 11, 12, 13, 14}  # of those, the ones whose activations are quantized per 256 (the K-quants), not per 32
+# the types whose products take quantized activations (gguf_types.py's grids; BRISK_INT_DOT=0: float32 for all)
+INT_DOT_TYPES = {t.id for t in gguf_types.NATIVE if t.grid != gguf_types.FLOAT} | {I8R, I4G}  # I4G: groups of 32, 64, 128...
+SUPER_TYPES = {t.id for t in gguf_types.NATIVE if t.grid[1] == 256}  # of those, the ones quantized per 256 (the K-quants)
 INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
-# of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, 2.6x faster on
-# Q4_K than 16-bit ones); BRISK_ACT8=0 keeps them 16-bit, except Q2_K and Q3_K (10, 11): they have no 16-bit
-# path and take float32 activations then
-ACT8_TYPES = {10, 11, 12, 13, 14}
+# of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, faster than 16-bit
+# ones); BRISK_ACT8=0 gives them their grid_act8_off
+ACT8_TYPES = {t.id for t in gguf_types.NATIVE if t.grid[0] == 8}
 X8 = 8  # bk_weight's layout of K-quant, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved by 8 (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h): the kernels' fastest
 ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
 # BRISK_ACT8_SPLIT=1e-3: an 8-bit activation row that rounds coarsely (relative squared error above it,
 # brisk_kernels.c split_err: the MLP's down projection's heavy-tailed input) also runs its remainder.
-# K-quant KL to the widened file ~3x lower (Gemma 3 Q2_K 0.046 -> 0.008), prefill 17-19% slower, so off
-# by default (bench/RESULTS.md)
+# It lowers K-quant KL to the widened file but slows prefill, so it is off by default (bench/RESULTS.md)
 ACT8_SPLIT = float(os.environ.get("BRISK_ACT8_SPLIT", "0"))
 # BRISK_ACT8_OUTLIERS (default 2.5e-4, 0 off): an 8-bit activation block that rounds coarsely keeps its
-# largest inputs exact (brisk_kernels.c outlier_err): KL to the widened file by `brisk eval --base`, Gemma 3
-# Q4_K_M 1.7e-2 -> 6.8e-4, Q3_K_M 2.6e-2 -> 9.0e-4 (at 5e-4 one of its tokens stayed at KL 2.2: 1.2e-2),
-# for 10-12% of K-quant prefill and ~4% of Gemma 3's decode; a random-weight 1.1B, whose every block
-# looks heavy-tailed, decodes 20% slower (bench/RESULTS.md). Takes precedence over the split.
+# largest inputs exact (brisk_kernels.c outlier_err): K-quant KL to the widened file (`brisk eval --base`)
+# falls by over an order of magnitude for a little prefill and decode time; a looser threshold left single
+# tokens far off, and a model whose every block looks heavy-tailed (random weights) pays the most
+# (bench/RESULTS.md). Takes precedence over the split.
 DEFAULT_ACT8_OUTLIERS = 2.5e-4
 ACT8_OUTLIERS = float(os.environ.get("BRISK_ACT8_OUTLIERS", DEFAULT_ACT8_OUTLIERS))
 # The outliers' dequantized float columns a weight keeps, as a share of its own bytes (a column not kept
 # is dequantized again, to the same floats: brisk_kernels.c bk_columns)
 OUTLIER_CACHE = float(os.environ.get("BRISK_OUTLIER_CACHE", "0.0625"))
-GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
-              13: "Q5_K", 14: "Q6_K", 39: "MXFP4"}
-BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
-         12: (256, 144), 13: (256, 176), 14: (256, 210), 39: (32, 17)}  # (weights, bytes) per block
+GGUF_TYPES = {t.id: t.name for t in gguf_types.NATIVE}  # the quantized GGUF types the kernels read
+BLOCK = {t.id: (t.block_weights, t.block_bytes) for t in gguf_types.NATIVE}  # (weights, bytes) per block
 
 
 def _cache_dir() -> Path:
@@ -85,8 +81,8 @@ def _cache_dir() -> Path:
 # tiles.c and decoder.c once per instruction set (function names suffixed), dispatched at run time
 # by brisk_kernels.c
 PER_LEVEL = ("tiles", "decoder")
-# plain x86-64 (SSE2 only: the last resort) at -O2: GCC 12 at -O3 took over 3 minutes and 1.4 GB to
-# compile tiles.c's 64-byte vector code lowered to SSE2 (Q3_K/Q2_K's kernels), 34 s at -O2 (2026-11-26)
+# plain x86-64 (SSE2 only: the last resort) at -O2: GCC 12 at -O3 takes minutes and gigabytes to
+# compile tiles.c's 64-byte vector code lowered to SSE2 (Q3_K/Q2_K's kernels)
 X86_LEVELS = {"plain": ["-O2"], "avx2": ["-mavx2", "-mfma", "-mf16c"],
               "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
                          "-mf16c", "-mprefer-vector-width=512"]}
@@ -96,8 +92,8 @@ FLAGS = ["-O3", "-fPIC", "-std=gnu11", "-ffp-contract=fast", "-Wno-psabi", "-pth
 
 def _compiler() -> list[str]:
     """CC (a command, e.g. "zig cc"), else clang, else cc or gcc. clang first: GCC 12 compiles the AVX2
-    copy's 64-byte vectors through the stack, and that copy ran 4-10x slower than clang's build of
-    the same code (2026-11-25, SmolLM2 27 vs ~100 tok/s); AVX-512 and NEON builds are fine either way."""
+    copy's 64-byte vectors through the stack, and that copy runs 4-10x slower than clang's build of
+    the same code; AVX-512 and NEON builds are fine either way."""
     if os.environ.get("CC"):
         return shlex.split(os.environ["CC"])
     cc = shutil.which("clang") or shutil.which("cc") or shutil.which("gcc")
@@ -114,8 +110,7 @@ def _is_clang(cc: list[str]) -> bool:
 def _avx2_compiler(cc: list[str]) -> list[str]:
     """The compiler for the AVX2 copy: cc, unless cc is not clang and zig's clang is installed (the
     ziglang package: `pip install ziglang`, or brisk's `fast-avx2` extra), which compiles the copy
-    GCC makes 4-10x slow (measured 2026-11-25, one core, GB/s of weights, GCC / zig: Q4_1 1.5 / 9.9,
-    Q4_K 1.2 / 17.4, Q8_0 2.6 / 23.7, float32 5.9 / 65.7). x86-64 Linux only; objects only (linked
+    GCC makes 4-10x slow. x86-64 Linux only; objects only (linked
     by cc, so the library uses the system's C runtime)."""
     if _is_clang(cc) or platform.system() != "Linux":
         return cc
