@@ -14,14 +14,23 @@
  * In the 4/5-bit types, code byte j holds weight j (low nibble) and weight j + 16 (high nibble);
  * bit j of qh is weight j's fifth bit. MXFP4 (gpt-oss's experts): kvalue[q] is the e2m1 value
  * doubled, {0, 1, 2, 3, 4, 6, 8, 12} then the same negated, and 2^(e - 128) is the E8M0 scale
- * halved, a float denormal for e < 2. The K-quants (256 weights per super-block) are described
- * where they are defined below.
+ * halved, a float denormal for e < 2. The K-quants (256 weights per super-block) are in
+ * gguf_kquants.h.
  */
 #ifndef BRISK_GGUF_TYPES_H
 #define BRISK_GGUF_TYPES_H
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSSE3__)
+#include <tmmintrin.h>
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #define BK_INLINE static inline __attribute__((always_inline))
 
@@ -31,31 +40,45 @@ enum {
     BK_Q2_K = 10, BK_Q3_K = 11, BK_Q4_K = 12, BK_Q5_K = 13, BK_Q6_K = 14, BK_MXFP4 = 39,
 };
 
-/* Weights and bytes per block of a type; 0 for a type brisk cannot read. */
-BK_INLINE int bk_block_weights(int type) {
-    switch (type) {
-    case BK_Q4_0: case BK_Q4_1: case BK_Q5_0: case BK_Q5_1: case BK_Q8_0: case BK_MXFP4: return 32;
-    case BK_Q2_K: case BK_Q3_K: case BK_Q4_K: case BK_Q5_K: case BK_Q6_K: return 256;
-    default: return 0;
-    }
+/* What the kernels need to know of each type, indexed by its id (quant/gguf_types.py is the same
+ * table for Python: a new type is a row in both). */
+enum {
+    BK_INT = 1,    /* integer products on 16-bit activations (int_dot.h) */
+    BK_SUPER = 2,  /* of those, on the 256-weight grid (the K-quants) */
+    BK_ACT8 = 4,   /* 8-bit activations per 256 where they are on (int8_dot.h) */
+    BK_MIN = 8,    /* a per-block minimum: w = d q + m */
+    BK_FIFTH = 16, /* qh: a fifth bit per weight, after the fp16 fields (Q5_0, Q5_1) */
+};
+
+typedef struct {
+    uint16_t block_weights; /* 0: a type the kernels do not read */
+    uint16_t block_bytes;   /* an interleaved group's block (BK_X8) holds 8 of them, moved */
+    uint16_t flags;         /* BK_INT, ... */
+} bk_type_traits;
+
+#define BK_TYPE_IDS 40 /* GGUF's ids below this; any other id reads as no type */
+
+BK_INLINE const bk_type_traits *bk_traits(int type) {
+    static const bk_type_traits table[BK_TYPE_IDS + 1] = {
+        [BK_Q4_0] = {32, 18, BK_INT},
+        [BK_Q4_1] = {32, 20, BK_INT | BK_MIN},
+        [BK_Q5_0] = {32, 22, BK_INT | BK_FIFTH},
+        [BK_Q5_1] = {32, 24, BK_INT | BK_MIN | BK_FIFTH},
+        [BK_Q8_0] = {32, 34, BK_INT},
+        [BK_Q2_K] = {256, 84, BK_ACT8},
+        [BK_Q3_K] = {256, 110, BK_ACT8},
+        [BK_Q4_K] = {256, 144, BK_INT | BK_SUPER | BK_ACT8 | BK_MIN},
+        [BK_Q5_K] = {256, 176, BK_INT | BK_SUPER | BK_ACT8},
+        [BK_Q6_K] = {256, 210, BK_INT | BK_SUPER | BK_ACT8},
+        [BK_MXFP4] = {32, 17, BK_INT},
+    };
+    return table + ((unsigned)type < BK_TYPE_IDS ? type : BK_TYPE_IDS);
 }
 
-BK_INLINE int bk_block_bytes(int type) {
-    switch (type) {
-    case BK_Q4_0: return 18;
-    case BK_Q4_1: return 20;
-    case BK_Q5_0: return 22;
-    case BK_Q5_1: return 24;
-    case BK_Q8_0: return 34;
-    case BK_MXFP4: return 17;
-    case BK_Q2_K: return 84;
-    case BK_Q3_K: return 110;
-    case BK_Q4_K: return 144;
-    case BK_Q5_K: return 176;
-    case BK_Q6_K: return 210;
-    default: return 0;
-    }
-}
+/* Weights and bytes per block of a type; 0 for a type brisk cannot read. */
+BK_INLINE int bk_block_weights(int type) { return bk_traits(type)->block_weights; }
+BK_INLINE int bk_block_bytes(int type) { return bk_traits(type)->block_bytes; }
+BK_INLINE int bk_type_has(int type, int flag) { return (bk_traits(type)->flags & flag) != 0; }
 
 BK_INLINE float bk_f32_bits(uint32_t u) {
     float f;
@@ -63,15 +86,7 @@ BK_INLINE float bk_f32_bits(uint32_t u) {
     return f;
 }
 
-#if defined(__SSSE3__)
-#include <tmmintrin.h>
-#endif
-#if defined(__aarch64__)
-#include <arm_neon.h>
-#endif
-
 #if defined(__F16C__)
-#include <immintrin.h>
 /* IEEE half -> float: one instruction where the copy is built for F16C (the AVX2 and AVX-512 ones) */
 BK_INLINE float bk_fp16(const uint8_t *p) {
     uint16_t h;
@@ -204,34 +219,6 @@ BK_INLINE void dq_mxfp4(const uint8_t *b, float *y) {
      * power of two, are exact: gguf's floats bit for bit */
     bk_store16(y, (bk_u8_to_f32(bk_mxfp4_k(c & 15) + 12) - 12.f) * d);
     bk_store16(y + 16, (bk_u8_to_f32(bk_mxfp4_k(c >> 4) + 12) - 12.f) * d);
-}
-
-/* ---------------------------------------------------------------- K-quants (256 weights) */
-/* Filled in below (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). */
-BK_INLINE void dq_q2_k(const uint8_t *b, float *y);
-BK_INLINE void dq_q3_k(const uint8_t *b, float *y);
-BK_INLINE void dq_q4_k(const uint8_t *b, float *y);
-BK_INLINE void dq_q5_k(const uint8_t *b, float *y);
-BK_INLINE void dq_q6_k(const uint8_t *b, float *y);
-
-#include "gguf_kquants.h"
-
-/* One block of `type` -> its weights (32 or 256 floats). */
-BK_INLINE void bk_dequant_block(int type, const uint8_t *b, float *y) {
-    switch (type) {
-    case BK_Q4_0: dq_q4_0(b, y); break;
-    case BK_Q4_1: dq_q4_1(b, y); break;
-    case BK_Q5_0: dq_q5_0(b, y); break;
-    case BK_Q5_1: dq_q5_1(b, y); break;
-    case BK_Q8_0: dq_q8_0(b, y); break;
-    case BK_MXFP4: dq_mxfp4(b, y); break;
-    case BK_Q2_K: dq_q2_k(b, y); break;
-    case BK_Q3_K: dq_q3_k(b, y); break;
-    case BK_Q4_K: dq_q4_k(b, y); break;
-    case BK_Q5_K: dq_q5_k(b, y); break;
-    case BK_Q6_K: dq_q6_k(b, y); break;
-    default: break;
-    }
 }
 
 #endif
