@@ -1,5 +1,5 @@
-"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved 8 at a time: the layouts brisk's fastest kernels
-for them read (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
+"""GGUF rows interleaved 8 at a time, for the types gguf_types.py gives a layout (its `interleave`): the
+layouts brisk's fastest kernels for them read (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
 group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size and rows past the last
 whole group stay where they were."""
 from __future__ import annotations

@@ -52,7 +52,7 @@ INT_DOT = os.environ.get("BRISK_INT_DOT", "1") != "0"
 # of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, faster than 16-bit
 # ones); BRISK_ACT8=0 gives them their grid_act8_off
 ACT8_TYPES = {t.id for t in gguf_types.NATIVE if t.grid[0] == 8}
-X8 = 8  # bk_weight's layout of K-quant, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved by 8 (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h): the kernels' fastest
+X8 = 8  # bk_weight's layout of rows interleaved by 8 (gguf_types.py's `interleave` types: gguf_interleave.py): the kernels' fastest
 ACT8 = os.environ.get("BRISK_ACT8", "1") != "0"
 # BRISK_ACT8_SPLIT=1e-3: an 8-bit activation row that rounds coarsely (relative squared error above it,
 # brisk_kernels.c split_err: the MLP's down projection's heavy-tailed input) also runs its remainder.
@@ -344,8 +344,8 @@ class NativeWeight:
     def __init__(self, kind: int, N: int, K: int, data: torch.Tensor, scales: torch.Tensor | None = None,
                  zeros: torch.Tensor | None = None, group: int = 0, row_scales: torch.Tensor | None = None,
                  layout: int = 0):
-        """layout: 0, the rows as the format stores them, or X8 (Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or MXFP4 rows interleaved by 8:
-        quant/gguf_interleave.py)."""
+        """layout: 0, the rows as the format stores them, or X8 (rows interleaved by 8, for the types
+        gguf_types.py gives a layout: quant/gguf_interleave.py)."""
         if layout not in (0, X8) or layout == X8 and kind not in gguf_interleave.TYPES:
             raise ValueError(f"layout {layout} for a weight of kind {kind}")
         if kind in BLOCK:
