@@ -40,8 +40,8 @@ enum {
     BK_Q2_K = 10, BK_Q3_K = 11, BK_Q4_K = 12, BK_Q5_K = 13, BK_Q6_K = 14, BK_MXFP4 = 39,
 };
 
-/* What the kernels need to know of each type, indexed by its id (quant/gguf_types.py is the same
- * table for Python: a new type is a row in both). */
+/* What the kernels need to know of each type: BK_TYPE_TABLE below (quant/gguf_types.py is the same
+ * table for Python: a new type is a row in both). Its flags: */
 enum {
     BK_INT = 1,    /* integer products on 16-bit activations (int_dot.h) */
     BK_SUPER = 2,  /* of those, on the 256-weight grid (the K-quants) */
@@ -50,35 +50,42 @@ enum {
     BK_FIFTH = 16, /* qh: a fifth bit per weight, after the fp16 fields (Q5_0, Q5_1) */
 };
 
-typedef struct {
-    uint16_t block_weights; /* 0: a type the kernels do not read */
-    uint16_t block_bytes;   /* an interleaved group's block (BK_X8) holds 8 of them, moved */
-    uint16_t flags;         /* BK_INT, ... */
-} bk_type_traits;
+/* One row per type: id, weights and bytes per block (an interleaved group's block, BK_X8, holds 8
+ * rows' blocks, moved), flags. Read through the functions below: with the type a constant (each
+ * kernel is instantiated per type) they fold away in the compiler's first passes. */
+#define BK_TYPE_TABLE(X)                                        \
+    X(BK_Q4_0, 32, 18, BK_INT)                                  \
+    X(BK_Q4_1, 32, 20, BK_INT | BK_MIN)                         \
+    X(BK_Q5_0, 32, 22, BK_INT | BK_FIFTH)                       \
+    X(BK_Q5_1, 32, 24, BK_INT | BK_MIN | BK_FIFTH)              \
+    X(BK_Q8_0, 32, 34, BK_INT)                                  \
+    X(BK_Q2_K, 256, 84, BK_ACT8)                                \
+    X(BK_Q3_K, 256, 110, BK_ACT8)                               \
+    X(BK_Q4_K, 256, 144, BK_INT | BK_SUPER | BK_ACT8 | BK_MIN)  \
+    X(BK_Q5_K, 256, 176, BK_INT | BK_SUPER | BK_ACT8)           \
+    X(BK_Q6_K, 256, 210, BK_INT | BK_SUPER | BK_ACT8)           \
+    X(BK_MXFP4, 32, 17, BK_INT)
 
-#define BK_TYPE_IDS 40 /* GGUF's ids below this; any other id reads as no type */
+#define BK_WEIGHTS_CASE(id, weights, bytes, flags) case id: return weights;
+#define BK_BYTES_CASE(id, weights, bytes, flags) case id: return bytes;
+#define BK_FLAGS_CASE(id, weights, bytes, flags) case id: return flags;
 
-BK_INLINE const bk_type_traits *bk_traits(int type) {
-    static const bk_type_traits table[BK_TYPE_IDS + 1] = {
-        [BK_Q4_0] = {32, 18, BK_INT},
-        [BK_Q4_1] = {32, 20, BK_INT | BK_MIN},
-        [BK_Q5_0] = {32, 22, BK_INT | BK_FIFTH},
-        [BK_Q5_1] = {32, 24, BK_INT | BK_MIN | BK_FIFTH},
-        [BK_Q8_0] = {32, 34, BK_INT},
-        [BK_Q2_K] = {256, 84, BK_ACT8},
-        [BK_Q3_K] = {256, 110, BK_ACT8},
-        [BK_Q4_K] = {256, 144, BK_INT | BK_SUPER | BK_ACT8 | BK_MIN},
-        [BK_Q5_K] = {256, 176, BK_INT | BK_SUPER | BK_ACT8},
-        [BK_Q6_K] = {256, 210, BK_INT | BK_SUPER | BK_ACT8},
-        [BK_MXFP4] = {32, 17, BK_INT},
-    };
-    return table + ((unsigned)type < BK_TYPE_IDS ? type : BK_TYPE_IDS);
+/* Weights and bytes per block of a type, and its flags; 0 for a type brisk cannot read. */
+BK_INLINE int bk_block_weights(int type) {
+    switch (type) { BK_TYPE_TABLE(BK_WEIGHTS_CASE) default: return 0; }
 }
-
-/* Weights and bytes per block of a type; 0 for a type brisk cannot read. */
-BK_INLINE int bk_block_weights(int type) { return bk_traits(type)->block_weights; }
-BK_INLINE int bk_block_bytes(int type) { return bk_traits(type)->block_bytes; }
-BK_INLINE int bk_type_has(int type, int flag) { return (bk_traits(type)->flags & flag) != 0; }
+BK_INLINE int bk_block_bytes(int type) {
+    switch (type) { BK_TYPE_TABLE(BK_BYTES_CASE) default: return 0; }
+}
+BK_INLINE int bk_type_flags(int type) {
+    switch (type) { BK_TYPE_TABLE(BK_FLAGS_CASE) default: return 0; }
+}
+/* Whether a type has a flag (a constant): the comparisons with the ids that have it, folded while the
+ * compiler parses them, so that a type known only at run time costs what a hand-written list of ids
+ * would (a switch there gave whole kernels other register allocations, measurably slower). */
+#define BK_HAS_CASE(id, weights, bytes, flags) || (((flags) & bk_flag_) && bk_type_ == (id))
+#define bk_type_has(type, flag) \
+    __extension__({ int bk_type_ = (type); enum { bk_flag_ = (flag) }; 0 BK_TYPE_TABLE(BK_HAS_CASE); })
 
 BK_INLINE float bk_f32_bits(uint32_t u) {
     float f;
