@@ -312,7 +312,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
     memory-mapped), so the slow dequantization happens once per file."""
     import numpy as np
 
-    from ..quant import gguf_blocks, native
+    from ..quant import gguf_blocks, gguf_types, native
     from .gguf_file import dequantize_tensor
 
     cfg, tok, table, arch, generation = _gguf_header(path)
@@ -349,7 +349,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
             if order is not None:
                 raw = gguf_blocks.permute_rows(raw, t.shape[0], order)
             modules[layer] = fresh[layer] = gguf_blocks.to_layer(raw, *t.shape, t.qtype)
-        elif t.qtype in (0, 1, 30):  # F32, F16, BF16: cheap to widen here
+        elif t.qtype in gguf_types.FLOAT_IDS:  # cheap to widen here
             tensors[hf] = arch.convert_gguf_tensor(dequantize_tensor(data, t), hf, cfg)
         else:
             need_cache.append(hf)
@@ -359,7 +359,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
         import gguf
 
         names = ", ".join(sorted(gguf.GGMLQuantizationType(q).name for q in widened))
-        kept = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and MXFP4" if native_blocks else "Q4_0, Q4_1, Q4_K and Q8_0"
+        kept = gguf_types.names(gguf_types.NATIVE if native_blocks else gguf_types.REPACKED)
         warnings.warn(f"{names} weights have no quantized kernel in brisk yet: widened to float ({kept} stay quantized)")
     if fresh:  # every repacked layer, not just the new ones: a cache from an older brisk may lack some
         _save_repacked(path, modules)

@@ -20,7 +20,6 @@ from .errors import BriskError, FileError, InvalidValue
 
 # Layers the loader may keep quantized (checkpoint.load_gguf): projections, the head, the embedding.
 _QUANTIZED_LAYERS = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
-_FLOAT_GGUF_TYPES = (0, 1, 30)  # F32, F16, BF16
 _INT_DTYPES = {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}  # safetensors: held as stored
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
 _MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors format's own limit
@@ -191,7 +190,7 @@ def _gguf_weight_bytes(table, arch, cfg: ModelConfig, device: str, float_size: i
     an estimate. On the CPU with brisk's native kernels, every type they read stays in the file's
     blocks; without them (and on a GPU) Q4_0/Q4_1/Q4_K/Q8_0 are repacked (gguf_blocks), an untied
     quantized embedding is widened, and everything else is widened to the float dtype."""
-    from ..quant import gguf_blocks, native
+    from ..quant import gguf_blocks, gguf_types, native
     from .checkpoint import gguf_to_hf_name
 
     native_on = device == "cpu" and native.available()
@@ -209,7 +208,7 @@ def _gguf_weight_bytes(table, arch, cfg: ModelConfig, device: str, float_size: i
             total += _repacked_bytes(t.qtype, *t.shape)
         else:
             total += n * (4 if hf == "rope_freqs" else float_size)
-            if matrix and hf.endswith("_proj.weight") and t.qtype not in _FLOAT_GGUF_TYPES:
+            if matrix and hf.endswith("_proj.weight") and t.qtype not in gguf_types.FLOAT_IDS:
                 widened.add(t.qtype)
     return total, approximate
 

@@ -5,8 +5,8 @@ Why: a small model's table is a large share of its bytes (SmolLM2-135M: 57 MB of
 folder at 16 bits; Gemma 3 270M: 62% of the model), and GPTQ, AWQ and bitsandbytes folders keep it
 16-bit, so they lose on size to llama.cpp's files, whose table is Q8_0 or Q6_K. The grid is GGUF
 Q8_0's (a float16 scale per 32 weights, codes -127..127): brisk loads the table as Q8_0 blocks, so a
-tied output layer runs on the Q8_0 kernels and lookups read single rows. One scale per row instead
-cost SmolLM2 0.0012 KL on bench/heldout.txt, per 64 weights 0.0003 (2026-11-26). transformers and
+tied output layer runs on the Q8_0 kernels and lookups read single rows. One scale per row, or one
+per 64 weights, cost measurably more KL (bench/RESULTS.md). transformers and
 vLLM cannot read such a folder (no format of theirs quantizes embeddings): config.json says so under
 CONFIG_KEY, and brisk refuses a folder that names the key without the tensors.
 
@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from . import gguf_blocks
+from .gguf_types import Q8_0
 
 CONFIG_KEY = "brisk_embedding"
 QWEIGHT, SCALES = "model.embed_tokens.qweight", "model.embed_tokens.scales"
 GROUP = 32  # Q8_0's block
-Q8_0 = 8  # its GGUF type id
 
 
 def quantize_table(table: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -20,11 +20,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import gguf_types
+from .gguf_types import Q4_0, Q4_1, Q4_K, Q8_0
 from .linear import SCALE_DTYPE, Int4Linear, Int8Linear, quantize_int8
 
-Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12  # ggml type ids
 BLOCK = 32  # the group size of every layer built here (Q4_K's sub-block)
-BLOCK_SHAPE = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144)}  # (weights, bytes)
+# the types repacked here (gguf_types.py's INT4 and INT8 fallbacks): (weights, bytes) per block
+BLOCK_SHAPE = {t.id: (t.block_weights, t.block_bytes) for t in gguf_types.REPACKED}
 SUPPORTED = tuple(BLOCK_SHAPE)
 
 

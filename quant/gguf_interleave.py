@@ -1,5 +1,5 @@
-"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved 8 at a time: the layouts brisk's fastest kernels
-for them read (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
+"""GGUF rows interleaved 8 at a time, for the types gguf_types.py gives a layout (its `interleave`): the
+layouts brisk's fastest kernels for them read (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h have the layouts and why). Same bytes as the file, moved: a
 group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size and rows past the last
 whole group stay where they were."""
 from __future__ import annotations
@@ -8,15 +8,18 @@ from typing import Callable
 
 import torch
 
+from . import gguf_types
+from .gguf_types import MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+
 ROWS = 8
-BLOCK = 144  # Q4_K: bytes per super-block of 256 weights
-Q5_BLOCK = 176  # Q5_K's
-Q6_BLOCK = 210  # Q6_K's
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39
-# The 32-weight types, per block: (bytes, fp16 fields at its start, code bytes after them). Interleaved,
-# a group's block holds its codes in vectors of 64 bytes (_small), Q5_0/Q5_1 then their fifth bits as
-# 8 lane masks (_q5_masks), then each fp16 field of rows 0..7.
-SMALL = {Q8_0: (34, 1, 32), Q4_0: (18, 1, 16), Q4_1: (20, 2, 16), Q5_0: (22, 1, 16), Q5_1: (24, 2, 16)}
+BLOCK = gguf_types.BY_ID[Q4_K].block_bytes  # Q4_K: bytes per super-block of 256 weights
+Q5_BLOCK = gguf_types.BY_ID[Q5_K].block_bytes  # Q5_K's
+Q6_BLOCK = gguf_types.BY_ID[Q6_K].block_bytes  # Q6_K's
+# The 32-weight types (layout "small"), per block: (bytes, fp16 fields at its start, code bytes after
+# them). Interleaved, a group's block holds its codes in vectors of 64 bytes (_small), Q5_0/Q5_1 then
+# their fifth bits as 8 lane masks (_q5_masks), then each fp16 field of rows 0..7.
+_FIELDS = {Q8_0: (1, 32), Q4_0: (1, 16), Q4_1: (2, 16), Q5_0: (1, 16), Q5_1: (2, 16)}
+SMALL = {q: (gguf_types.BY_ID[q].block_bytes, *f) for q, f in _FIELDS.items()}
 FIFTH = (Q5_0, Q5_1)  # their file blocks: the fp16 fields, qh (4 bytes: bit w, weight w's fifth bit), codes
 
 
@@ -33,16 +36,15 @@ def _moved(block: int, parts: list[tuple[int, int]]) -> list[int]:
 
 # Q3_K: 4 chunks (qs bytes 8p.., qs bytes 32 + 8p.., hmask bytes 8p..), the scale bytes as Q4_K's, d.
 # Q2_K: 4 chunks (qs bytes 8p.., 32 + 8p..), the 16 scale bytes 4 at a time, d, dmin.
-MOVED = {Q3_K: (110, _moved(110, [(o, 8) for p in range(4) for o in (32 + 8 * p, 64 + 8 * p, 8 * p)]
-                            + [(96, 4), (100, 4), (104, 4), (108, 2)])),
-         Q2_K: (84, _moved(84, [(o, 8) for p in range(4) for o in (16 + 8 * p, 48 + 8 * p)]
-                          + [(0, 4), (4, 4), (8, 4), (12, 4), (80, 2), (82, 2)]))}
-TYPES = (Q4_K, Q5_K, Q6_K, *SMALL, *MOVED, MXFP4)  # the types with an interleaved layout (native.X8)
+_PARTS = {Q3_K: [(o, 8) for p in range(4) for o in (32 + 8 * p, 64 + 8 * p, 8 * p)] + [(96, 4), (100, 4), (104, 4), (108, 2)],
+          Q2_K: [(o, 8) for p in range(4) for o in (16 + 8 * p, 48 + 8 * p)] + [(0, 4), (4, 4), (8, 4), (12, 4), (80, 2), (82, 2)]}
+MOVED = {q: (gguf_types.BY_ID[q].block_bytes, _moved(gguf_types.BY_ID[q].block_bytes, parts)) for q, parts in _PARTS.items()}
+TYPES = tuple(t.id for t in gguf_types.INTERLEAVED)  # the types with an interleaved layout (native.X8)
 
 
 def packable(qtype: int, rows: int, cols: int) -> bool:
-    return rows >= ROWS and (qtype in (Q4_K, Q5_K, Q6_K, *MOVED) and cols % 256 == 0
-                             or qtype in (*SMALL, MXFP4) and cols % 32 == 0)
+    t = gguf_types.BY_ID.get(qtype)
+    return t is not None and t.interleave is not None and rows >= ROWS and cols % t.block_weights == 0
 
 
 CHUNK = 4096  # rows packed at a time: the temporaries (a strided view's reshape copies) stay small
@@ -68,28 +70,12 @@ def pack(blocks: torch.Tensor, qtype: int = Q4_K, out: torch.Tensor | None = Non
 
 
 def _pack_groups(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    if qtype in MOVED:
-        return _moved_bytes(blocks, qtype, pack=True)
-    if qtype in SMALL:
-        return _small(blocks, qtype, pack=True)
-    if qtype == MXFP4:
-        return _mxfp4(blocks, pack=True)
-    if qtype == Q6_K:
-        return _pack_q6_k(blocks)
-    return _k_groups(blocks, qtype, pack=True)
+    return _LAYOUTS[gguf_types.BY_ID[qtype].interleave](blocks, qtype, True)
 
 
 def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:
     """The inverse of pack: the file's layout again (paths without the native kernels)."""
-    if qtype in MOVED:
-        return _moved_bytes(packed, qtype, pack=False)
-    if qtype in SMALL:
-        return _small(packed, qtype, pack=False)
-    if qtype == MXFP4:
-        return _mxfp4(packed, pack=False)
-    if qtype == Q6_K:
-        return _unpack_q6_k(packed)
-    return _k_groups(packed, qtype, pack=False)
+    return _LAYOUTS[gguf_types.BY_ID[qtype].interleave](packed, qtype, False)
 
 
 def _k_groups(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
@@ -208,7 +194,7 @@ def _small(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
     return out
 
 
-def _mxfp4(src: torch.Tensor, pack: bool) -> torch.Tensor:
+def _mxfp4(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
     """pack/unpack of MXFP4 (17-byte blocks: e, then 16 code bytes): per group and block, the codes in
     two 64-byte vectors whose nibbles, looked up, are Q8_0's interleaved int8 vectors (kernels/q8_x8.h),
     then e of rows 0..7."""
@@ -336,3 +322,11 @@ def _unpack_q6_k(packed: torch.Tensor) -> torch.Tensor:
     b[..., 208:].copy_(o[..., 1664:].reshape(G, ns, ROWS, 2))
     out[G * ROWS:] = packed[G * ROWS:]
     return out
+
+
+def _q6_k(src: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
+    return _pack_q6_k(src) if pack else _unpack_q6_k(src)
+
+
+# gguf_types.py's interleave names -> pack/unpack(src, qtype, pack)
+_LAYOUTS = {"k_groups": _k_groups, "q6_k": _q6_k, "moved": _moved_bytes, "small": _small, "mxfp4": _mxfp4}

@@ -1,4 +1,4 @@
-"""A GGUF weight kept in the file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, MXFP4), multiplied
+"""A GGUF weight kept in the file's own blocks (gguf_types.NATIVE: the types the native kernels read), multiplied
 by brisk's native kernels on the CPU: no float copy, memory-mapped from the file where its rows need
 no reordering and no interleaving (most types' rows are interleaved 8 at a time at load: the
 same bytes, moved, gguf_interleave.py). The block layouts are in kernels/gguf_types.h."""
@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import gguf_interleave, native
+from . import gguf_interleave, gguf_types, native
 from .lazy_native_weight import LazyNativeWeight
 from .linear import QuantLinear
 
@@ -29,7 +29,7 @@ class GGUFLinear(LazyNativeWeight, QuantLinear):
 
     @property
     def type_name(self) -> str:
-        return native.GGUF_TYPES[self.qtype]
+        return gguf_types.BY_ID[self.qtype].name
 
     @classmethod
     def concat(cls, layers, bias):

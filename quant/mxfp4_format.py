@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-MXFP4 = 39  # ggml type id
-BLOCK_BYTES = 17
+from .gguf_types import BY_ID, MXFP4
+
+BLOCK_BYTES = BY_ID[MXFP4].block_bytes
 
 
 def gguf_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

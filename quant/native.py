@@ -32,28 +32,27 @@ from pathlib import Path
 
 import torch
 
-from . import gguf_interleave, settings
+from . import gguf_interleave, gguf_types, settings
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "brisk_kernels.c"
 QB = 32  # every format's rows are whole blocks of 32 (or 256) weights
 LEVELS = ("plain", "avx2", "avx512")
 ENABLED = settings.NATIVE.get()  # layers built while it is on use the kernels
-F32 = 0  # GGUF's id for plain float32 rows: a float model's weights, read in place
+F32 = gguf_types.F32  # GGUF's id for plain float32 rows: a float model's weights, read in place
 # Float rows take products with up to this many activation rows here (decode, verification, batched
-# steps: bandwidth-bound, 1.4x MKL's sgemv); longer ones (prefill) go to torch's sgemm, about twice
-# the kernels' 4x4 register tiles there (2026-11-25: 75-110 vs 180-190 GFLOP/s, one AVX-512 core).
+# steps: bandwidth-bound, faster than MKL's sgemv); longer ones (prefill) go to torch's sgemm, which
+# outruns the kernels' 4x4 register tiles there (compute-bound).
 F32_MAX_ROWS = 64
 I4G, I8R = 1000, 1001  # brisk's int4 groups and int8 rows, beside GGUF's type ids
-# the types whose products take 16-bit activations (kernels/int_dot.h; BRISK_INT_DOT=0: float32 for all)
-INT_DOT_TYPES = {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39, I8R, I4G}  # I4G: groups of 32, 64, 128...; others in float32
-SUPER_TYPES = {10, 11, 12, 13, 14}  # of those, the ones whose activations are quantized per 256 (the K-quants), not per 32
+# the types whose products take quantized activations (gguf_types.py's grids; BRISK_INT_DOT=0: float32 for all)
+INT_DOT_TYPES = {t.id for t in gguf_types.NATIVE if t.grid != gguf_types.FLOAT} | {I8R, I4G}  # I4G: groups of 32, 64, 128...
+SUPER_TYPES = {t.id for t in gguf_types.NATIVE if t.grid[1] == 256}  # of those, the ones quantized per 256 (the K-quants)
 INT_DOT = settings.INT_DOT.get()
-# of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, 2.6x faster on
-# Q4_K than 16-bit ones); BRISK_ACT8=0 keeps them 16-bit, except Q2_K and Q3_K (10, 11): they have no 16-bit
-# path and take float32 activations then
-ACT8_TYPES = {10, 11, 12, 13, 14}
-X8 = 8  # bk_weight's layout of K-quant, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows interleaved by 8 (kernels/q4k_x8.h, q3k_x8.h, q8_x8.h): the kernels' fastest
+# of those, the ones whose activations are 8-bit (kernels/int8_dot.h: llama.cpp's grid, faster than 16-bit
+# ones); BRISK_ACT8=0 gives them their grid_act8_off
+ACT8_TYPES = {t.id for t in gguf_types.NATIVE if t.grid[0] == 8}
+X8 = 8  # bk_weight's layout of rows interleaved by 8 (gguf_types.py's `interleave` types: gguf_interleave.py): the kernels' fastest
 ACT8 = settings.ACT8.get()
 # The 8-bit activations' remedies for coarse rounding (brisk_kernels.c split_err, outlier_err) and the
 # outliers' column cache (bk_columns): settings.py says what each does, bench/RESULTS.md what it costs
@@ -61,10 +60,8 @@ ACT8_SPLIT = settings.ACT8_SPLIT.get()
 DEFAULT_ACT8_OUTLIERS = settings.ACT8_OUTLIERS.default
 ACT8_OUTLIERS = settings.ACT8_OUTLIERS.get()
 OUTLIER_CACHE = settings.OUTLIER_CACHE.get()
-GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
-              13: "Q5_K", 14: "Q6_K", 39: "MXFP4"}
-BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
-         12: (256, 144), 13: (256, 176), 14: (256, 210), 39: (32, 17)}  # (weights, bytes) per block
+GGUF_TYPES = {t.id: t.name for t in gguf_types.NATIVE}  # the quantized GGUF types the kernels read
+BLOCK = {t.id: (t.block_weights, t.block_bytes) for t in gguf_types.NATIVE}  # (weights, bytes) per block
 
 
 def _cache_dir() -> Path:
@@ -76,8 +73,8 @@ def _cache_dir() -> Path:
 # tiles.c and decoder.c once per instruction set (function names suffixed), dispatched at run time
 # by brisk_kernels.c
 PER_LEVEL = ("tiles", "decoder")
-# plain x86-64 (SSE2 only: the last resort) at -O2: GCC 12 at -O3 took over 3 minutes and 1.4 GB to
-# compile tiles.c's 64-byte vector code lowered to SSE2 (Q3_K/Q2_K's kernels), 34 s at -O2 (2026-11-26)
+# plain x86-64 (SSE2 only: the last resort) at -O2: GCC 12 at -O3 takes minutes and gigabytes to
+# compile tiles.c's 64-byte vector code lowered to SSE2 (Q3_K/Q2_K's kernels)
 X86_LEVELS = {"plain": ["-O2"], "avx2": ["-mavx2", "-mfma", "-mf16c"],
               "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
                          "-mf16c", "-mprefer-vector-width=512"]}
@@ -87,8 +84,8 @@ FLAGS = ["-O3", "-fPIC", "-std=gnu11", "-ffp-contract=fast", "-Wno-psabi", "-pth
 
 def _compiler() -> list[str]:
     """CC (a command, e.g. "zig cc"), else clang, else cc or gcc. clang first: GCC 12 compiles the AVX2
-    copy's 64-byte vectors through the stack, and that copy ran 4-10x slower than clang's build of
-    the same code (2026-11-25, SmolLM2 27 vs ~100 tok/s); AVX-512 and NEON builds are fine either way."""
+    copy's 64-byte vectors through the stack, and that copy runs 4-10x slower than clang's build of
+    the same code; AVX-512 and NEON builds are fine either way."""
     if os.environ.get("CC"):
         return shlex.split(os.environ["CC"])
     cc = shutil.which("clang") or shutil.which("cc") or shutil.which("gcc")
@@ -105,8 +102,7 @@ def _is_clang(cc: list[str]) -> bool:
 def _avx2_compiler(cc: list[str]) -> list[str]:
     """The compiler for the AVX2 copy: cc, unless cc is not clang and zig's clang is installed (the
     ziglang package: `pip install ziglang`, or brisk's `fast-avx2` extra), which compiles the copy
-    GCC makes 4-10x slow (measured 2026-11-25, one core, GB/s of weights, GCC / zig: Q4_1 1.5 / 9.9,
-    Q4_K 1.2 / 17.4, Q8_0 2.6 / 23.7, float32 5.9 / 65.7). x86-64 Linux only; objects only (linked
+    GCC makes 4-10x slow. x86-64 Linux only; objects only (linked
     by cc, so the library uses the system's C runtime)."""
     if _is_clang(cc) or platform.system() != "Linux":
         return cc
@@ -340,8 +336,8 @@ class NativeWeight:
     def __init__(self, kind: int, N: int, K: int, data: torch.Tensor, scales: torch.Tensor | None = None,
                  zeros: torch.Tensor | None = None, group: int = 0, row_scales: torch.Tensor | None = None,
                  layout: int = 0):
-        """layout: 0, the rows as the format stores them, or X8 (Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or MXFP4 rows interleaved by 8:
-        quant/gguf_interleave.py)."""
+        """layout: 0, the rows as the format stores them, or X8 (rows interleaved by 8, for the types
+        gguf_types.py gives a layout: quant/gguf_interleave.py)."""
         if layout not in (0, X8) or layout == X8 and kind not in gguf_interleave.TYPES:
             raise ValueError(f"layout {layout} for a weight of kind {kind}")
         if kind in BLOCK:

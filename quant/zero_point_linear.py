@@ -7,7 +7,7 @@ On the CPU, 4-bit layers run brisk's native kernels on Int4Linear's layout (int4
 and zero), or without them torch's packed int4 kernel; both compute (q - 8) * scale + zero per
 group of columns, and GPTQ/AWQ weights map onto that as scale = s, zero = (8 - z) * s. The native
 kernels make a row's result independent of its batch (speculative and batched greedy decoding keep
-plain greedy's tokens) and run decode ~6x faster than torch's kernel (bench/RESULTS.md, 2026-11-25).
+plain greedy's tokens) and run decode several times faster than torch's kernel (bench/RESULTS.md).
 Their groups are fixed-size and contiguous, so
 - act-order checkpoints (g_idx not sorted) permute the weight's columns by argsort(g_idx) at load
   and gather the activations' columns the same way at run time;
@@ -37,11 +37,11 @@ from __future__ import annotations
 import torch
 
 from . import gguf_blocks, gguf_interleave, native, triton_matmul
+from .gguf_types import Q8_0
 from .lazy_native_weight import LazyNativeWeight
 from .linear import QuantLinear, pack_int4, unpack_int4, unpack_int4_kernel
 
-KERNEL_GROUPS = (256, 128, 64, 32)
-Q8_0 = gguf_interleave.Q8_0  # the group sizes torch's CPU int4 kernel takes, largest first
+KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes, largest first
 
 
 class ZeroPointLinear(LazyNativeWeight, QuantLinear):

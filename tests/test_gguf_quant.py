@@ -132,3 +132,21 @@ def test_interleaved_weights_get_memory_that_can_take_huge_pages():
     assert int(t.sum()) == 3 * 1000 * 4200
     small = _huge_page_empty((4, 8))
     assert small.shape == (4, 8)
+
+
+def test_type_table_agrees_with_the_gguf_package():
+    """brisk's table of GGUF types (quant/gguf_types.py) against gguf-py's own ids, names and sizes,
+    and every fact its readers take from it: the kernels, layouts and fallbacks exist."""
+    from brisk.quant import gguf_interleave, gguf_types, native
+
+    assert len(gguf_types.BY_ID) == len(gguf_types.TYPES)
+    for t in gguf_types.TYPES:
+        assert T(t.id).name == t.name
+        assert gguf.GGML_QUANT_SIZES[T(t.id)] == (t.block_weights, t.block_bytes), t.name
+        assert all((native.KERNELS / k).exists() for k in t.kernels), t.kernels
+        assert t.interleave is None or t.interleave in gguf_interleave._LAYOUTS
+        assert t.fallback in (gguf_types.INT4, gguf_types.INT8, gguf_types.WIDEN, "float")
+        assert (t.fallback == "float") == (not t.quantized)
+    assert {t.id for t in gguf_types.REPACKED} == set(gguf_blocks.BLOCK_SHAPE)
+    assert set(native.BLOCK) == {t.id for t in gguf_types.TYPES if t.quantized and t.kernels}
+    assert set(gguf_interleave.TYPES) <= set(native.BLOCK)

@@ -74,3 +74,49 @@ def test_a_failing_avx2_compiler_falls_back_to_the_platform_one(tmp_path, monkey
     assert lib.exists()
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     assert lib.with_suffix(".compiler").read_text() == version
+
+
+def _cc_or_skip() -> list[str]:
+    try:
+        return native._compiler()
+    except RuntimeError:
+        pytest.skip("no C compiler here")
+
+
+@pytest.mark.parametrize("header", sorted(f.name for f in native.KERNELS.glob("*.h")))
+def test_each_kernel_header_compiles_alone(header, tmp_path):
+    """Every header brings its own includes and guards (none works only mid-file inside another), at
+    every instruction-set level the build compiles."""
+    cc = _cc_or_skip()
+    x86 = native.platform.machine().lower() in ("x86_64", "amd64")
+    src = tmp_path / "one.c"
+    src.write_text(f'#include "{header}"\n#include "{header}"\n')  # twice: the guard holds
+    for level, flags in (native.X86_LEVELS if x86 else {"plain": []}).items():
+        r = subprocess.run([*cc, *native.FLAGS, *flags, f"-DBK_SUFFIX=_{level}", "-fsyntax-only",
+                            f"-I{native.KERNELS}", str(src)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"{header} ({level}): {native._first_error(r.stderr, r.returncode)}"
+
+
+def test_c_type_traits_agree_with_the_python_table(tmp_path):
+    """kernels/gguf_types.h's traits table and quant/gguf_types.py say the same of every type id."""
+    from brisk.quant import gguf_types
+
+    cc = _cc_or_skip()
+    src, exe = tmp_path / "traits.c", tmp_path / "traits"
+    src.write_text('#include <stdio.h>\n#include "gguf_types.h"\nint main(void) {\n'
+                   '    for (int t = -1; t <= 64; t++) printf("%d %d %d %d\\n", t, bk_block_weights(t), '
+                   'bk_block_bytes(t), bk_type_flags(t));\n    return 0;\n}\n')
+    subprocess.run([*cc, *native.FLAGS, f"-I{native.KERNELS}", str(src), "-o", str(exe)], check=True, timeout=300)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    flags = {"BK_INT": 1, "BK_SUPER": 2, "BK_ACT8": 4, "BK_MIN": 8, "BK_FIFTH": 16}
+    for line in out.splitlines():
+        tid, weights, nbytes, f = map(int, line.split())
+        t = gguf_types.BY_ID.get(tid)
+        if t is None or not t.quantized or not t.native:
+            assert (weights, nbytes, f) == (0, 0, 0), line
+            continue
+        assert (weights, nbytes) == (t.block_weights, t.block_bytes), t.name
+        sixteen = t.grid == gguf_types.INT16_32 or t.grid_act8_off == gguf_types.INT16_256
+        assert bool(f & flags["BK_INT"]) == sixteen, t.name
+        assert bool(f & flags["BK_SUPER"]) == (t.grid_act8_off == gguf_types.INT16_256), t.name
+        assert bool(f & flags["BK_ACT8"]) == (t.grid[0] == 8), t.name

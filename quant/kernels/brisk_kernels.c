@@ -122,7 +122,7 @@ static const struct {
  * A persistent pool: a job's rows are cut into chunks that the caller and the workers claim from
  * one counter. The caller never waits for a chunk nobody has started: on a busy machine, where a
  * worker does not get a core, the caller simply does every chunk itself (an earlier design that
- * waited for its workers fell to ~1 tok/s under load). Workers spin briefly between jobs (decode
+ * waited for its workers crawled under load). Workers spin briefly between jobs (decode
  * steps come every few tens of microseconds), then sleep. */
 #define MAX_THREADS 64
 #define EXHAUSTED (1 << 30)

@@ -1,4 +1,4 @@
-/* GGUF's K-quants (included by gguf_types.h): super-blocks of 256 weights in sub-blocks of 16 or 32, each
+/* GGUF's K-quants: super-blocks of 256 weights in sub-blocks of 16 or 32, each
  * sub-block with a small integer scale (and min) against the super-block's fp16 d (and dmin).
  *
  *   Q2_K  84 bytes: scales[16] (sc low nibble, m high), qs[64] (2 bits), d, dmin (fp16)
@@ -25,6 +25,10 @@
  */
 #ifndef BRISK_GGUF_KQUANTS_H
 #define BRISK_GGUF_KQUANTS_H
+
+#include <stdint.h>
+
+#include "gguf_types.h"
 
 /* The loops below take 16 (or 32) byte positions j at a time and write the 4 (or 2) weights each byte
  * position holds, every one with its sub-block's scale hoisted and constant shifts: GCC vectorizes them. */

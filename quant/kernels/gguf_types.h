@@ -14,14 +14,23 @@
  * In the 4/5-bit types, code byte j holds weight j (low nibble) and weight j + 16 (high nibble);
  * bit j of qh is weight j's fifth bit. MXFP4 (gpt-oss's experts): kvalue[q] is the e2m1 value
  * doubled, {0, 1, 2, 3, 4, 6, 8, 12} then the same negated, and 2^(e - 128) is the E8M0 scale
- * halved, a float denormal for e < 2. The K-quants (256 weights per super-block) are described
- * where they are defined below.
+ * halved, a float denormal for e < 2. The K-quants (256 weights per super-block) are in
+ * gguf_kquants.h.
  */
 #ifndef BRISK_GGUF_TYPES_H
 #define BRISK_GGUF_TYPES_H
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSSE3__)
+#include <tmmintrin.h>
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #define BK_INLINE static inline __attribute__((always_inline))
 
@@ -31,31 +40,52 @@ enum {
     BK_Q2_K = 10, BK_Q3_K = 11, BK_Q4_K = 12, BK_Q5_K = 13, BK_Q6_K = 14, BK_MXFP4 = 39,
 };
 
-/* Weights and bytes per block of a type; 0 for a type brisk cannot read. */
-BK_INLINE int bk_block_weights(int type) {
-    switch (type) {
-    case BK_Q4_0: case BK_Q4_1: case BK_Q5_0: case BK_Q5_1: case BK_Q8_0: case BK_MXFP4: return 32;
-    case BK_Q2_K: case BK_Q3_K: case BK_Q4_K: case BK_Q5_K: case BK_Q6_K: return 256;
-    default: return 0;
-    }
-}
+/* What the kernels need to know of each type: BK_TYPE_TABLE below (quant/gguf_types.py is the same
+ * table for Python: a new type is a row in both). Its flags: */
+enum {
+    BK_INT = 1,    /* integer products on 16-bit activations (int_dot.h) */
+    BK_SUPER = 2,  /* of those, on the 256-weight grid (the K-quants) */
+    BK_ACT8 = 4,   /* 8-bit activations per 256 where they are on (int8_dot.h) */
+    BK_MIN = 8,    /* a per-block minimum: w = d q + m */
+    BK_FIFTH = 16, /* qh: a fifth bit per weight, after the fp16 fields (Q5_0, Q5_1) */
+};
 
-BK_INLINE int bk_block_bytes(int type) {
-    switch (type) {
-    case BK_Q4_0: return 18;
-    case BK_Q4_1: return 20;
-    case BK_Q5_0: return 22;
-    case BK_Q5_1: return 24;
-    case BK_Q8_0: return 34;
-    case BK_MXFP4: return 17;
-    case BK_Q2_K: return 84;
-    case BK_Q3_K: return 110;
-    case BK_Q4_K: return 144;
-    case BK_Q5_K: return 176;
-    case BK_Q6_K: return 210;
-    default: return 0;
-    }
+/* One row per type: id, weights and bytes per block (an interleaved group's block, BK_X8, holds 8
+ * rows' blocks, moved), flags. Read through the functions below: with the type a constant (each
+ * kernel is instantiated per type) they fold away in the compiler's first passes. */
+#define BK_TYPE_TABLE(X)                                        \
+    X(BK_Q4_0, 32, 18, BK_INT)                                  \
+    X(BK_Q4_1, 32, 20, BK_INT | BK_MIN)                         \
+    X(BK_Q5_0, 32, 22, BK_INT | BK_FIFTH)                       \
+    X(BK_Q5_1, 32, 24, BK_INT | BK_MIN | BK_FIFTH)              \
+    X(BK_Q8_0, 32, 34, BK_INT)                                  \
+    X(BK_Q2_K, 256, 84, BK_ACT8)                                \
+    X(BK_Q3_K, 256, 110, BK_ACT8)                               \
+    X(BK_Q4_K, 256, 144, BK_INT | BK_SUPER | BK_ACT8 | BK_MIN)  \
+    X(BK_Q5_K, 256, 176, BK_INT | BK_SUPER | BK_ACT8)           \
+    X(BK_Q6_K, 256, 210, BK_INT | BK_SUPER | BK_ACT8)           \
+    X(BK_MXFP4, 32, 17, BK_INT)
+
+#define BK_WEIGHTS_CASE(id, weights, bytes, flags) case id: return weights;
+#define BK_BYTES_CASE(id, weights, bytes, flags) case id: return bytes;
+#define BK_FLAGS_CASE(id, weights, bytes, flags) case id: return flags;
+
+/* Weights and bytes per block of a type, and its flags; 0 for a type brisk cannot read. */
+BK_INLINE int bk_block_weights(int type) {
+    switch (type) { BK_TYPE_TABLE(BK_WEIGHTS_CASE) default: return 0; }
 }
+BK_INLINE int bk_block_bytes(int type) {
+    switch (type) { BK_TYPE_TABLE(BK_BYTES_CASE) default: return 0; }
+}
+BK_INLINE int bk_type_flags(int type) {
+    switch (type) { BK_TYPE_TABLE(BK_FLAGS_CASE) default: return 0; }
+}
+/* Whether a type has a flag (a constant): the comparisons with the ids that have it, folded while the
+ * compiler parses them, so that a type known only at run time costs what a hand-written list of ids
+ * would (a switch there gave whole kernels other register allocations, measurably slower). */
+#define BK_HAS_CASE(id, weights, bytes, flags) || (((flags) & bk_flag_) && bk_type_ == (id))
+#define bk_type_has(type, flag) \
+    __extension__({ int bk_type_ = (type); enum { bk_flag_ = (flag) }; 0 BK_TYPE_TABLE(BK_HAS_CASE); })
 
 BK_INLINE float bk_f32_bits(uint32_t u) {
     float f;
@@ -63,15 +93,7 @@ BK_INLINE float bk_f32_bits(uint32_t u) {
     return f;
 }
 
-#if defined(__SSSE3__)
-#include <tmmintrin.h>
-#endif
-#if defined(__aarch64__)
-#include <arm_neon.h>
-#endif
-
 #if defined(__F16C__)
-#include <immintrin.h>
 /* IEEE half -> float: one instruction where the copy is built for F16C (the AVX2 and AVX-512 ones) */
 BK_INLINE float bk_fp16(const uint8_t *p) {
     uint16_t h;
@@ -204,34 +226,6 @@ BK_INLINE void dq_mxfp4(const uint8_t *b, float *y) {
      * power of two, are exact: gguf's floats bit for bit */
     bk_store16(y, (bk_u8_to_f32(bk_mxfp4_k(c & 15) + 12) - 12.f) * d);
     bk_store16(y + 16, (bk_u8_to_f32(bk_mxfp4_k(c >> 4) + 12) - 12.f) * d);
-}
-
-/* ---------------------------------------------------------------- K-quants (256 weights) */
-/* Filled in below (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). */
-BK_INLINE void dq_q2_k(const uint8_t *b, float *y);
-BK_INLINE void dq_q3_k(const uint8_t *b, float *y);
-BK_INLINE void dq_q4_k(const uint8_t *b, float *y);
-BK_INLINE void dq_q5_k(const uint8_t *b, float *y);
-BK_INLINE void dq_q6_k(const uint8_t *b, float *y);
-
-#include "gguf_kquants.h"
-
-/* One block of `type` -> its weights (32 or 256 floats). */
-BK_INLINE void bk_dequant_block(int type, const uint8_t *b, float *y) {
-    switch (type) {
-    case BK_Q4_0: dq_q4_0(b, y); break;
-    case BK_Q4_1: dq_q4_1(b, y); break;
-    case BK_Q5_0: dq_q5_0(b, y); break;
-    case BK_Q5_1: dq_q5_1(b, y); break;
-    case BK_Q8_0: dq_q8_0(b, y); break;
-    case BK_MXFP4: dq_mxfp4(b, y); break;
-    case BK_Q2_K: dq_q2_k(b, y); break;
-    case BK_Q3_K: dq_q3_k(b, y); break;
-    case BK_Q4_K: dq_q4_k(b, y); break;
-    case BK_Q5_K: dq_q5_k(b, y); break;
-    case BK_Q6_K: dq_q6_k(b, y); break;
-    default: break;
-    }
 }
 
 #endif

@@ -1,8 +1,8 @@
 /* Products of the K-quants (Q2_K..Q6_K) with 8-bit activations, as llama.cpp takes them.
  *
- * Why beside int_dot.h's 16-bit path: a 1.1B Q4_K_M model decoded at 0.38x llama.cpp's speed on one
- * AMD EPYC core with 16-bit activations (2026-11-25): widening every 4-bit code to 16 bits and
- * multiplying it by its sub-block scale costs more instructions than the bytes take to arrive. With
+ * Why beside int_dot.h's 16-bit path: with 16-bit activations a Q4_K model decoded far slower than
+ * llama.cpp: widening every 4-bit code to 16 bits and multiplying it by its sub-block scale costs
+ * more instructions than the bytes take to arrive. With
  * the activations as int8, the codes stay bytes: one multiply-add of unsigned codes by signed
  * activations (pairs summed to int16, maddubs), one multiply-add of those by the sub-block scales
  * (to int32, madd), 64 weights per instruction. The price is the activations' rounding: one scale
@@ -32,9 +32,7 @@ BK_INLINE u8x64 halves_u8(unsigned a, unsigned b) {
 }
 
 /* the types that take 8-bit activations when they are on */
-BK_INLINE int bk_act8_type(int type) {
-    return type == BK_Q2_K || type == BK_Q3_K || type == BK_Q4_K || type == BK_Q5_K || type == BK_Q6_K;
-}
+BK_INLINE int bk_act8_type(int type) { return bk_type_has(type, BK_ACT8); }
 
 BK_INLINE u8x64 load_u8x64(const uint8_t *p) {
     u8x64 v;
@@ -176,7 +174,7 @@ BK_INLINE void kq8_unpack(const uint8_t *blk, int type, i16x16 sc, bk_u8x16 six,
             u8x64 qh = twice_u8x32(blk + 16);
             const int j = 4 * p;
             /* bytes 0-31 test bit j (low) / j + 1 (high), bytes 32-63 bits j + 2 / j + 3: built from
-             * splats (a loop of lane stores stayed a loop in clang's AVX2 copy: 0.2 GB/s) */
+             * splats (a loop of lane stores stayed a loop in clang's AVX2 copy, far slower) */
             u8x64 mlo = halves_u8(1u << j, 1u << (j + 2)), mhi = halves_u8(2u << j, 2u << (j + 2));
             lo |= (u8x64)((qh & mlo) != 0) & 16;
             hi |= (u8x64)((qh & mhi) != 0) & 16;

@@ -15,6 +15,7 @@
 
 #include "bk_vec.h"
 #include "bk_weight.h"
+#include "gguf_kquants.h"
 #include "gguf_types.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -45,10 +46,7 @@ typedef struct {
     const int16_t *xs8, *xm8;
 } bk_xq;
 
-BK_INLINE int bk_int_type(int type) {
-    return type == BK_Q4_0 || type == BK_Q4_1 || type == BK_Q5_0 || type == BK_Q5_1 || type == BK_Q8_0 || type == BK_Q4_K || type == BK_Q5_K ||
-           type == BK_Q6_K || type == BK_I8R || type == BK_MXFP4;
-}
+BK_INLINE int bk_int_type(int type) { return bk_type_has(type, BK_INT) || type == BK_I8R; }
 
 /* whether this weight's products take the integer path: its type's, or int4 groups whose groups are
  * whole blocks of 32 (GPTQ/AWQ's 32, 64, 128) */
@@ -57,10 +55,10 @@ BK_INLINE int bk_int_weight(const bk_weight *w) {
 }
 
 /* the types on the 256-grid */
-BK_INLINE int bk_super_type(int type) { return type == BK_Q4_K || type == BK_Q5_K || type == BK_Q6_K; }
+BK_INLINE int bk_super_type(int type) { return bk_type_has(type, BK_SUPER); }
 
 /* the types with a per-block minimum (weight = d code + m) */
-#define HAS_MIN(type) ((type) == BK_Q4_1 || (type) == BK_Q5_1 || (type) == BK_Q4_K || (type) == BK_I4G)
+#define HAS_MIN(type) (bk_type_has(type, BK_MIN) || (type) == BK_I4G)
 
 /* lane l = a[2l] b[2l] + a[2l+1] b[2l+1], exact in int32 */
 BK_INLINE vi16 madd(i16x32 a, i16x32 b) {
@@ -209,7 +207,7 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
     }
     if (type == BK_Q5_0 || type == BK_Q5_1) { /* Q4_0's / Q4_1's nibbles plus a fifth bit per weight (bit j of qh) */
         const int one = type == BK_Q5_1; /* Q5_1: d, m, qh, codes; codes 0..31, no offset */
-        p += b * (one ? 24 : 22);
+        p += b * bk_block_bytes(type);
         uint32_t qh;
         memcpy(&qh, p + (one ? 4 : 2), 4);
         *d = bk_fp16(p);
@@ -236,8 +234,8 @@ BK_INLINE i16x32 int_block(const bk_weight *w, int type, int n, int b, float *d,
         return nibble_pairs(p + b * (QK / 2));
     }
     /* Q4_0 / Q4_1: code byte j holds weight j (low nibble) and j + 16 (high) */
-    p += b * (type == BK_Q4_0 ? 18 : 20);
-    i16x32 q = nibbles(p + (type == BK_Q4_0 ? 2 : 4));
+    p += b * bk_block_bytes(type);
+    i16x32 q = nibbles(p + (HAS_MIN(type) ? 4 : 2)); /* after d (and m) */
     *d = bk_fp16(p);
     if (type == BK_Q4_0) {
         *m = 0.0f;
@@ -321,7 +319,7 @@ BK_INLINE void q6k_half(const uint8_t *blk, int h, i16x32 *W) {
  * laid out in the folded lanes. For one activation row the codes are unpacked as they are used;
  * for several, once per super-block into W (the same integers, so the same bits whatever M is). */
 BK_INLINE void kquant_tile(const bk_weight *w, int type, int n, int R, int M, const bk_xq *x, v16 *acc) {
-    int K = w->K, ns = K / 256, bb = type == BK_Q4_K ? 144 : type == BK_Q5_K ? 176 : 210, mins = type != BK_Q6_K;
+    int K = w->K, ns = K / 256, bb = bk_block_bytes(type), mins = type != BK_Q6_K;
     for (int sb = 0; sb < ns; sb++) {
         const uint8_t *blk[TILE];
         bk_u8x16 six[TILE]; /* Q4_K, Q5_K: six-bit scales, then minimums */

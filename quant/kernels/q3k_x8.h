@@ -1,9 +1,8 @@
 /* Q3_K and Q2_K with their rows interleaved 8 at a time (layout BK_X8), times 8-bit activations:
  * q4k_x8.h's recipe (one broadcast of 8 activations serves 8 rows, a sub-block's codes summed in
- * int16 before one scale multiply-add, scales and the float epilogue once per 8 rows). Both had
- * dequantized to float32 tiles: 1.6 (Q3_K) and 1.8 (Q2_K) GB/s on one AMD EPYC core (AVX-512, one
- * activation row); in the file's layout on int8_dot.h they read 5.3 / 10.2, interleaved 19.6 / 20.0
- * (2026-11-25). Included by q4k_x8.h (its helpers, and x8_rows dispatches here).
+ * int16 before one scale multiply-add, scales and the float epilogue once per 8 rows): several times
+ * the speed of float32 tiles or of the file's layout on int8_dot.h. Uses q4k_x8.h's helpers;
+ * x8_rows.h dispatches here.
  *
  * Both layouts only move whole bytes (quant/gguf_interleave.py _moved_bytes): a byte's bits keep
  * their file meaning, so packing is one gather and so is getting a block back.
@@ -31,6 +30,13 @@
  * A sub-block's int16 sum is at most 4 x 3 x 127 = 1524; scales and minimums are 0..15. */
 #ifndef BRISK_Q3K_X8_H
 #define BRISK_Q3K_X8_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "bk_weight.h"
+#include "gguf_types.h"
+#include "q4k_x8.h" /* the helpers these share */
 
 #define Q3X8_BYTES 880
 #define Q2X8_BYTES 672
@@ -63,7 +69,7 @@ BK_INLINE void q3x8_read(const uint8_t *hd, q6x8_head *h) {
 
 /* code vector t of L with its third bits, bit b of H's bytes: q + 4 */
 BK_INLINE u8x64 q3_codes(u8x64 L, u8x64 H, int t, int b) {
-#if defined(__AVX512BW__) /* a byte test into a mask, then a masked add: one instruction fewer (16.6 -> 19.4 GB/s) */
+#if defined(__AVX512BW__) /* a byte test into a mask, then a masked add: one instruction fewer */
     __m512i lo = (__m512i)low2(L, t);
     __mmask64 k = _mm512_test_epi8_mask((__m512i)H, _mm512_set1_epi8((char)(1 << b)));
     return (u8x64)_mm512_mask_add_epi8(lo, k, lo, _mm512_set1_epi8(4));

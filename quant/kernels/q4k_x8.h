@@ -5,8 +5,8 @@
  * weights. With 8 rows side by side every vector holds the same 8 code positions of 8 rows, so one
  * broadcast of 8 activations serves 8 rows, a sub-block's 32 codes are summed in int16 before a
  * single scale multiply-add, and the scales, d, dmin and the float epilogue are done once per 8
- * rows. On one AMD EPYC core (2026-11-25) Q4_K went from ~16 to ~24 GB/s of weights from memory
- * (35 from L3); llama.cpp repacks Q4_K for x86 for the same reason.
+ * rows: Q4_K reads its weights about 1.5x faster from memory than in the file's layout; llama.cpp
+ * repacks Q4_K for x86 for the same reason.
  *
  * Layout (quant/gguf_interleave.py writes it): rows in groups of 8; per group, super-block after
  * super-block, 1152 bytes (8 x 144, the file's size):
@@ -36,7 +36,7 @@
  * Q6_K the same way (quant/gguf_interleave.py _pack_q6_k), 1680 bytes per group's super-block (8 x 210):
  *   [0, 1536)     8 chunks of 3 vectors: chunk p holds low-nibble vectors 2p and 2p + 1, then high-bit
  *                 vector p (one forward stream: with the high bits in a region of their own, two
- *                 streams a block, Q6_K x8 read 10 GB/s from memory, against 30 from L3).
+ *                 streams a block, Q6_K x8 read a third as fast from memory as from L3).
  *                 Low-nibble vector u, row r, byte i: low nibble = the low four bits of weight 8u + i,
  *                 high nibble = those of weight 128 + 8u + i. High-bit vector p, row r, byte i: the top
  *                 two bits of weights 16p + i, 128 + 16p + i, 16p + 8 + i and 136 + 16p + i (bits 0-1,
@@ -55,7 +55,7 @@
 #define Q5X8_HEAD 1280 /* where its d, -dmin and scales start (Q4_K's: 1024) */
 #define Q6X8_BYTES 1680 /* Q6_K's */
 #ifndef X8_PREFETCH
-#define X8_PREFETCH 4608 /* bytes ahead of the super-block being read (4 of them): measured 2304..4608 best */
+#define X8_PREFETCH 4608 /* bytes ahead of the super-block being read (4 of them) */
 #endif
 
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
@@ -215,8 +215,7 @@ BK_INLINE v16 q6x8_accumulate(const uint8_t *g, const q6x8_head *h, const int8_t
 
 /* A group's super-block's codes decoded once for all of a pass's activation rows (prefill, several
  * rows). Their codes take 2-4 instructions per vector to unpack; redone for every activation row, that
- * was as much work as the products. One AMD EPYC core, 16 rows, GB/s of weights (2026-11-26): Q6_K
- * 2.7 -> 4.7, Q5_K 2.8 -> 4.7, Q3_K 1.7 -> 2.5, Q2_K 1.8 -> 2.0, Q4_K 3.4 -> 3.9 (from 8 rows).
+ * was as much work as the products (Q4_K's, one instruction, pays from about 8 rows).
  * Q6_K's, Q3_K's and Q2_K's sub-block j is two code vectors against activations 16j..16j+7 and
  * 16j+8..16j+15 (x8_codes_dot); Q4_K's and Q5_K's keep x8_accumulate's order (x8_codes_dot_k). */
 typedef struct {
@@ -271,88 +270,6 @@ BK_INLINE vi16 x8_codes_dot_k(const x8_codes *o, const int8_t *x, const x8_head 
         a = madd_add(madd_add(a, lo, h->s[2 * c]), hi, h->s[2 * c + 1]);
     }
     return a;
-}
-
-#include "q3k_x8.h" /* Q3_K and Q2_K: the same recipe, with the helpers above */
-
-/* Rows n0..n1 of a BK_X8 weight times M rows of 8-bit activations, y[m * ldy + n]. A group partly
- * inside n0..n1 (a thread's chunk edge) is computed whole and only its rows inside stored. acc: M
- * vectors of scratch (M > 1). */
-BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, const bk_xq *x, float *y, int64_t ldy,
-                       v16 *acc) {
-    int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS;
-    int bytes = type == BK_Q6_K ? Q6X8_BYTES : type == BK_Q5_K ? Q5X8_BYTES : type == BK_Q3_K ? Q3X8_BYTES
-              : type == BK_Q2_K ? Q2X8_BYTES : X8_BYTES;
-    int64_t group_bytes = (int64_t)ns * bytes;
-    x8_codes codes[1]; /* (M > 1) a super-block's decoded codes, reused by every activation row */
-    for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
-        const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
-        v16 f1 = {0}, *f = M == 1 ? &f1 : acc;
-        for (int mi = 0; mi < M && M > 1; mi++) acc[mi] = (v16){0};
-        for (int sb = 0; sb < ns; sb++) {
-            const uint8_t *g = grp + (int64_t)sb * bytes;
-            for (int o = 0; o < bytes; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
-            if (type == BK_Q2_K) {
-                q2x8_head h;
-                q2x8_read(g + 512, &h);
-                if (M > 1) {
-                    q2x8_decode(g, codes);
-                    for (int mi = 0; mi < M; mi++) {
-                        int64_t at = (int64_t)mi * ns + sb;
-                        f[mi] = q2x8_finish(x8_codes_dot(codes, x->q8 + at * 256, h.sc), &h, x->xs8 + at * 16,
-                                            splat16(x->s8[at]), f[mi]);
-                    }
-                } else
-                    f[0] = q2x8_accumulate(g, &h, x->q8 + sb * 256, x->xs8 + sb * 16, splat16(x->s8[sb]), f[0]);
-            } else if (type == BK_Q3_K || type == BK_Q6_K) {
-                q6x8_head h;
-                if (type == BK_Q3_K) q3x8_read(g + 768, &h);
-                else q6x8_read(g, &h);
-                if (M > 1) {
-                    if (type == BK_Q3_K) q3x8_decode(g, codes);
-                    else q6x8_decode(g, codes);
-                    for (int mi = 0; mi < M; mi++) {
-                        int64_t at = (int64_t)mi * ns + sb;
-                        vi16 a = x8_codes_dot(codes, x->q8 + at * 256, h.sc);
-                        f[mi] = type == BK_Q3_K ? q3x8_finish(a, &h, x->xs8 + at * 16, splat16(x->s8[at]), f[mi])
-                                                : q6x8_finish(a, &h, x->xs8 + at * 16, splat16(x->s8[at]), f[mi]);
-                    }
-                } else if (type == BK_Q3_K)
-                    f[0] = q3x8_accumulate(g, &h, x->q8 + sb * 256, x->xs8 + sb * 16, splat16(x->s8[sb]), f[0]);
-                else
-                    f[0] = q6x8_accumulate(g, &h, x->q8 + sb * 256, x->xs8 + sb * 16, splat16(x->s8[sb]), f[0]);
-            } else { /* Q4_K, Q5_K */
-                const int q5 = type == BK_Q5_K;
-                x8_head h;
-                x8_read(g + (q5 ? Q5X8_HEAD : 1024), &h);
-                if (M >= (q5 ? 2 : 8)) { /* (Q4_K's nibbles unpack in one instruction: decoding them once pays
-                                          * from ~8 rows, 3.4 -> 3.9 GB/s at 16, and cost 6% at 4) */
-                    if (q5) q5x8_decode(g, codes);
-                    else q4x8_decode(g, codes);
-                    for (int mi = 0; mi < M; mi++) {
-                        int64_t at = (int64_t)mi * ns + sb;
-                        f[mi] = x8_finish(x8_codes_dot_k(codes, x->q8 + at * 256, &h), &h, x->xm8 + at * 16 + 8,
-                                          splat16(x->s8[at]), f[mi]);
-                    }
-                } else if (q5)
-                    f[0] = q5x8_accumulate(g, &h, x->q8 + sb * 256, x->xm8 + sb * 16 + 8, splat16(x->s8[sb]), f[0]);
-                else
-                    for (int mi = 0; mi < M; mi++) { /* (Q4_K: up to 7 rows) */
-                        int64_t at = (int64_t)mi * ns + sb;
-                        f[mi] = x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), f[mi]);
-                    }
-            }
-        }
-        for (int mi = 0; mi < M; mi++)
-            for (int r = 0; r < X8_ROWS; r++)
-                if (g0 + r >= n0 && g0 + r < n1) y[(int64_t)mi * ldy + g0 + r] = f[mi][2 * r] + f[mi][2 * r + 1];
-    }
-    if (n1 > whole) { /* the rows after the last group: in the file's layout, where the file has them */
-        bk_weight tail = *w;
-        tail.layout = 0;
-        int a = n0 > whole ? n0 : whole;
-        int8_tile_rows(&tail, type, a, n1, M, x, y, ldy, acc);
-    }
 }
 
 /* Row r's d, dmin and scale bytes back in a Q4_K/Q5_K block's first 16 (hd: the group's head) */

@@ -2,12 +2,11 @@
  * activations (int_dot.h's grid: one scale per 32 inputs).
  *
  * Why: Gemma 3 270M's tied 262144 x 640 Q8_0 table is most of a decode step, and the file layout's
- * tiles of 4 rows read it at 12.3 GB/s from memory on one AMD EPYC core (2026-11-25), while one
- * forward stream reaches ~24 (q4k_x8.h). Interleaved, 8 rows' blocks are one stream, and a block's
- * scale work (d times the activations' scale, the float multiply-add) is done for 8 rows at once.
- * Q4_1 (the default model's type) ran at 9.2 GB/s from L3 in the file's layout, compute-bound: one
- * row's block at a time, a 16-lane fold per block; interleaved its codes are widened once per block
- * for all activation rows, as Q8_0's.
+ * tiles of 4 rows read it as 4 streams from memory, about half of what one forward stream reaches
+ * (q4k_x8.h). Interleaved, 8 rows' blocks are one stream, and a block's scale work (d times the
+ * activations' scale, the float multiply-add) is done for 8 rows at once. Q4_1 (the default model's
+ * type) is compute-bound in the file's layout: one row's block at a time, a 16-lane fold per block;
+ * interleaved its codes are widened once per block for all activation rows, as Q8_0's.
  *
  * Layout (quant/gguf_interleave.py): rows in groups of 8; per group, block after block, 8 times the
  * file's block (Q8_0 272 bytes, Q4_0 144, Q4_1 160):
@@ -30,12 +29,10 @@
 
 #include "q4k_x8.h"
 
-BK_INLINE int x8i16_bytes(int type) { /* a group's block */
-    return type == BK_Q8_0 ? 272 : type == BK_Q4_1 ? 160 : type == BK_Q5_0 ? 176 : type == BK_Q5_1 ? 192 : type == BK_MXFP4 ? 136 : 144;
-}
+BK_INLINE int x8i16_bytes(int type) { return X8_ROWS * bk_block_bytes(type); } /* a group's block: 8 rows' */
 
-#define X8_FIFTH(type) ((type) == BK_Q5_0 || (type) == BK_Q5_1)
-#define X8_MIN(type) ((type) == BK_Q4_1 || (type) == BK_Q5_1)
+#define X8_FIFTH(type) bk_type_has(type, BK_FIFTH)
+#define X8_MIN(type) bk_type_has(type, BK_MIN)
 
 /* 8 int16 activations in every 128-bit lane */
 BK_INLINE i16x32 bcast16x8(const int16_t *p) {

@@ -11,8 +11,11 @@
 #include "gguf_types.h"
 #include "int_dot.h"
 #include "int8_dot.h"
+#include "gguf_kquants.h"
+#include "q3k_x8.h"
 #include "q4k_x8.h"
 #include "q8_x8.h"
+#include "x8_rows.h"
 
 #ifndef BK_CHUNK1
 #define BK_CHUNK1 256
@@ -133,8 +136,8 @@ DEFINE_DOT(dot_tile_x4, DOT_ROWS)
  * them per dot. buf: bk_tile_floats(w, M) floats. */
 #define MBLOCK 64
 /* Float rows with up to SEQ_ROWS activation rows (decode): each weight row read start to end, one row
- * after another, a single forward stream. Four rows read side by side (the tiles below) streamed
- * 13 GB/s from DRAM on one AMD EPYC core where this reads 23 (2026-11-25). Each output's sum is the
+ * after another, a single forward stream: four rows read side by side (the tiles below) are four
+ * streams, which the hardware prefetcher follows worse from DRAM. Each output's sum is the
  * tiles' own: one multiply-add per vector in column order from zero, then reduce16, so the bits do
  * not depend on which path M takes. */
 #define SEQ_ROWS 4
@@ -311,7 +314,7 @@ typedef struct {
 
 /* Q4_K's sub-block j for the group's 8 rows, by lanes: the group's head keeps the file's scale byte
  * t of row r at 32 + 32 (t / 4) + 4 r + t % 4 (a 32-bit word per row). bk_k_scale_min1's formulas
- * in lanes: the same through x8_head_bytes row by row made a decode-step miss 7 -> 45-85 us. */
+ * in lanes: the same through x8_head_bytes row by row made a decode step's missed column several times slower. */
 BK_INLINE void q4k_x8_scales(x8_scales *S, int j) {
     const uint8_t *hd = S->g + S->head;
     int ta = j < 4 ? j : j + 4, tb = j < 4 ? j + 4 : j - 4, tc = j; /* the bytes sc and m come from */
@@ -410,18 +413,15 @@ BK_INLINE float q2k_column_weight(const uint8_t *g, const uint8_t *b, int r, int
  * inputs' columns, brisk_kernels.c), a row's scales decoded once for all: 1, or 0 for another type
  * or layout (the caller dequantizes the columns' block). Each weight by one expression, however many
  * columns come along: a column's floats do not depend on the call. A block's slab costs 256 weights
- * a row; this decodes a group's 8 rows at once, each sub-block's scales once for all the columns
- * (one core, 2026-11-26: a column missed in a decode step, Q4_K 5632x2048 68 -> 7 us, Q6_K 2048x5632
- * 20 -> 7, Q5_K 6, Q3_K 640x2048 by the slab ~100 -> 6; a 512-row prefill's outliers in a 640x2048
- * Q4_K product 4.3 -> 2.3 ms). Q2_K and Q3_K weights one at a time (their bytes hold 4 weights' bits). */
+ * a row; this decodes a group's 8 rows at once, each sub-block's scales once for all the columns,
+ * several times faster than the slab for a decode step's missed column. Q2_K and Q3_K weights one
+ * at a time (their bytes hold 4 weights' bits). */
 int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk, int n0, int n1, float *const *outs) {
-    if (w->layout != BK_X8 || !(w->type == BK_Q2_K || w->type == BK_Q3_K || w->type == BK_Q4_K || w->type == BK_Q5_K ||
-                                 w->type == BK_Q6_K))
-        return 0;
+    if (w->layout != BK_X8 || !bk_act8_type(w->type)) return 0;
     if (nk < 1) return 1;
     int ns = w->K / 256, whole = w->N / X8_ROWS * X8_ROWS, sb = ks[0] / 256;
     if (w->type == BK_Q3_K || w->type == BK_Q2_K) {
-        int q3 = w->type == BK_Q3_K, gb = q3 ? Q3X8_BYTES : Q2X8_BYTES, fb = q3 ? 110 : 84;
+        int q3 = w->type == BK_Q3_K, fb = bk_block_bytes(w->type), gb = X8_ROWS * fb;
         for (int n = n0; n < n1; n++) {
             const uint8_t *g = NULL, *b = NULL;
             if (n < whole) g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * gb;
@@ -432,7 +432,7 @@ int CAT(bk_dequant_columns, BK_SUFFIX)(const bk_weight *w, const int *ks, int nk
         return 1;
     }
     if (w->type == BK_Q4_K || w->type == BK_Q5_K) { /* q4k_x8.h's layouts: weight 64c + 32hi + i is sub-block 2c + hi */
-        int q5 = w->type == BK_Q5_K, gb = q5 ? Q5X8_BYTES : X8_BYTES, hd = q5 ? Q5X8_HEAD : 1024, fb = q5 ? 176 : 144;
+        int q5 = w->type == BK_Q5_K, fb = bk_block_bytes(w->type), gb = X8_ROWS * fb, hd = q5 ? Q5X8_HEAD : 1024;
         for (int n = n0; n < n1;) {
             if (n % X8_ROWS == 0 && n + X8_ROWS <= (n1 < whole ? n1 : whole)) { /* a whole group: its 8 rows at once */
                 const uint8_t *g = w->data + ((int64_t)(n / X8_ROWS) * ns + sb) * gb;
