@@ -100,6 +100,13 @@ def sampling_summary(p) -> dict:
 LOOP_NOTE = "(stopped: the answer repeats itself word for word; --no-loop-stop lets it run)"
 
 
+def warning_line(message, category) -> str:
+    """A warning as one line on stderr; the kernels' first-run build is a note, not a warning."""
+    from ..quant.native import BuildNotice
+
+    return f"{'note' if issubclass(category, BuildNotice) else 'warning'}: {message}"
+
+
 def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], quiet: bool = False,
              quantize: str = "auto", threads: Optional[int] = None):
     """LLM.load with a spinner on a terminal; the loader's warnings (e.g. a weight type without a
@@ -113,7 +120,7 @@ def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], 
 
     def say(message, category, *_, **__):  # at once, above the spinner: some say a long wait follows
         if not quiet and issubclass(category, UserWarning):  # not libraries' Resource/Deprecation noise
-            err_console.print(f"warning: {message}", markup=False, highlight=False, soft_wrap=True)
+            err_console.print(warning_line(message, category), markup=False, highlight=False, soft_wrap=True)
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

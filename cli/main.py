@@ -23,7 +23,9 @@ def run() -> None:
 
     def one_line(message, category, filename, lineno, file=None, line=None):
         # warnings raised while generating (not only at load) read like the loader's: one line each
-        print(f"warning: {message}", file=sys.stderr)
+        from .common import warning_line
+
+        print(warning_line(message, category), file=sys.stderr)
 
     warnings.showwarning = one_line
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import contextlib
 import hashlib
 import os
 import platform
@@ -146,7 +147,45 @@ def build(out_dir: Path | None = None) -> Path:
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # built aside, then moved in whole
+    with _build_lock(out_dir):  # one build at a time: a second process waits, then finds it built
+        if lib.exists():
+            return lib
+        _remove_stale_builds(out_dir)
+        warnings.warn(BuildNotice(f"compiling brisk's CPU kernels for this machine (first run only; a minute or "
+                                  f"more on a small or busy CPU) into {out_dir}"))
+        _compile(cc, avx2_cc, x86, lib, out_dir)
+    return lib
+
+
+class BuildNotice(UserWarning):
+    """Said when the kernels are compiled: the first command can otherwise look hung for minutes."""
+
+
+@contextlib.contextmanager
+def _build_lock(out_dir: Path):
+    """An exclusive lock on the cache folder's build, across processes (released if one dies)."""
+    import fcntl
+
+    with open(out_dir / "build.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_stale_builds(out_dir: Path) -> None:
+    """Temporary build folders a killed build left (it holds the lock while it builds, so under the
+    lock none is in use)."""
+    for d in out_dir.glob(f"{BUILD_PREFIX}*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+BUILD_PREFIX = "building-"
+
+
+def _compile(cc: list[str], avx2_cc: list[str], x86: bool, lib: Path, out_dir: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=BUILD_PREFIX) as tmp:  # built aside, then moved in whole
         tmp_lib = Path(tmp) / lib.name
         cmds, objs = _compile_commands(cc, Path(tmp), x86, avx2_cc)
         try:
@@ -170,13 +209,23 @@ def build(out_dir: Path | None = None) -> Path:
             version = ""
         lib.with_suffix(".compiler").write_text(version.splitlines()[0] if version else "")
         os.replace(tmp_lib, lib)
-    return lib
 
 
 def _run_all(cmds: list[list[str]]) -> list[tuple[subprocess.Popen, str]]:
     """The compile commands in parallel: (process, stderr) each."""
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+             for c in cmds]
     return [(p, p.communicate(timeout=900)[1]) for p in procs]  # ~40 s of CPU in all; far more on a busy machine
+
+
+def _die_with_parent() -> None:
+    """In a compiler's process: end it when brisk ends (killed by a timeout, say), not run on as an
+    orphan holding hundreds of MB (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def slow_avx2_build(lib: Path) -> bool:
@@ -409,4 +458,5 @@ class JoinedWeights:
 
 
 if __name__ == "__main__":  # `python -m brisk.quant.native`: build now (make install does), say where
+    warnings.showwarning = lambda message, *_, **__: print(message, file=sys.stderr, flush=True)
     print(build(), LEVELS[library().bk_cpu_level()] if library() else "not loadable")

@@ -120,3 +120,24 @@ def test_c_type_traits_agree_with_the_python_table(tmp_path):
         assert bool(f & flags["BK_INT"]) == sixteen, t.name
         assert bool(f & flags["BK_SUPER"]) == (t.grid_act8_off == gguf_types.INT16_256), t.name
         assert bool(f & flags["BK_ACT8"]) == (t.grid[0] == 8), t.name
+
+
+def test_two_first_runs_build_once_and_clean_what_a_killed_build_left(tmp_path):
+    """Two processes that need the kernels at once: one compiles (and says so), the other waits
+    for it and loads the same library; a temporary folder a killed build left is removed."""
+    _cc_or_skip()
+    stale = tmp_path / f"{native.BUILD_PREFIX}killed"
+    (stale / "sub").mkdir(parents=True)
+    code = ("import sys, warnings; from pathlib import Path; from brisk.quant import native; "
+            "warnings.simplefilter('always'); "
+            "warnings.showwarning = lambda m, c, *a, **k: print('NOTICE' if c is native.BuildNotice else 'OTHER', m); "
+            "print(native.build(Path(sys.argv[1])))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    libs = {o.strip().splitlines()[-1] for o in outs}
+    assert len(libs) == 1 and Path(libs.pop()).exists(), outs
+    notices = [o for o in outs if "NOTICE compiling brisk's CPU kernels" in o]
+    assert len(notices) == 1, outs  # the other found it built
+    assert not stale.exists() and not list(tmp_path.glob(f"{native.BUILD_PREFIX}*"))
