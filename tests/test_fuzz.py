@@ -21,15 +21,21 @@ from brisk.core.errors import BriskError, FileError  # noqa: E402
 FUZZ_SEED, FUZZ_CASES = 20261125, 250
 
 
-def test_fuzz_slice(capsys):
-    """A few hundred seeded cases: none may be internal, hang, memory or crash (~1.5 min)."""
-    results = harness.run(FUZZ_SEED, FUZZ_CASES, timeout=20.0, cli_checks=3)
-    bad = [r for r in results if r.category not in ("ok", "clean") or getattr(r, "cli_ok", True) is False]
-    with capsys.disabled():
-        print("\n" + capsys.readouterr().out)
-    assert not bad, "replay with python scripts/fuzz.py --replay ID:\n" + "\n".join(
-        f"{r.case.id} {r.category} {r.case.mutator}: {r.message}" for r in bad)
-    assert len({r.category for r in results} & {"ok", "clean"}) == 2  # the mutations do both
+def test_fuzz_slice():
+    """A few hundred seeded cases: none may be internal, hang, memory or crash (~1.5 min). Run as
+    `make fuzz` runs, from a fresh process: children forked from this test process after hundreds
+    of other tests once hung on a case that runs in 0.6 s from a fresh one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "fuzz.py"
+    r = subprocess.run([sys.executable, str(script), "-n", str(FUZZ_CASES), "--seed", str(FUZZ_SEED),
+                        "--timeout", "20", "--cli-checks", "3"], capture_output=True, text=True, timeout=1800)
+    print(r.stdout[-6000:])
+    assert r.returncode == 0, "replay with python scripts/fuzz.py --replay ID:\n" + r.stdout[-3000:] + r.stderr[-2000:]
+    counts = r.stdout[r.stdout.index(f"{FUZZ_CASES} cases (seed {FUZZ_SEED}):"):].splitlines()[0]
+    assert " ok 0," not in counts and " clean 0," not in counts, counts  # the mutations do both
 
 
 @pytest.fixture(scope="module")
