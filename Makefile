@@ -72,25 +72,23 @@ check-arm: install-test
 	$(PIP) install -q ziglang
 	$(PY) -m pytest -q tests/test_native.py -m cross
 
-bench: install-test
-	$(PIP) install -q -e '.[bench]'
+bench: install-test $(LLAMA_BUILD)/bin/llama-bench
 	$(PY) bench/run.py
 	$(PY) bench/batch.py
-	$(PY) bench/llama_compare.py --record
+	$(PY) bench/llama_compare.py
 
-# brisk against llama.cpp on SmolLM2, Gemma 3 270M and a random 1.1B llama (built once), 1 and 2 threads
-bench-llama: install-test
-	$(PIP) install -q -e '.[bench]'
-	$(PY) bench/llama_compare.py --record
-
-# brisk against llama.cpp's own llama-bench on a Qwen3-30B-A3B-shaped MoE file (12 of its 48 layers,
-# random weights, made Q4_K_M by llama-quantize) and a gpt-oss-20b-shaped one (12 of 24 layers, made
-# MXFP4_MOE), each tool in its own process: bench/moe_compare.py.
-# llama-bench and llama-quantize are built once from the llama-cpp-python sdist (~10 min on 2 cores)
+# brisk against llama.cpp's own llama-bench, each in its own process, alternating (bench/llama_compare.py):
+# SmolLM2 (Q4_1, and requantized to Q4_K_M), Gemma 3 270M Q4_K_M and a random 1.1B llama (Q4_K_M),
+# 1 and 2 threads, decode beside the machine's read bandwidth. llama-bench and llama-quantize are
+# built once from the llama-cpp-python sdist (~10 min on 2 cores).
 LLAMA_BUILD := .cache/llama.cpp-build
+bench-llama: install-test $(LLAMA_BUILD)/bin/llama-bench
+	$(PY) bench/llama_compare.py
+
+# the same on mixture-of-experts files: Qwen3-30B-A3B-shaped (12 of its 48 layers, random weights,
+# made Q4_K_M by llama-quantize) and gpt-oss-20b-shaped (12 of 24 layers, made MXFP4_MOE)
 bench-moe: install-test $(LLAMA_BUILD)/bin/llama-bench
-	$(PY) bench/moe_compare.py --llama-bench $(LLAMA_BUILD)/bin/llama-bench --llama-quantize $(LLAMA_BUILD)/bin/llama-quantize
-	$(PY) bench/moe_compare.py --model gpt-oss --llama-bench $(LLAMA_BUILD)/bin/llama-bench --llama-quantize $(LLAMA_BUILD)/bin/llama-quantize
+	$(PY) bench/llama_compare.py --models qwen3moe,gpt-oss
 
 $(LLAMA_BUILD)/bin/llama-bench:
 	mkdir -p .cache/src
@@ -103,8 +101,7 @@ $(LLAMA_BUILD)/bin/llama-bench:
 # quantization quality and speed per format (brisk quantize + eval + bench; tens of minutes), then
 # Gemma 3 moved off every quantization grid (its function kept), brisk's 4-bit rows sized against
 # llama.cpp's Q4_K_M beside llama.cpp's own types
-bench-quant: install-test
-	$(PIP) install -q -e '.[bench]'
+bench-quant: install-test $(LLAMA_BUILD)/bin/llama-bench
 	$(PY) bench/quant.py
 	$(PY) bench/quant.py --models gemma --offgrid --methods "$(OFFGRID_ROWS)"
 

@@ -4,8 +4,8 @@ that only have brisk (e.g. the GPU host's CPU, through bench/gpu_check.sh).
 
 Model: a TinyLlama-1.1B-shaped llama whose matrices are random Q4_K blocks (output Q6_K), written
 directly (no quantizer; ~640 MB, built once under ~/.cache/brisk/bench/), or any GGUF given with
---model. Per thread count, alternating the order each round: a memory read-bandwidth probe (sum of a
-1 GB float32 tensor, torch's threads), decode tg64 and prefill pp128; medians.
+--model. Per thread count, alternating the order each round: the native kernels' read probe (a
+streaming read of 1 GiB, quant/native.read_bandwidth), decode tg64 and prefill pp128; medians.
 
     python bench/cpu_threads.py [--threads 1,2,4] [--reps 3] [--model X.gguf] [--json out.json]
 """
@@ -19,9 +19,44 @@ from pathlib import Path
 
 import torch
 
-from llama_compare import BENCH_CACHE, LLAMA1B, PROMPT, Brisk, machine, write_random_llama  # bench/
+from brisk.quant import native
+from bench_files import BENCH_CACHE, LLAMA1B, machine, write_random_llama  # bench/
 
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+N_CTX = 1024
 BLOCKS = {"*": "Q4_K", "output.weight": "Q6_K"}
+
+
+class Brisk:
+    name = "brisk"
+
+    def __init__(self, path: Path):
+        from brisk.core import LLM, Session
+
+        self.llm = LLM.load(str(path), ctx=N_CTX, device="cpu")  # the default load: quantized blocks, native kernels
+        self.llm.eos_ids = set()  # always generate the full count
+        self.session = Session(self.llm)
+
+    def set_threads(self, t: int):
+        torch.set_num_threads(t)
+        native.set_threads(t)
+
+    def decode(self, ids: list[int], n: int) -> float:
+        from brisk.core import GREEDY
+
+        self.session.reset()
+        list(self.session.stream(ids, GREEDY, n))
+        assert len(self.session.last.tokens) == n
+        return self.session.last.decode_tps  # the n - 1 steps after the first (prefill's) token
+
+    def prefill(self, ids: list[int]) -> float:
+        self.session.reset()
+        t = time.perf_counter()
+        self.session.prefill(ids)
+        return len(ids) / (time.perf_counter() - t)
+
+    def close(self):
+        del self.session, self.llm
 
 
 def random_model() -> Path:
@@ -32,16 +67,6 @@ def random_model() -> Path:
         write_random_llama(tmp, LLAMA1B, BLOCKS)
         tmp.replace(path)
     return path
-
-
-def read_gbs(big: torch.Tensor, threads: int) -> float:
-    torch.set_num_threads(threads)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        big.sum()
-        best = min(best, time.perf_counter() - t)
-    return big.numel() * big.element_size() / best / 1e9
 
 
 def main() -> None:
@@ -61,14 +86,13 @@ def main() -> None:
         b.set_threads = lambda t: (set_threads(t), torch.set_num_threads(args.torch_threads))
     ids = b.llm.prompt_ids(PROMPT)
     long_ids = (ids * (128 // len(ids) + 1))[:128]
-    big = torch.ones(256 * 1024 * 1024)  # 1 GB: far past any cache
     res = {(t, k): [] for t in threads for k in ("read", "tg", "pp")}
     for t in threads:  # warm-up
         b.set_threads(t)
         b.decode(ids, 4)
     for rep in range(args.reps):
         for t in (threads if rep % 2 == 0 else threads[::-1]):
-            res[t, "read"].append(read_gbs(big, t))
+            res[t, "read"].append(native.read_bandwidth(t))
             b.set_threads(t)
             res[t, "tg"].append(b.decode(ids, 64))
             res[t, "pp"].append(b.prefill(long_ids))

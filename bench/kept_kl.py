@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_compare import build_random_llama, model_label, model_path  # noqa: E402
+from bench_files import build_random_llama, model_label, model_path  # noqa: E402
 
 from brisk.core import LLM  # noqa: E402
 

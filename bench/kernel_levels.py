@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from brisk.quant import gguf_interleave, native
-from llama_compare import FP16_SCALES as FP16_FIELDS  # bench/, beside this script
+from bench_files import FP16_SCALES as FP16_FIELDS  # bench/, beside this script
 
 N = K = 2048
 

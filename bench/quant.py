@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_files
+
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "bench" / "heldout.txt"
 def methods(group: int, n_layers: int = 18) -> dict[str, list[str]]:
@@ -189,23 +191,20 @@ def offgrid_gguf(path: Path, out: Path, spread: float = 1.25, seed: int = 0) -> 
 
 
 def llama_cpp_quantize(base: Path, ftype: str, out: Path) -> float:
-    """llama.cpp's quantizer (llama-cpp-python, the bench extra): base -> out; seconds taken."""
-    import llama_cpp
+    """llama.cpp's llama-quantize (bench/bench_files.py finds it): base -> out; seconds taken."""
+    from bench_files import llama_quantize
 
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), os.cpu_count() or 1
     t = time.perf_counter()
-    if llama_cpp.llama_model_quantize(str(base).encode(), str(out).encode(), params) != 0:
-        raise SystemExit(f"llama.cpp could not quantize {base} to {ftype}")
+    llama_quantize(base, out, ftype)
     return time.perf_counter() - t
 
 
 def llama_cpp_rows(path: Path, work: Path) -> list:
     """llama.cpp's types from the same float base, evaluated and timed by brisk like its own methods."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print("llama-cpp-python not installed (pip install -e '.[bench]'): no llama.cpp rows", file=sys.stderr)
+    from bench_files import LLAMA_BUILD
+
+    if not (os.environ.get("LLAMA_QUANTIZE") or (LLAMA_BUILD / "llama-quantize").exists()):
+        print("llama-quantize not built (make bench-llama builds it): no llama.cpp rows", file=sys.stderr)
         return []
     base = widened_gguf(path, work / f"{path.stem}-F32.gguf")
     rows = []

@@ -1,8 +1,8 @@
-"""`make bench`: brisk against HF transformers and llama.cpp on SmolLM2-135M, same process, same threads.
+"""`make bench`: brisk against HF transformers on SmolLM2-135M, same process, same threads.
 
 brisk runs the GGUF widened to float32 (as transformers does), kept as stored (the Q4_1 and Q8_0
-blocks through brisk's native kernels) and quantized at load (int8, int4); llama.cpp
-(llama-cpp-python, a benchmark-only extra) runs the same GGUF file.
+blocks through brisk's native kernels) and quantized at load (int8, int4). llama.cpp is compared
+in its own process, as its users run it: bench/llama_compare.py.
 
 Prints a table and appends it to bench/RESULTS.md with the machine, date and commit.
 Not a test: speed targets are tracked here, not asserted.
@@ -64,36 +64,6 @@ def bench_brisk(path, dtype, quantize="none"):
     return statistics.median(decode), pp, ids, llm.load_info.param_bytes
 
 
-def bench_llama_cpp(path, threads):
-    """llama.cpp on the same GGUF: greedy decode and prefill tok/s, or None when not installed."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_PREFILL + N_NEW + 64, n_threads=threads,
-                          n_threads_batch=threads, n_batch=N_PREFILL, verbose=False)
-    prompt = llm.tokenize(PROMPT.encode())
-
-    def decode():
-        llm.reset()
-        llm.eval(prompt)
-        t = time.perf_counter()
-        for _ in range(N_NEW):
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
-            llm.eval([tok])
-        return N_NEW / (time.perf_counter() - t)
-
-    decode()
-    dec = statistics.median(decode() for _ in range(REPS))
-    long_ids = (prompt * (N_PREFILL // len(prompt) + 1))[:N_PREFILL]
-
-    def prefill():
-        llm.reset()
-        llm.eval(long_ids)
-
-    return dec, N_PREFILL / median_time(prefill)
-
-
 def bench_hf(path, dtype, ids):
     import transformers as tf
 
@@ -147,9 +117,6 @@ def main():
     h_dec, h_pp = bench_hf(path, "float32", ids)
     torch.set_num_threads(threads)
     rows.append(("transformers", "float32", h_dec, h_pp, None))
-    lcpp = bench_llama_cpp(path, threads)
-    if lcpp:
-        rows.append(("llama.cpp", "Q4_1 as stored", *lcpp, path.stat().st_size))
     ttft = warm_first_token_s()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "?"

@@ -297,6 +297,7 @@ def library():
     lib.bk_columns_count.argtypes, lib.bk_columns_count.restype = [p, i], ctypes.c_longlong
     lib.bk_act8_split.argtypes, lib.bk_act8_split.restype = [ctypes.c_float], None
     lib.bk_act8_split(ACT8_SPLIT)
+    lib.bk_read_probe.argtypes, lib.bk_read_probe.restype = [p, ctypes.c_size_t], ctypes.c_uint64
     lib.bk_threads(settings.THREADS.get() or torch.get_num_threads())
     if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):
         warnings.warn("brisk's native kernels for this CPU (AVX2) were built with GCC, whose code for them runs "
@@ -341,6 +342,25 @@ def set_threads(n: int) -> None:
     """Threads the kernels split rows across (default: torch's, i.e. the physical cores)."""
     if available():
         library().bk_threads(max(1, n))
+
+
+def read_bandwidth(threads: int, n_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s at which the kernels' threads stream through n_bytes of memory (the machine's read
+    bandwidth at that thread count, the ceiling of a decode step that reads every weight once),
+    median of `repeats` passes after one that faults the pages in."""
+    import statistics
+    import time
+
+    lib = library()
+    set_threads(threads)
+    buf = torch.ones(n_bytes // 4)
+    lib.bk_read_probe(buf.data_ptr(), n_bytes)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        lib.bk_read_probe(buf.data_ptr(), n_bytes)
+        times.append(time.perf_counter() - t)
+    return n_bytes / statistics.median(times) / 1e9
 
 
 def available() -> bool:

@@ -178,14 +178,14 @@ def test_int4_target_speculative_greedy_on_cuda_planes(tiny_llama_dir, monkeypat
 @pytest.fixture(scope="module")
 def k_quant_gguf(tmp_path_factory):
     """A small llama GGUF of random blocks as a Q4_K_M file mixes them: Q4_K matrices, a Q6_K head,
-    Q5_K and Q8_0 in two places (bench/llama_compare.py's writer)."""
+    Q5_K and Q8_0 in two places (bench/bench_files.py's writer)."""
     import sys
     from pathlib import Path
 
     bench = str(Path(__file__).resolve().parent.parent / "bench")
     sys.path.insert(0, bench)
     try:
-        from llama_compare import write_random_llama
+        from bench_files import write_random_llama
     finally:
         sys.path.remove(bench)
     path = tmp_path_factory.mktemp("kquant") / "k.gguf"

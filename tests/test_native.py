@@ -92,6 +92,22 @@ def test_threads_split_rows_without_changing_bits():
         native.set_threads(torch.get_num_threads())
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_probe_reads_every_word(threads):
+    """The benchmarks' read-bandwidth probe folds every 64-bit word of the buffer (a partial last
+    chunk and odd tail included), split across threads: its XOR equals numpy's."""
+    import numpy as np
+
+    words = np.random.default_rng(threads).integers(0, 2**63, (1 << 17) * 3 + 13, dtype=np.uint64)
+    native.set_threads(threads)
+    try:
+        got = native.library().bk_read_probe(words.ctypes.data, words.nbytes)
+    finally:
+        native.set_threads(torch.get_num_threads())
+    assert got == int(np.bitwise_xor.reduce(words))
+    assert native.read_bandwidth(threads, n_bytes=1 << 24, repeats=1) > 0
+
+
 def test_bad_weights_are_refused():
     with pytest.raises(ValueError):  # fewer bytes than the shape needs
         native.NativeWeight(3, 4, 64, torch.zeros(4 * 39, dtype=torch.uint8))

@@ -214,6 +214,36 @@ static void parallel_rows(chunk_fn run, const void *args, int n, int min_chunk) 
 /* The pool for decoder.c's attention (tasks: a row's query head each). */
 void bk_parallel(chunk_fn run, const void *args, int n, int min_chunk) { parallel_rows(run, args, n, min_chunk); }
 
+/* The machine's read bandwidth, as the kernels' pool sees it: the threads stream through `bytes` of
+ * memory in chunks of 1 MiB, each XOR-folding its 64-bit words (a load per word, nothing stored), and
+ * the folds are combined so the compiler cannot drop the reads. Benchmarks put decode's bytes per
+ * second beside it. */
+typedef struct {
+    const uint64_t *words;
+    size_t n_words;
+    _Atomic uint64_t fold;
+} read_probe_job;
+
+#define PROBE_CHUNK_WORDS (1 << 17)
+
+static void read_probe_chunk(const void *p, int c0, int c1) {
+    read_probe_job *j = (read_probe_job *)p;
+    size_t i = (size_t)c0 * PROBE_CHUNK_WORDS, end = (size_t)c1 * PROBE_CHUNK_WORDS;
+    if (end > j->n_words) end = j->n_words;
+    uint64_t acc[8] = {0}; /* independent chains: the loads, not a dependency, set the pace */
+    for (; i + 8 <= end; i += 8)
+        for (int u = 0; u < 8; u++) acc[u] ^= j->words[i + u];
+    for (; i < end; i++) acc[0] ^= j->words[i];
+    atomic_fetch_xor(&j->fold, acc[0] ^ acc[1] ^ acc[2] ^ acc[3] ^ acc[4] ^ acc[5] ^ acc[6] ^ acc[7]);
+}
+
+uint64_t bk_read_probe(const void *buf, size_t bytes) {
+    read_probe_job j = {(const uint64_t *)buf, bytes / 8, 0};
+    int chunks = (int)((j.n_words + PROBE_CHUNK_WORDS - 1) / PROBE_CHUNK_WORDS);
+    parallel_rows(read_probe_chunk, &j, chunks, 1);
+    return atomic_load(&j.fold);
+}
+
 /* ------------------------------------------------------------------ entry points */
 #define MAX_JOINED 32 /* a decode step's routed experts' gate and up (decoder.c moe): up to 16 experts */
 #define LANES_OK 16 /* decoder.c works in whole vectors of 16 floats */
