@@ -28,6 +28,8 @@ def bench(
     model: Optional[str] = c.ModelArg,
     n_prompt: str = typer.Option("512", "-p", "--n-prompt", help="Prompt lengths to time (comma list; 0 skips)."),
     n_gen: str = typer.Option("128", "-n", "--n-gen", help="Generated token counts to time (comma list; 0 skips)."),
+    n_depth: str = typer.Option("0", "-d", "--n-depth", help="Comma list of context depths, as llama-bench's: "
+                                "each pp/tg row runs after that many tokens already in the KV cache."),
     reps: int = typer.Option(5, "-r", "--repetitions", help="Timed repetitions after a warm-up.", min=1),
     device: str = typer.Option("auto", "--device", help="Comma list of devices."),
     dtype: str = typer.Option("auto", "--dtype", help="Comma list of dtypes, one row each."),
@@ -63,24 +65,32 @@ def bench(
         set_cpu_threads(threads)
         draft_options = c.check_draft(draft, draft_k, lookahead)
         out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads())
-        pps, tgs = _list(n_prompt, int), _list(n_gen, int)
+        pps, tgs, depths = _list(n_prompt, int), _list(n_gen, int), _list(n_depth, int)
         batches = _list(batch, int) if batch else []
         if batch and (draft or not batches or min(batches) < 1):
             raise BriskError("--batch takes concurrencies >= 1 (e.g. 1,4,16) and does not combine with --draft")
+        if not depths or min(depths) < 0:
+            raise BriskError(f"-d/--n-depth {n_depth!r}: use depths >= 0, e.g. 0,2048")
+        if max(depths) and (batches or draft):
+            raise BriskError("-d/--n-depth does not combine with --batch or --draft")
         if batches:
             pps = [benchmark.BATCH_PROMPT + max(tgs + [0])]  # sets the context: what one sequence needs
         for dev in _list(device):
             for dt, quant in [(d, q) for d in _list(dtype) for q in _list(quantize)]:
-                llm = c.load_llm(model or model_pos, dev, dt, max(pps + tgs + [16]) + 1 + (128 if draft else 0),
+                llm = c.load_llm(model or model_pos, dev, dt,
+                                 max(depths) + max(pps + tgs + [16]) + 1 + (128 if draft else 0),
                                  quiet=as_json or as_csv, quantize=quant)  # --draft: room for its prompt
-                for p in ([] if batches else pps):
-                    with _measuring(f"prefill of {p} tokens", out.form):
-                        rows = benchmark.run(llm, p, 0, reps)
-                    out.add(rows)  # after the spinner is gone: the row goes to stdout
-                for n in tgs:
-                    with _measuring(f"decode of {n} tokens", out.form):
-                        rows = benchmark.run_batch(llm, batches, n, reps) if batches else benchmark.run(llm, 0, n, reps)
-                    out.add(rows)
+                for d in depths:
+                    at = f" after {d} tokens" if d else ""
+                    for p in ([] if batches else pps):
+                        with _measuring(f"prefill of {p} tokens{at}", out.form):
+                            rows = benchmark.run(llm, p, 0, reps, d)
+                        out.add(rows)  # after the spinner is gone: the row goes to stdout
+                    for n in tgs:
+                        with _measuring(f"decode of {n} tokens{at}", out.form):
+                            rows = (benchmark.run_batch(llm, batches, n, reps) if batches
+                                    else benchmark.run(llm, 0, n, reps, d))
+                        out.add(rows)
                 if draft:  # plain and speculative decoding of real text, one pair of rows per -n
                     speculator = c.load_speculator(llm, draft_options, quiet=True)
                     for n in tgs:

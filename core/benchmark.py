@@ -50,54 +50,69 @@ def peak_memory(device) -> int:
 
 
 @torch.inference_mode()
-def time_prefill(llm, n_prompt: int, gen: torch.Generator) -> float:
-    cache = llm.new_cache(n_prompt + 1)
+def fill_context(llm, cache, depth: int, gen: torch.Generator) -> None:
+    """depth random tokens into positions 0..depth-1 of cache (llama-bench's -d: the timed tokens
+    come after them, attending over them). Prefill and decode only write past depth, so one fill
+    serves every repetition."""
+    ids = torch.randint(0, llm.config.vocab_size, (1, depth), generator=gen).to(llm.device)
+    for s in range(0, depth, 512):
+        llm.model(ids[:, s:s + 512], s, cache, logit_rows=LAST)
+
+
+@torch.inference_mode()
+def time_prefill(llm, n_prompt: int, gen: torch.Generator, cache, depth: int = 0) -> float:
     ids = torch.randint(0, llm.config.vocab_size, (1, n_prompt), generator=gen).to(llm.device)
     _sync(llm.device)
     t = time.perf_counter()
     for s in range(0, n_prompt, 512):
-        llm.model(ids[:, s:s + 512], s, cache, logit_rows=LAST)
+        llm.model(ids[:, s:s + 512], depth + s, cache, logit_rows=LAST)
     _sync(llm.device)
     return time.perf_counter() - t
 
 
 @torch.inference_mode()
-def time_decode(llm, n_gen: int, step=None) -> float:
-    """n_gen greedy steps after one token, as generation runs them (graph replays on CUDA; the
-    argmax's .item() is the one host sync per step, as in generation). `step`: a decode_step()
-    to reuse across calls (its captured graphs with it); a fresh cache's by default."""
-    if step is None:
-        step = decode_step(llm.model, llm.new_cache(n_gen + 1))
+def time_decode(llm, n_gen: int, step, depth: int = 0) -> float:
+    """n_gen greedy steps after one token at position depth, as generation runs them (graph
+    replays on CUDA; the argmax's .item() is the one host sync per step, as in generation).
+    `step`: a decode_step() reused across calls (its captured graphs with it)."""
     tok = llm.tokenizer.bos_id or 1
-    step(tok, 0)
+    step(tok, depth)
     _sync(llm.device)
     t = time.perf_counter()
-    for pos in range(1, n_gen + 1):
+    for pos in range(depth + 1, depth + n_gen + 1):
         tok = int(step(tok, pos).argmax())
     _sync(llm.device)
     return time.perf_counter() - t
 
 
-def run(llm, n_prompt: int, n_gen: int, reps: int) -> list[BenchRow]:
+def run(llm, n_prompt: int, n_gen: int, reps: int, depth: int = 0) -> list[BenchRow]:
+    """pp{n_prompt} and tg{n_gen} rows (0 skips one), each after `depth` tokens of context."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     model_bytes = llm.load_info.param_bytes
     common = dict(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
                   model_bytes=model_bytes, quant=llm.quantization)
+    at = f" @ d{depth}" if depth else ""  # as llama-bench names its rows
     reset_peak_memory(llm.device)
     if n_prompt:
-        time_prefill(llm, min(n_prompt, 64), gen)  # warm-up
-        speeds = [n_prompt / time_prefill(llm, n_prompt, gen) for _ in track(range(reps), f"pp{n_prompt}", reps)]
+        cache = llm.new_cache(depth + n_prompt + 1)
+        fill_context(llm, cache, depth, gen)
+        time_prefill(llm, min(n_prompt, 64), gen, cache, depth)  # warm-up
+        speeds = [n_prompt / time_prefill(llm, n_prompt, gen, cache, depth)
+                  for _ in track(range(reps), f"pp{n_prompt}{at}", reps)]
         med = statistics.median(speeds)
-        rows.append(BenchRow(test=f"pp{n_prompt}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
+        rows.append(BenchRow(test=f"pp{n_prompt}{at}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
                              ttft_s=n_prompt / med, gb_s=model_bytes * med / n_prompt / 1e9,
                              peak_mem_bytes=peak_memory(llm.device), **common))
+        del cache
     if n_gen:
-        step = decode_step(llm.model, llm.new_cache(n_gen + 1))
-        time_decode(llm, n_gen, step)  # warm-up (captures the CUDA graphs)
-        speeds = [n_gen / time_decode(llm, n_gen, step) for _ in track(range(reps), f"tg{n_gen}", reps)]
+        cache = llm.new_cache(depth + n_gen + 1)
+        fill_context(llm, cache, depth, gen)
+        step = decode_step(llm.model, cache)
+        time_decode(llm, n_gen, step, depth)  # warm-up (captures the CUDA graphs)
+        speeds = [n_gen / time_decode(llm, n_gen, step, depth) for _ in track(range(reps), f"tg{n_gen}{at}", reps)]
         med = statistics.median(speeds)
-        rows.append(BenchRow(test=f"tg{n_gen}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
+        rows.append(BenchRow(test=f"tg{n_gen}{at}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
                              ttft_s=1 / med, gb_s=llm.load_info.step_bytes * med / 1e9,
                              peak_mem_bytes=peak_memory(llm.device), **common))
     return rows

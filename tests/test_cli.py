@@ -289,6 +289,31 @@ def test_bench_json(tiny_llama_dir):
     assert r.exit_code == 0 and r.stdout.startswith("model,")
 
 
+def test_bench_depth_rows_run_after_the_context(tiny_llama_dir):
+    """-d as llama-bench's: rows named "pp8 @ d16", and the timed tokens attend over the depth
+    tokens fill_context put in the cache (their logits are those of one pass over both)."""
+    import torch
+
+    from brisk.core import benchmark
+    from brisk.core.llm import LLM
+    from brisk.core.model import LAST
+
+    r = runner.invoke(app, ["bench", str(tiny_llama_dir), "-p", "8", "-n", "4", "-d", "0,16", "-r", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    assert [x["test"] for x in json.loads(r.stdout)] == ["pp8", "tg4", "pp8 @ d16", "tg4 @ d16"]
+    llm = LLM.load(str(tiny_llama_dir), dtype="float32")
+    cache = llm.new_cache(32)
+    benchmark.fill_context(llm, cache, 16, torch.Generator().manual_seed(0))
+    ids = torch.randint(0, llm.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    more = torch.tensor([[5, 6, 7]])
+    with torch.inference_mode():
+        after = llm.model(more, 16, cache, logit_rows=LAST)
+        whole = llm.model(torch.cat([ids, more], 1), 0, llm.new_cache(32), logit_rows=LAST)
+    torch.testing.assert_close(after, whole, rtol=1e-4, atol=1e-4)
+    r = runner.invoke(app, ["bench", str(tiny_llama_dir), "-d", "-1"])
+    assert r.exit_code != 0 and "-d/--n-depth" in r.output
+
+
 # ------------------------------------------------------------------ bad inputs
 
 @pytest.mark.parametrize("name, value", [("BRISK_THREADS", "x"), ("BRISK_ACT8_SPLIT", "lots")])
