@@ -4,8 +4,10 @@ group of 8 rows holds 8 rows' bytes, so the packed matrix has the file's size an
 whole group stay where they were."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import gguf_types
@@ -58,9 +60,13 @@ def pack(blocks: torch.Tensor, qtype: int = Q4_K, out: torch.Tensor | None = Non
     out = torch.empty_like(blocks, memory_format=torch.contiguous_format) if out is None else out
     N = blocks.shape[0]
     whole = N // ROWS * ROWS
+    fast = _native_packer(blocks, out, qtype)
     for a in range(0, whole, CHUNK):
         b = min(a + CHUNK, whole)
-        out[a:b] = _pack_groups(blocks[a:b], qtype)
+        if fast is not None:
+            fast(a, b)
+        else:
+            out[a:b] = _pack_groups(blocks[a:b], qtype)
         if done is not None:
             done(a, b)
     out[whole:] = blocks[whole:]
@@ -71,6 +77,87 @@ def pack(blocks: torch.Tensor, qtype: int = Q4_K, out: torch.Tensor | None = Non
 
 def _pack_groups(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return _LAYOUTS[gguf_types.BY_ID[qtype].interleave](blocks, qtype, True)
+
+
+# The native packer's program (kernels' bk_pack_term): out[dst] ^= (in[row, byte] & mask) << shift, out
+# starting as the bits the layout flips
+TERM = np.dtype([("src", "<i4"), ("dst", "<u2"), ("shift", "i1"), ("mask", "u1"), ("run", "<u2"), ("pad", "<u2")])
+
+
+@functools.cache
+def bit_moves(qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """qtype's layout as bit moves, for the native packer: (source byte [terms] as row * block bytes +
+    byte, the TERM rows without their final offsets, the bits flipped [8 * block bytes]). Derived from
+    the reference implementation above by packing one group of probes: the zero block gives the flipped
+    bits, and probe k (each input bit set to bit k of its own index) gives bit k of every output bit's
+    source. Checked on random blocks; None where the layout is not a permutation of bits."""
+    bb = gguf_types.BY_ID[qtype].block_bytes
+    n = ROWS * bb * 8
+
+    def run(bits: np.ndarray) -> np.ndarray:  # input bits (little-endian within bytes) -> output bits
+        x = torch.from_numpy(np.packbits(bits.reshape(-1, 8), axis=1, bitorder="little").reshape(ROWS, bb))
+        y = _pack_groups(x, qtype).numpy().reshape(-1, 1)
+        return np.unpackbits(y, axis=1, bitorder="little").reshape(-1)
+
+    idx = np.arange(n)
+    flips = run(np.zeros(n, np.uint8))
+    src = np.zeros(n, np.int64)
+    for k in range(int(n - 1).bit_length()):
+        src |= (run((idx >> k & 1).astype(np.uint8)) ^ flips).astype(np.int64) << k
+    if src.max() >= n:
+        return None
+    shift = idx % 8 - src % 8
+    key = (idx // 8 * (n // 8) + src // 8) * 16 + shift + 8  # (output byte, input byte, shift)
+    uniq, which = np.unique(key, return_inverse=True)
+    mask = np.zeros(len(uniq), np.uint8)
+    np.bitwise_or.at(mask, which, (1 << (src % 8)).astype(np.uint8))
+    dst, shift, source = uniq // 16 // (n // 8), uniq % 16 - 8, uniq // 16 % (n // 8)
+    # whole bytes moved to consecutive places from consecutive places: one run each
+    whole = (mask == 255) & (shift == 0)
+    joins = np.zeros(len(uniq), bool)
+    joins[1:] = whole[1:] & whole[:-1] & (dst[1:] == dst[:-1] + 1) & (source[1:] == source[:-1] + 1)
+    starts = np.flatnonzero(~joins)
+    terms = np.zeros(len(starts), TERM)
+    terms["dst"], terms["shift"], terms["mask"] = dst[starts], shift[starts], mask[starts]
+    terms["run"] = np.diff(np.append(starts, len(uniq)))
+    source = source[starts]
+    flip_bytes = np.packbits(flips.reshape(-1, 8), axis=1, bitorder="little").reshape(-1)
+    # the program against the reference, on random blocks (runs expanded to their bytes)
+    run = terms["run"].astype(np.int64)
+    step = np.arange(int(run.sum())) - np.repeat(np.cumsum(run) - run, run)
+    at, to = np.repeat(source, run) + step, np.repeat(terms["dst"].astype(np.int64), run) + step
+    m, sh = np.repeat(terms["mask"].astype(np.int64), run), np.repeat(terms["shift"].astype(np.int64), run)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x = rng.integers(0, 256, (ROWS, bb), dtype=np.uint8)
+        v = x.reshape(-1)[at].astype(np.int64) & m
+        got = flip_bytes.copy()
+        np.bitwise_xor.at(got, to, (np.where(sh >= 0, v << np.maximum(sh, 0), v >> np.maximum(-sh, 0)) & 255).astype(np.uint8))
+        if not np.array_equal(got, _pack_groups(torch.from_numpy(x), qtype).numpy().reshape(-1)):
+            return None
+    return source, terms, flip_bytes
+
+
+def _native_packer(blocks: torch.Tensor, out: torch.Tensor, qtype: int) -> Callable[[int, int], None] | None:
+    """pack's rows a..b (whole groups) by the native kernels' threads, or None (no kernels, a layout
+    that is not a bit permutation, a strided source)."""
+    from . import native
+
+    if not (native.available() and blocks.is_contiguous() and out.is_contiguous()):
+        return None
+    moves = bit_moves(qtype)
+    if moves is None:
+        return None
+    source, terms, flips = moves
+    bb, row_bytes = gguf_types.BY_ID[qtype].block_bytes, blocks.shape[1]
+    terms = terms.copy()
+    terms["src"] = source // bb * row_bytes + source % bb
+    lib = native.library()
+
+    def run(a: int, b: int) -> None:
+        lib.bk_pack_groups(blocks[a].data_ptr(), out[a].data_ptr(), (b - a) // ROWS, row_bytes, bb,
+                           terms.ctypes.data, len(terms), flips.ctypes.data)
+    return run
 
 
 def unpack(packed: torch.Tensor, qtype: int = Q4_K) -> torch.Tensor:

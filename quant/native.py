@@ -298,6 +298,8 @@ def library():
     lib.bk_act8_split.argtypes, lib.bk_act8_split.restype = [ctypes.c_float], None
     lib.bk_act8_split(ACT8_SPLIT)
     lib.bk_read_probe.argtypes, lib.bk_read_probe.restype = [p, ctypes.c_size_t], ctypes.c_uint64
+    i64 = ctypes.c_int64
+    lib.bk_pack_groups.argtypes, lib.bk_pack_groups.restype = [p, p, i64, i64, i, p, i, p], None
     lib.bk_threads(settings.THREADS.get() or torch.get_num_threads())
     if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):
         warnings.warn("brisk's native kernels for this CPU (AVX2) were built with GCC, whose code for them runs "

@@ -111,6 +111,23 @@ def test_matmul_is_close_and_batch_invariant(level, name, K):
     _close_and_batch_invariant(name, K)
 
 
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_packing_is_the_reference_layout(name, threads):
+    """Loads interleave with the kernels' packer (a program of bit moves derived from the layout's
+    torch implementation): its bytes are the torch implementation's, for every type, on any threads."""
+    raw, _ = blocks(name, 512, "random")
+    src = torch.from_numpy(raw)
+    ref = gguf_interleave._pack_groups(src[:32], int(T[name]))
+    assert gguf_interleave.bit_moves(int(T[name])) is not None
+    native.set_threads(threads)
+    try:
+        out = gguf_interleave.pack(src, int(T[name]))
+    finally:
+        native.set_threads(torch.get_num_threads())
+    assert torch.equal(out[:32], ref) and torch.equal(out[32:], src[32:])
+
+
 @pytest.mark.parametrize("name,K", [(n, K) for n, K in CASES if n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K x8",
                                                                                  "Q3_K x8", "Q4_K x8", "Q5_K x8", "Q6_K x8")])
 def test_k_quants_both_activation_grids(level, act_bits, name, K):

@@ -244,6 +244,59 @@ uint64_t bk_read_probe(const void *buf, size_t bytes) {
     return atomic_load(&j.fold);
 }
 
+/* Interleaving a GGUF matrix's rows for the x8 kernels at load (quant/gguf_interleave.py): every
+ * layout moves bits only, so a group of 8 rows' super-block becomes its interleaved block by a list of
+ * terms, out[dst] ^= (in[src] & mask) shifted, over a constant (the bits the layout flips), derived
+ * once per type from the layout's reference implementation and checked against it. */
+typedef struct {
+    int32_t src; /* byte offset in the group's first row: row * row_bytes + byte within the block */
+    uint16_t dst;
+    int8_t shift; /* left by shift (right by -shift) */
+    uint8_t mask;
+    uint16_t run, pad; /* run > 1: that many whole bytes from src.. to dst.. (mask 255, shift 0) */
+} bk_pack_term;
+
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    int64_t row_bytes;
+    int block_bytes, blocks;
+    const bk_pack_term *terms;
+    int n_terms;
+    const uint8_t *flips; /* 8 * block_bytes */
+} pack_job;
+
+static void pack_chunk(const void *p, int g0, int g1) {
+    const pack_job *j = p;
+    const bk_pack_term *terms = j->terms;
+    const uint8_t *flips = j->flips;
+    int n_terms = j->n_terms, blocks = j->blocks, block_bytes = j->block_bytes, out_bytes = 8 * block_bytes;
+    int64_t group_bytes = 8 * j->row_bytes;
+    for (int g = g0; g < g1; g++)
+        for (int s = 0; s < blocks; s++) {
+            /* restrict: the stores to out cannot touch in or the terms, which then stay in registers */
+            const uint8_t *restrict in = j->src + g * group_bytes + (int64_t)s * block_bytes;
+            uint8_t *restrict out = j->dst + g * group_bytes + (int64_t)s * out_bytes;
+            memcpy(out, flips, out_bytes);
+            for (int t = 0; t < n_terms; t++) {
+                bk_pack_term e = terms[t];
+                if (e.run > 1) {
+                    for (int k = 0; k < e.run; k++) out[e.dst + k] ^= in[e.src + k];
+                } else {
+                    unsigned v = in[e.src] & e.mask;
+                    out[e.dst] ^= (uint8_t)(e.shift >= 0 ? v << e.shift : v >> -e.shift);
+                }
+            }
+        }
+}
+
+/* groups of 8 rows (row_bytes each, `blocks` blocks of block_bytes) from src into dst, interleaved */
+void bk_pack_groups(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t row_bytes, int block_bytes,
+                    const bk_pack_term *terms, int n_terms, const uint8_t *flips) {
+    pack_job j = {src, dst, row_bytes, block_bytes, (int)(row_bytes / block_bytes), terms, n_terms, flips};
+    parallel_rows(pack_chunk, &j, (int)groups, 8);
+}
+
 /* ------------------------------------------------------------------ entry points */
 #define MAX_JOINED 32 /* a decode step's routed experts' gate and up (decoder.c moe): up to 16 experts */
 #define LANES_OK 16 /* decoder.c works in whole vectors of 16 floats */
