@@ -1,4 +1,5 @@
-"""The contiguous cache: per layer one preallocated [batch, kv_heads, max_len, head_dim] run.
+"""The contiguous cache: per layer one preallocated [batch, kv_heads, max_len, head_dim] run
+(on the CPU untouched until written: memory.py).
 
 Slot i holds position i (a tree step puts its tokens in the slots after its start). Nothing
 records how many slots are valid: a step attends only up to its own positions, so after
@@ -10,6 +11,7 @@ import torch
 
 from .. import paged_attention_kernel
 from .base import KV, attention_masks, sdpa, softmax_with_sinks, tree_positions
+from .memory import zeroed_views
 
 
 def decode_attention(q, k, v, scale, mask=None, sinks=None):
@@ -34,8 +36,8 @@ class ContiguousKV(KV):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str, batch: int = 1):
         shape = (batch, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        tensors = zeroed_views([shape] * (2 * n_layers), dtype, device)
+        self.k, self.v = tensors[:n_layers], tensors[n_layers:]
         self.max_len = max_len
         # each sequence's cache as one block of a paged pool (the CUDA decode-attention kernel)
         self.block_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
