@@ -60,25 +60,32 @@ def test_storage_shapes_and_bytes():
 
 
 def _load(path, kv_type, torch_blocks=False):
-    llm = LLM.load(str(path), device="cpu", dtype="float32", quantize="int8", kv_type=kv_type)
+    """A tiny random model with int8 products, or a GGUF as stored, on the CPU."""
+    quantize = "auto" if str(path).endswith(".gguf") else "int8"
+    llm = LLM.load(str(path), device="cpu", dtype="float32", quantize=quantize, kv_type=kv_type)
     if torch_blocks:
         llm.model.__class__ = Transformer
     return llm
 
 
 IDS = [(7 * i + 3) % 290 + 2 for i in range(40)]  # past every sliding window (8)
+TEXT = ("The KV cache holds each layer's keys and values for every position a sequence has seen, so a "
+        "decode step attends over them instead of recomputing the prompt. Its size grows with the context: "
+        "layers times heads times head size times positions, twice, in whatever type it stores. ") * 2
 
 
 @native_only
 @pytest.mark.parametrize("blocks", ["native", "torch"])
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + ["smollm2_path"])
 def test_each_type_against_the_float32_cache(model, blocks, request):
     path = request.getfixturevalue(model)
-    want = _load(path, "f32", blocks == "torch").logits(IDS)
+    f32 = _load(path, "f32", blocks == "torch")
+    ids = IDS if model != "smollm2_path" else f32.tokenizer.encode(TEXT)
+    want = f32.logits(ids)
     for name in NARROW:
         llm = _load(path, name, blocks == "torch")
         assert (type(llm.model) is NativeBlocksTransformer) == (blocks == "native")
-        got = llm.logits(IDS)
+        got = llm.logits(ids)
         scale = want.abs().max().item()
         err = (got - want).abs().max().item() / scale
         assert 0 < err < TOLERANCE[name], (name, err)
@@ -185,3 +192,26 @@ def test_generate_and_info_take_the_type(tiny_gemma3_dir):
     r = runner.invoke(app, ["generate", str(tiny_gemma3_dir), "hello", "--device", "cuda", "--kv-type", "q8_0"])
     assert r.exit_code == 1  # no GPU here: that error, or CUDA's refusal of the type; one line either way
     assert len(r.output.strip().splitlines()) == 1 and r.output.startswith("error: ")
+
+
+def test_bench_rows_per_type_and_a_saved_chat_records_its_type(tiny_gemma3_dir, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from brisk.cli.main import app
+    from brisk.core.chat import Chat
+
+    r = CliRunner().invoke(app, ["bench", str(tiny_gemma3_dir), "-p", "8", "-n", "4", "-r", "1", "--json",
+                                 "--kv-type", "f32,q8_0"])
+    assert r.exit_code == 0, r.output
+    assert [(x["kv_type"], x["test"]) for x in json.loads(r.stdout)] == [("f32", "pp8"), ("f32", "tg4"),
+                                                                          ("q8_0", "pp8"), ("q8_0", "tg4")]
+    conv = Chat(_load(tiny_gemma3_dir, "bf16"), max_tokens=3)
+    list(conv.send("hello"))
+    conv.save(tmp_path / "chat.json")
+    assert json.loads((tmp_path / "chat.json").read_text())["kv_type"] == "bf16"
+    other = Chat(_load(tiny_gemma3_dir, "q8_0"), max_tokens=3)
+    other.load(tmp_path / "chat.json")  # the cache is recomputed from the text, in this chat's type
+    list(other.send("again"))
+    assert other.session.last.prompt_tokens > 6 and other.session.cache.type.name == "q8_0"  # both turns
