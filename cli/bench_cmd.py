@@ -35,6 +35,8 @@ def bench(
     dtype: str = typer.Option("auto", "--dtype", help="Comma list of dtypes, one row each."),
     quantize: str = typer.Option("auto", "--quantize", "-q", help="Comma list, one row each: auto (as stored), "
                                  "none (float), int8, int4, nf4."),
+    kv_type: str = typer.Option("auto", "--kv-type", "-ctk", "--cache-type-k", help="Comma list of KV cache "
+                                "types, one row each: auto | f32 | f16 | bf16 | q8_0 (as generate's --kv-type)."),
     threads: Optional[int] = c.ThreadsOpt,
     draft: Optional[str] = c.DraftOpt,
     draft_k: str = c.DraftKOpt,
@@ -66,6 +68,9 @@ def bench(
         draft_options = c.check_draft(draft, draft_k, lookahead)
         out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads())
         pps, tgs, depths = _list(n_prompt, int), _list(n_gen, int), _list(n_depth, int)
+        from ..core.kv.kv_type import check_kv_type
+
+        kv_types = [check_kv_type(k) for k in _list(kv_type)] or ["auto"]
         batches = _list(batch, int) if batch else []
         if batch and (draft or not batches or min(batches) < 1):
             raise BriskError("--batch takes concurrencies >= 1 (e.g. 1,4,16) and does not combine with --draft")
@@ -76,10 +81,10 @@ def bench(
         if batches:
             pps = [benchmark.BATCH_PROMPT + max(tgs + [0])]  # sets the context: what one sequence needs
         for dev in _list(device):
-            for dt, quant in [(d, q) for d in _list(dtype) for q in _list(quantize)]:
+            for dt, quant, kv in [(d, q, k) for d in _list(dtype) for q in _list(quantize) for k in kv_types]:
                 llm = c.load_llm(model or model_pos, dev, dt,
                                  max(depths) + max(pps + tgs + [16]) + 1 + (128 if draft else 0),
-                                 quiet=as_json or as_csv, quantize=quant)  # --draft: room for its prompt
+                                 quiet=as_json or as_csv, quantize=quant, kv_type=kv)  # --draft: room for its prompt
                 for d in depths:
                     at = f" after {d} tokens" if d else ""
                     for p in ([] if batches else pps):
@@ -111,7 +116,7 @@ class _Rows:
     """The rows, printed as each is measured (as llama-bench does) in table and CSV form; JSON
     at the end (one document)."""
 
-    COLUMNS = ("model", "device", "dtype", "quant", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB")
+    COLUMNS = ("model", "device", "dtype", "quant", "kv", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB")
 
     def __init__(self, form: str, threads: int):
         self.form, self.threads, self.rows = form, threads, []
@@ -122,7 +127,7 @@ class _Rows:
                 self._header(r)
             self.rows.append(r)
             if self.form == "table":
-                cells = (r.model, r.device, r.dtype, r.quant, r.test, f"{r.tok_s:.1f} ± {r.spread:.1f}",
+                cells = (r.model, r.device, r.dtype, r.quant, r.kv_type, r.test, f"{r.tok_s:.1f} ± {r.spread:.1f}",
                          f"{r.ttft_s:.3f}", f"{r.model_bytes / 1e6:.0f}", f"{r.gb_s:.1f}", f"{r.peak_mem_bytes / 1e6:.0f}")
                 print("| " + " | ".join(cells) + " |", flush=True)
             elif self.form == "csv":

@@ -40,6 +40,7 @@ def chat(
     threads: Optional[int] = c.ThreadsOpt,
     quantize: str = c.QuantizeOpt,
     ctx: Optional[int] = c.CtxOpt,
+    kv_type: str = c.KvTypeOpt,
 ):
     """Chat with a model in the terminal, using its own chat template.
 
@@ -56,12 +57,15 @@ def chat(
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)
         draft_options = c.check_draft(draft, draft_k, lookahead)
+        from ..core.kv.kv_type import check_kv_type
+
+        check_kv_type(kv_type)
         from ..core.model_info import has_chat_template
 
         if has_chat_template(model or model_pos) is False:  # known from the header: before a long load
             raise BriskError(f"{model or model_pos or 'the model'} has no chat template (a base model?); "
                              "use `brisk generate --raw`")
-        llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads)
+        llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads, kv_type=kv_type)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                      presence_penalty, frequency_penalty)
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))

@@ -22,6 +22,10 @@ QuantizeOpt = typer.Option("auto", "--quantize", "-q", help="auto: run the check
                            "their blocks on the CPU: README, \"What it runs\" lists the types; GPTQ/AWQ/bitsandbytes stay in "
                            "their formats) | none: widen to --dtype | "
                            "int8 | int4 | nf4: quantize float weights at load.")
+KvTypeOpt = typer.Option("auto", "--kv-type", "-ctk", "--cache-type-k", help="How the KV cache stores keys and "
+                         "values: auto (the activations' dtype) | f32 | f16 | bf16 | q8_0 (GGUF's 8-bit blocks, about "
+                         "a quarter of f32). Other than auto: CPU only. -ctk/--cache-type-k as llama.cpp's (one "
+                         "type for keys and values).")
 CtxOpt = typer.Option(None, "--ctx", "-c", "--ctx-size", help="Context length to allocate (default: min(4096, model's)).", min=16)
 TempOpt = typer.Option(None, "--temperature", "-t", help="0 = greedy. Default: the model's recommended setting, else 0.3.")
 TopKOpt = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off). Default: the model's, else 40.")
@@ -108,7 +112,7 @@ def warning_line(message, category) -> str:
 
 
 def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], quiet: bool = False,
-             quantize: str = "auto", threads: Optional[int] = None):
+             quantize: str = "auto", threads: Optional[int] = None, kv_type: str = "auto"):
     """LLM.load with a spinner on a terminal; the loader's warnings (e.g. a weight type without a
     quantized kernel) become one 'warning:' line each."""
     import warnings
@@ -126,10 +130,10 @@ def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], 
         warnings.simplefilter("always")
         warnings.showwarning = say
         if quiet or not sys.stderr.isatty():
-            llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize)
+            llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize, kv_type=kv_type)
         else:
             with loading_bar(f"loading {model or 'default model'}"):
-                llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize)
+                llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize, kv_type=kv_type)
     return llm
 
 

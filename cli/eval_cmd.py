@@ -27,6 +27,9 @@ def eval_(
                                          "scored token has at least ctx - stride tokens of context.", min=1),
     quantize: str = c.QuantizeOpt,
     base_quantize: str = typer.Option("auto", "--base-quantize", help="--quantize for the base model."),
+    kv_type: str = c.KvTypeOpt,
+    base_kv_type: str = typer.Option("auto", "--base-kv-type", help="--kv-type for the base model: e.g. --base "
+                                     "SAME --kv-type q8_0 measures what the cache type alone costs."),
     device: str = c.DeviceOpt,
     dtype: str = c.DtypeOpt,
     threads: Optional[int] = c.ThreadsOpt,
@@ -47,11 +50,18 @@ def eval_(
             raise BriskError("model given twice (positional and --model)")
         if ctx and stride and stride > ctx:
             raise BriskError(f"--stride {stride} is longer than --ctx {ctx}")
+        from ..core.kv.kv_type import check_kv_type
+
+        check_kv_type(kv_type)
+        if base:
+            check_kv_type(base_kv_type)
         content = _read(text)
         from ..core.evaluate import evaluate
 
-        llm = c.load_llm(model or model_pos, device, dtype, ctx or 512, quiet=as_json, quantize=quantize, threads=threads)
-        ref = c.load_llm(base, device, dtype, ctx or 512, quiet=as_json, quantize=base_quantize, threads=threads) if base else None
+        llm = c.load_llm(model or model_pos, device, dtype, ctx or 512, quiet=as_json, quantize=quantize, threads=threads,
+                         kv_type=kv_type)
+        ref = c.load_llm(base, device, dtype, ctx or 512, quiet=as_json, quantize=base_quantize, threads=threads,
+                         kv_type=base_kv_type) if base else None
         ctx = ctx or min(llm.ctx, ref.ctx if ref else llm.ctx)
         stride = stride or ctx // 2
         ids = llm.tokenizer.encode(content, add_special=True)

@@ -61,6 +61,7 @@ def generate(
     threads: Optional[int] = c.ThreadsOpt,
     quantize: str = c.QuantizeOpt,
     ctx: Optional[int] = c.CtxOpt,
+    kv_type: str = c.KvTypeOpt,
 ):
     """Generate text for one prompt, streamed to stdout.
 
@@ -68,6 +69,9 @@ def generate(
     ·  echo "Hi" | brisk generate  ·  brisk generate -m org/name -f prompt.txt --json
     """
     with c.user_errors():
+        from ..core.kv.kv_type import check_kv_type
+
+        check_kv_type(kv_type)  # before any model loads
         if batch is not None:
             if json_schema is not None or grammar_file is not None:
                 raise BriskError("--json-schema and --grammar go with a single prompt (not with --batch)")
@@ -80,7 +84,7 @@ def generate(
             set_cpu_threads(threads)
             return _generate_batch(args or [], model, batch, output, max_concurrency, file, draft or lookahead,
                                    as_json, raw,
-                                   system, max_tokens, tuple(stop or ()), device, dtype, ctx,
+                                   system, max_tokens, tuple(stop or ()), device, dtype, ctx, kv_type,
                                    (temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                     presence_penalty, frequency_penalty))
         if output is not None:
@@ -101,7 +105,8 @@ def generate(
         if json_schema is not None and grammar_file is not None:
             raise BriskError("give --json-schema or --grammar, not both")
         source = read_user_text(json_schema or grammar_file) if json_schema or grammar_file else None
-        llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize, threads=threads)
+        llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize, threads=threads,
+                         kv_type=kv_type)
         grammar = _grammar(llm, source, json_schema, grammar_file) if source is not None else None
         speculator = c.load_speculator(llm, draft_options, quiet=as_json)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
@@ -125,7 +130,7 @@ def generate(
         res = session.last
         if as_json:
             out = {"model": llm.name, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
-                   **res.to_dict(), "sampling": c.sampling_summary(sampling)}
+                   "kv_type": llm.kv_type.name, **res.to_dict(), "sampling": c.sampling_summary(sampling)}
             if res.logprobs is not None:
                 out["logprobs"] = _logprobs_json(res.logprobs, TokenTexts(llm.tokenizer))
             sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
@@ -165,7 +170,7 @@ def _logprobs_json(entries, texts) -> list[dict]:
 
 
 def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as_json, raw, system, max_tokens,
-                    stop, device, dtype, ctx, flags):
+                    stop, device, dtype, ctx, kv_type, flags):
     """Every request of the file through one continuous-batching engine; results in input order."""
     import time
 
@@ -182,7 +187,7 @@ def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as
     for obj in objs:
         for key in unknown_keys(obj):
             print(f"warning: {batch}:{obj['_line']}: unknown key {key!r} (ignored)", file=sys.stderr)
-    llm = c.load_llm(model or (args[0] if args else None), device, dtype, ctx)
+    llm = c.load_llm(model or (args[0] if args else None), device, dtype, ctx, kv_type=kv_type)
     defaults = c.sampling_params(llm, *flags)
     requests = []
     for obj in objs:

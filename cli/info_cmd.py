@@ -16,6 +16,8 @@ def info(
     model: Optional[str] = c.ModelArg,
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context for the KV-cache and fit figures "
                                       "(default: min(4096, model's), as loading the model does)."),
+    kv_type: str = typer.Option("auto", "--kv-type", "-ctk", "--cache-type-k", help="The CPU KV cache's type for "
+                                "the figures: auto | f32 | f16 | bf16 | q8_0 (as generate's --kv-type)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (byte counts as integers)."),
 ):
     """Describe a model without loading its weights: architecture, parameters, quantization by tensor
@@ -33,7 +35,7 @@ def info(
 
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
-        result = model_info(model or model_pos, ctx)
+        result = model_info(model or model_pos, ctx, kv_type)
     if as_json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

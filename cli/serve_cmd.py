@@ -35,6 +35,7 @@ def serve(
     threads: Optional[int] = c.ThreadsOpt,
     quantize: str = c.QuantizeOpt,
     ctx: Optional[int] = c.CtxOpt,
+    kv_type: str = c.KvTypeOpt,
     draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding for each request (as generate's "
                                         "--draft: a draft model, self:int8|self:int4, ngram, lookahead or heads:PATH). "
                                         "Requests then run one at a time, the rest queued: drafts and continuous "
@@ -61,10 +62,13 @@ def serve(
         name = model or model_pos
         sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
         draft_options = c.check_draft(draft, draft_k, lookahead)
+        from ..core.kv.kv_type import check_kv_type
+
+        check_kv_type(kv_type)
         if draft and kv_tokens is not None:
             raise BriskError("--kv-tokens sizes the batching pool, which --draft does not use (one sequence at a time)")
         _check_port(host, port)  # before the model load, which takes a while
-        llm = c.load_llm(name, device, dtype, ctx, quantize=quantize, threads=threads)
+        llm = c.load_llm(name, device, dtype, ctx, quantize=quantize, threads=threads, kv_type=kv_type)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, 1.0, None)
         served = served_name or name or llm.name.removesuffix(" (default)")
         speculator = c.load_speculator(llm, draft_options)

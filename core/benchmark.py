@@ -27,6 +27,7 @@ class BenchRow:
     peak_mem_bytes: int
     quant: str = "none"  # the weight formats in use, e.g. "int4+int8"
     acceptance: float | None = None  # speculative decoding rows: drafts accepted / drafted
+    kv_type: str = "f32"  # how the KV cache stores its values (--kv-type)
 
     def to_dict(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -91,7 +92,7 @@ def run(llm, n_prompt: int, n_gen: int, reps: int, depth: int = 0) -> list[Bench
     rows = []
     model_bytes = llm.load_info.param_bytes
     common = dict(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
-                  model_bytes=model_bytes, quant=llm.quantization)
+                  model_bytes=model_bytes, quant=llm.quantization, kv_type=llm.kv_type.name)
     at = f" @ d{depth}" if depth else ""  # as llama-bench names its rows
     reset_peak_memory(llm.device)
     if n_prompt:
@@ -144,7 +145,7 @@ def run_batch(llm, concurrencies: list[int], n_gen: int, reps: int) -> list[Benc
     gen = torch.Generator().manual_seed(0)
     model_bytes = llm.load_info.param_bytes
     common = dict(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
-                  model_bytes=model_bytes, quant=llm.quantization)
+                  model_bytes=model_bytes, quant=llm.quantization, kv_type=llm.kv_type.name)
     time_batch(llm, max(concurrencies), 4, gen)  # warm-up
     rows = []
     for c in concurrencies:
@@ -188,7 +189,7 @@ def run_speculative(llm, speculator, n_gen: int, reps: int) -> list[BenchRow]:
             acc = sum(r.spec["accepted"] for r in results) / drafted if drafted else 0.0
             test = f"tg{n_gen} {sp.describe()}, {acc:.0%} acc."
         rows.append(BenchRow(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
-                             quant=llm.quantization,
+                             quant=llm.quantization, kv_type=llm.kv_type.name,
                              test=test, tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
                              ttft_s=statistics.median(r.ttft_s for r in results),
                              model_bytes=llm.load_info.param_bytes, gb_s=llm.load_info.param_bytes * med / 1e9,

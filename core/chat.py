@@ -73,8 +73,10 @@ class Chat:
                 self.totals["generated_tokens"] += len(r.tokens)
 
     def save(self, path: str | Path) -> None:
-        """Write the conversation as JSON (~ expanded; written whole or not at all)."""
-        data = {"system": self.system, "messages": self.messages}
+        """Write the conversation as JSON (~ expanded; written whole or not at all), with the KV
+        cache's type it ran with. The cache itself is not saved: load() recomputes it from the text
+        on the next turn, in the loading chat's type (a session saved with another type is converted)."""
+        data = {"system": self.system, "messages": self.messages, "kv_type": self.llm.kv_type.name}
         path = Path(path).expanduser()
         try:
             write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

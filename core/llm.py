@@ -16,6 +16,8 @@ from .device import pick_device, pick_dtype, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue, PromptTooLong
 from .kernel_passes import apply_device_kernels
 from .kv import ContiguousKV
+from .kv import kv_type as kv_types
+from .kv.kv_type import KVType
 from .model import MoE, Router, Transformer
 from ..quant import gguf_blocks, native
 from ..quant.gguf_linear import GGUFLinear
@@ -32,10 +34,11 @@ class LoadInfo:
 
 class LLM:
     def __init__(self, model: Transformer, tokenizer, ckpt: Checkpoint, device: torch.device,
-                 dtype: torch.dtype, ctx: int, load_info: LoadInfo):
+                 dtype: torch.dtype, ctx: int, load_info: LoadInfo, kv_type: KVType | None = None):
         self.model, self.tokenizer, self.checkpoint = model, tokenizer, ckpt
         self.config = model.cfg
         self.device, self.dtype, self.ctx, self.load_info = device, dtype, ctx, load_info
+        self.kv_type = kv_type or kv_types.of_dtype(dtype)  # how its caches store K and V (--kv-type)
         self.name = ckpt.name
         self.quantization = describe_quantization(model)
         self.eos_ids = set(tokenizer.eos_ids)  # includes generation_config.json's eos_token_id
@@ -43,15 +46,18 @@ class LLM:
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
-             ctx: int | None = None, quantize: str = "auto") -> "LLM":
+             ctx: int | None = None, quantize: str = "auto", kv_type: str = "auto") -> "LLM":
         """quantize: "auto" runs a checkpoint as it is stored (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 weights stay
         quantized, a GPTQ/AWQ/bitsandbytes checkpoint stays in its format, a float one stays float);
-        "none" widens everything to `dtype`; int8/int4/nf4 quantize float layers at load."""
+        "none" widens everything to `dtype`; int8/int4/nf4 quantize float layers at load.
+        kv_type: how caches store K and V, auto | f32 | f16 | bf16 | q8_0 (core/kv/kv_type.py)."""
         if quantize not in QUANTIZE_CHOICES:
             raise InvalidValue("quantize", quantize, "", template=f"{{option}} {quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
+        kv_types.check_kv_type(kv_type)
         t0 = time.perf_counter()
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
+        kv = kv_types.resolve(kv_type, dt, dev)
         # int8/int4 keep a GGUF's blocks too: the layers already of that width stay as they are, the
         # others are converted one layer at a time (never the whole model in float)
         ckpt = load_checkpoint(model, keep_quantized=quantize in ("auto", "int8", "int4"),
@@ -59,6 +65,7 @@ class LLM:
         if ckpt.quant_config and quantize != "auto":
             raise BriskError(f"{ckpt.name} is already quantized ({ckpt.quant_config.get('quant_method', '?')}); "
                              "--quantize applies to float and GGUF checkpoints")
+        kv.check_head_dim(ckpt.config.head_dim)
         net = build_model(ckpt, dev, dt)
         if quantize in ("int8", "int4", "nf4"):
             quantize_at_load(net, quantize)
@@ -72,10 +79,12 @@ class LLM:
         held = model_bytes(net)
         info = LoadInfo(time.perf_counter() - t0, held, ckpt.file_bytes, held - idle_expert_bytes(net))
         ckpt.tensors = {}  # the model owns the weights now
-        return cls(net, ckpt.tokenizer, ckpt, dev, dt, ctx, info)
+        return cls(net, ckpt.tokenizer, ckpt, dev, dt, ctx, info, kv)
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> ContiguousKV:
-        return ContiguousKV.for_model(self.model, max_len or self.ctx, batch)
+        cfg, w = self.config, self.model.model.norm.weight  # the activations' dtype and device
+        return ContiguousKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or self.ctx, w.dtype, w.device,
+                            batch, self.kv_type)
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:

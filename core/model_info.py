@@ -87,14 +87,36 @@ class ModelInfo:
         return asdict(self)
 
 
-def model_info(model: str | None = None, ctx: int | None = None) -> ModelInfo:
+def model_info(model: str | None = None, ctx: int | None = None, kv_type: str = "auto") -> ModelInfo:
     """Describe `model` (a .gguf file, an HF folder, a hub id already in the local cache, or None for
     the default) without loading its weights. ctx: the context for the KV-cache figures (default,
-    as the loader: min(4096, the model's maximum)). Raises FileError for anything unreadable."""
+    as the loader: min(4096, the model's maximum)); kv_type: the CPU cache's type (--kv-type; a GPU's
+    is its activations' dtype). Raises FileError for anything unreadable."""
+    from .kv.kv_type import check_kv_type
+
+    kv_type = check_kv_type(kv_type)
     name, path = _locate(model)
-    if path.is_file():
-        return _gguf_info(name, path, ctx)
-    return _hf_info(name, path, ctx)
+    info = _gguf_info(name, path, ctx) if path.is_file() else _hf_info(name, path, ctx)
+    if kv_type != "auto":  # the CPU's figures for that type
+        cpu = _kv_type("cpu", kv_type)
+        cpu.check_head_dim(info.head_dim)
+        info.kv_dtype = cpu.name
+        info.kv_bytes_per_token = round(2 * info.layers * info.kv_heads * info.head_dim * cpu.bytes_per_value())
+        info.kv_bytes = info.kv_bytes_per_token * info.ctx
+        for m in info.memory:
+            if m.device == "cpu":
+                m.kv_bytes = info.kv_bytes
+                m.needed_bytes = m.weights_bytes + m.kv_bytes
+                m.fits = None if m.available_bytes is None else m.needed_bytes <= m.available_bytes
+    return info
+
+
+def _kv_type(device: str, kv_type: str):
+    import torch
+
+    from .kv.kv_type import resolve
+
+    return resolve(kv_type, _auto_dtype(device), torch.device(device))
 
 
 def has_chat_template(model: str | None) -> bool | None:

@@ -143,7 +143,7 @@ class NativeDecoder:
             pos = torch.arange(start, start + T, dtype=torch.int32).repeat(B)
             table = torch.arange(B, dtype=torch.int32).repeat_interleave(T)
         elif isinstance(kv, PagedStep) and B == 1 and kv.kv.k.shape[0] == self.n_layers \
-                and self._fits(kv.kv.k[0], token_major=True):
+                and self._fits(kv.kv.k[0], kv.kv.type, token_major=True):
             cache, pos, table = self._paged(kv)
         else:
             return None
@@ -156,26 +156,28 @@ class NativeDecoder:
             raise RuntimeError(f"native decoder failed ({'out of memory' if rc == -2 else 'shapes'})")
         return x
 
-    def _fits(self, k: torch.Tensor, token_major: bool = False) -> bool:
-        """Whether a layer's cache tensor holds this model's K/V as float32 ([.., KV, len, D], or
-        [.., len, KV, D] token-major)."""
+    def _fits(self, k: torch.Tensor, kind, token_major: bool = False) -> bool:
+        """Whether a layer's cache tensor holds this model's K/V as stored by `kind` (a KVType)
+        ([.., KV, len, D], or [.., len, KV, D] token-major)."""
         heads = k.shape[-2] if token_major else k.shape[-3]
-        return k.dtype == torch.float32 and k.device.type == "cpu" and k.is_contiguous() and \
-            heads == self.arch.n_kv and k.shape[-1] == self.arch.head_dim
+        return k.dtype == kind.storage and k.device.type == "cpu" and k.is_contiguous() and \
+            heads == self.arch.n_kv and k.shape[-1] == kind.row_width(self.arch.head_dim)
 
     def _contiguous(self, kv: ContiguousKV) -> native.Cache | None:
         """A contiguous cache's description, made once per cache: one block of max_len per sequence."""
         made = kv.__dict__.get("_native_cache")
         if made is None:
-            k0 = kv.k[0]  # [B, KV, max_len, D]
-            if len(kv.k) != self.n_layers or not self._fits(k0) or not all(t.is_contiguous() for t in kv.k + kv.v):
+            k0 = kv.k[0]  # [B, KV, max_len, D as stored]
+            if len(kv.k) != self.n_layers or not self._fits(k0, kv.type) or \
+                    not all(t.is_contiguous() for t in kv.k + kv.v):
                 return None  # not this model's cache as decoder.c reads it: the torch blocks run
             ks = (ctypes.c_void_p * len(kv.k))(*[t.data_ptr() for t in kv.k])
             vs = (ctypes.c_void_p * len(kv.v))(*[t.data_ptr() for t in kv.v])
             tables = torch.arange(k0.shape[0], dtype=torch.int32)
-            _, n_kv, max_len, D = k0.shape
+            _, n_kv, max_len, W = k0.shape
+            row = W * k0.element_size()  # bytes of one (position, head)
             c = native.Cache(ctypes.addressof(ks), ctypes.addressof(vs), tables.data_ptr(), max_len,
-                             n_kv * max_len * D, D, max_len * D)
+                             n_kv * max_len * row, row, max_len * row, kv.type.native)
             made = kv.__dict__["_native_cache"] = (c, ks, vs, tables)
         return made[0]
 
@@ -196,8 +198,10 @@ class NativeDecoder:
         tables = torch.empty(T, width, dtype=torch.int32)
         tables[:, :start] = torch.arange(start, dtype=torch.int32)
         tables[:, start:] = start + order.clamp(max=T - 1)
-        _, n_kv, max_len, D = kv.k[0].shape
-        c = native.Cache(ctypes.addressof(ks), ctypes.addressof(vs), tables.data_ptr(), 1, D, 0, max_len * D)
+        _, n_kv, max_len, W = kv.k[0].shape
+        row = W * kv.k[0].element_size()
+        c = native.Cache(ctypes.addressof(ks), ctypes.addressof(vs), tables.data_ptr(), 1, row, 0, max_len * row,
+                         kv.type.native)
         c._keep = tables  # noqa: SLF001 (alive as long as the struct)
         pos = (start + depth).to(torch.int32)
         return c, pos, torch.arange(T, dtype=torch.int32) * width
@@ -205,7 +209,8 @@ class NativeDecoder:
     def _paged(self, step: PagedStep):
         """A paged step's rows: their block tables (decode rows' padded ones, then each prefill's)."""
         pool = step.kv
-        L, _, bs, n_kv, D = pool.k.shape
+        L, _, bs, n_kv, W = pool.k.shape
+        row = W * pool.k.element_size()  # bytes of one (position, head)
         made = pool.__dict__.get("_native_cache")
         if made is None:
             ks = (ctypes.c_void_p * L)(*[pool.k[i].data_ptr() for i in range(L)])
@@ -224,7 +229,7 @@ class NativeDecoder:
             table[s:s + T] = n
             n += len(blocks)
         tables = torch.cat(parts).to(torch.int32).contiguous()
-        c = native.Cache(ctypes.addressof(ks), ctypes.addressof(vs), tables.data_ptr(), bs, bs * n_kv * D,
-                         n_kv * D, D)
+        c = native.Cache(ctypes.addressof(ks), ctypes.addressof(vs), tables.data_ptr(), bs, bs * n_kv * row,
+                         n_kv * row, row, pool.type.native)
         c._keep = tables  # noqa: SLF001 (alive as long as the struct)
         return c, step.positions.to(torch.int32), table

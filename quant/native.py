@@ -267,7 +267,7 @@ class Cache(ctypes.Structure):
     """bk_cache: where each position's K/V sit in a layer's cache."""
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("tables", ctypes.c_void_p),
                 ("block_size", ctypes.c_int), ("block_stride", ctypes.c_int64), ("pos_stride", ctypes.c_int64),
-                ("head_stride", ctypes.c_int64)]
+                ("head_stride", ctypes.c_int64), ("type", ctypes.c_int)]
 
 
 @functools.cache

@@ -109,10 +109,12 @@ def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards
                                           "short_factor": [1.0, 1.3, 2.1, 3.7][:rot // 2],
                                           "long_factor": [1.5, 2.9, 4.2, 8.5][:rot // 2]})
         model = tf.Phi3ForCausalLM(cfg)
-    elif kind == "gpt_oss":
+    elif kind in ("gpt_oss", "gpt_oss_hd32"):
         # YaRN within a small pretrained context, 4 layers alternating sliding (window 8) and full
-        # attention; large gate/up weights (below) so that SwiGLU's clamps at 7 bite
-        cfg = tf.GptOssConfig(**{**common, "num_hidden_layers": 4, "intermediate_size": 32}, head_dim=16,
+        # attention; large gate/up weights (below) so that SwiGLU's clamps at 7 bite. hd32: heads of
+        # 32, a whole Q8_0 block (the KV cache types' tests)
+        cfg = tf.GptOssConfig(**{**common, "num_hidden_layers": 4, "intermediate_size": 32},
+                              head_dim=32 if kind.endswith("hd32") else 16,
                               num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                "original_max_position_embeddings": 64, "beta_fast": 32.0,
@@ -197,6 +199,11 @@ def write_gpt_oss_mxfp4(folder: Path, seed: int = 0) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_gpt_oss"), "gpt_oss", seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_hd32_dir(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_gpt_oss_hd32"), "gpt_oss_hd32", seed=7)
 
 
 @pytest.fixture(scope="session")

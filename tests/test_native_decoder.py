@@ -1,7 +1,8 @@
 """The native blocks (core/native_decoder.py, quant/kernels/decoder.c) against the torch blocks of the
 same model: logits of a pass, every architecture flag (q/k/v bias, sliding window, Gemma's norms,
 GELU, q/k norms, partial rotary, experts, gpt-oss's sinks, biases, clamped SwiGLU and top-k
-softmax), decode steps against one pass, a paged batch against single sequences."""
+softmax), decode steps against one pass, a paged batch against single sequences (on each KV cache
+type too)."""
 import pytest
 import torch
 
@@ -128,11 +129,17 @@ def test_gpt_oss_runs_native_and_each_part_counts(tiny_gpt_oss_dir):
         native.set_int_dot(True)
 
 
-@pytest.mark.parametrize("model", ["tiny_gemma3_dir", "tiny_qwen3_moe_dir", "tiny_gpt_oss_dir"])
-def test_decode_steps_equal_one_pass_bit_for_bit(model, request):
+# each narrower KV cache type too (core/kv/kv_type.py), on a model with sliding windows and sinks
+KV_TYPES = [("tiny_gpt_oss_hd32_dir", t) for t in ("f16", "bf16", "q8_0")]
+
+
+@pytest.mark.parametrize("model,kv_type", [(m, "auto") for m in ("tiny_gemma3_dir", "tiny_qwen3_moe_dir",
+                                                                 "tiny_gpt_oss_dir")] + KV_TYPES)
+def test_decode_steps_equal_one_pass_bit_for_bit(model, kv_type, request):
     """A token's logits do not depend on the pass it is in (one-token steps, chunks, one prefill):
     an MoE layer's experts run on the rows routed to them, each row's result its own."""
-    llm = LLM.load(str(request.getfixturevalue(model)), device="cpu", dtype="float32", quantize="int8")
+    llm = LLM.load(str(request.getfixturevalue(model)), device="cpu", dtype="float32", quantize="int8",
+                   kv_type=kv_type)
     assert type(llm.model) is NativeBlocksTransformer
     ids = [(5 * i + 1) % 290 + 2 for i in range(30)]
     one = llm.logits(ids)
@@ -145,14 +152,15 @@ def test_decode_steps_equal_one_pass_bit_for_bit(model, request):
     assert torch.equal(chunks, one)
 
 
-@pytest.mark.parametrize("model", ["tiny_mistral_dir", "tiny_gpt_oss_dir"])
-def test_a_paged_batch_gives_each_sequence_its_own_bits(model, request):
+@pytest.mark.parametrize("model,kv_type", [("tiny_mistral_dir", "auto"), ("tiny_gpt_oss_dir", "auto")] + KV_TYPES)
+def test_a_paged_batch_gives_each_sequence_its_own_bits(model, kv_type, request):
     """The batching engine's paged steps (decode rows beside prefill chunks) against each prompt
     alone on a contiguous cache: the same logits, bit for bit, so the same greedy tokens."""
     from brisk.core import GREEDY, Session
     from brisk.core.batching import Engine, Request
 
-    llm = LLM.load(str(request.getfixturevalue(model)), device="cpu", dtype="float32", quantize="int8")
+    llm = LLM.load(str(request.getfixturevalue(model)), device="cpu", dtype="float32", quantize="int8",
+                   kv_type=kv_type)
     assert type(llm.model) is NativeBlocksTransformer
     prompts = [[(3 * i + j) % 290 + 2 for i in range(n)] for j, n in enumerate((5, 23, 11, 40))]
     alone = []
@@ -160,7 +168,9 @@ def test_a_paged_batch_gives_each_sequence_its_own_bits(model, request):
         s = Session(llm)
         list(s.stream(p, GREEDY, 12))
         alone.append(s.last.tokens)
-    seqs = Engine(llm, max_batch=3).run([Request(p, GREEDY, 12) for p in prompts])
+    engine = Engine(llm, max_batch=3)
+    assert engine.kv.type is llm.kv_type
+    seqs = engine.run([Request(p, GREEDY, 12) for p in prompts])
     assert [q.result.tokens for q in seqs] == alone
 
 

@@ -71,7 +71,8 @@ class Engine:
         n_blocks = -(-(kv_tokens or default_kv_tokens(llm.ctx)) // block_size)
         n_blocks = max(n_blocks, -(-self.ctx // block_size) + 1)  # always room for one full-context sequence
         cfg, w = llm.config, self.model.model.norm.weight
-        self.kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, block_size, w.dtype, w.device)
+        self.kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, block_size, w.dtype, w.device,
+                          llm.kv_type)
         self.pool = BlockPool(n_blocks, block_size)
         self.kv_manager = KVManager(self.pool, self.kv, prefix_sharing)
         self.scheduler = Scheduler(self.kv_manager, max_batch, step_tokens)

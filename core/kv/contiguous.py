@@ -1,4 +1,5 @@
-"""The contiguous cache: per layer one preallocated [batch, kv_heads, max_len, head_dim] run.
+"""The contiguous cache: per layer one preallocated [batch, kv_heads, max_len, head_dim] run
+(on the CPU untouched until written: memory.py).
 
 Slot i holds position i (a tree step puts its tokens in the slots after its start). Nothing
 records how many slots are valid: a step attends only up to its own positions, so after
@@ -10,6 +11,8 @@ import torch
 
 from .. import paged_attention_kernel
 from .base import KV, attention_masks, sdpa, softmax_with_sinks, tree_positions
+from .kv_type import KVType, of_dtype, resolve
+from .memory import zeroed_views
 
 
 def decode_attention(q, k, v, scale, mask=None, sinks=None):
@@ -31,20 +34,25 @@ def decode_attention(q, k, v, scale, mask=None, sinks=None):
 
 
 class ContiguousKV(KV):
+    """dtype: the activations'; kv_type: how the values are stored (kv_type.py; None: in dtype)."""
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str, batch: int = 1):
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+                 dtype: torch.dtype, device: torch.device | str, batch: int = 1, kv_type: KVType | None = None):
+        self.type = kv_type or of_dtype(dtype)
+        self.type.check_head_dim(head_dim)
+        shape = (batch, n_kv_heads, max_len, self.type.row_width(head_dim))
+        tensors = zeroed_views([shape] * (2 * n_layers), self.type.storage, device)
+        self.k, self.v = tensors[:n_layers], tensors[n_layers:]
         self.max_len = max_len
         # each sequence's cache as one block of a paged pool (the CUDA decode-attention kernel)
         self.block_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
 
     @classmethod
-    def for_model(cls, model, max_len: int, batch: int = 1) -> "ContiguousKV":
-        """A cache for a Transformer, in its activations' dtype and on its device."""
+    def for_model(cls, model, max_len: int, batch: int = 1, kv_type: str = "auto") -> "ContiguousKV":
+        """A cache for a Transformer on its device, storing kv_type (--kv-type; auto: its activations' dtype)."""
         cfg, w = model.cfg, model.model.norm.weight
-        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len, w.dtype, w.device, batch)
+        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len, w.dtype, w.device, batch,
+                   resolve(kv_type, w.dtype, w.device))
 
     def begin(self, start, T, tree=None, keys=None):
         """keys (with a tensor start): attend over a fixed number of slots, masked past each
@@ -77,6 +85,7 @@ class ContiguousKV(KV):
         B, H, T, D = q.shape
         kc, vc = self.k[layer], self.v[layer]
         fixed = torch.is_tensor(self.start)
+        k, v = self.type.encode(k), self.type.encode(v)
         if fixed:
             kc.index_copy_(2, self.start, k)
             vc.index_copy_(2, self.start, v)
@@ -85,7 +94,8 @@ class ContiguousKV(KV):
             vc[:, :, self.start:self.keys] = v
         if T == 1 and fixed and q.is_cuda and paged_attention_kernel.available():
             return self._paged_kernel(layer, q, window, scale, sinks)
-        keys, values = kc[:, :, :self.keys], vc[:, :, :self.keys]
+        # read back as stored (a narrower type: its rounding, as decoder.c sees it), in q's dtype
+        keys, values = (self.type.decode(c[:, :, :self.keys], q.dtype) for c in (kc, vc))
         mask = self._mask(window, q.device)
         if mask is None and window and self.keys > window and T == 1:  # one query: its window is the last keys
             keys, values = keys[:, :, -window:], values[:, :, -window:]

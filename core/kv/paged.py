@@ -15,6 +15,7 @@ import torch
 
 from .. import paged_attention_kernel
 from .base import KV, sdpa, softmax_with_sinks
+from .kv_type import KVType, of_dtype
 
 BLOCK_SIZE = 8  # tokens per block: the unfilled end of a last block is the waste (measured: 8 is as fast as 16)
 
@@ -29,11 +30,13 @@ class PagedKV:
     head_dim] (token-major, so a gathered block table is a [tokens, kv_heads, head_dim] run)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (n_layers, n_blocks, block_size, n_kv_heads, head_dim)
+                 block_size: int, dtype: torch.dtype, device: torch.device | str, kv_type: KVType | None = None):
+        self.type = kv_type or of_dtype(dtype)  # how values are stored (kv_type.py); dtype: the activations'
+        self.type.check_head_dim(head_dim)
+        shape = (n_layers, n_blocks, block_size, n_kv_heads, self.type.row_width(head_dim))
         # empty, not zeros: on the CPU, pages never touched cost no memory
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=self.type.storage, device=device)
+        self.v = torch.empty(shape, dtype=self.type.storage, device=device)
         self.n_blocks, self.block_size = n_blocks, block_size
         # Attention reads a block's unused slots (masked out) too, and 0 * NaN is NaN: each block
         # is zeroed on first use, since empty memory may hold anything.
@@ -128,16 +131,18 @@ class PagedStep(KV):
         k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, KV, D]
         N, H, D = q.shape
         KV = k.shape[1]
-        kc, vc = self.kv.k[layer], self.kv.v[layer]  # [blocks, block_size, KV, D]
-        kc.view(-1, KV, D).index_copy_(0, self.slots, k)
-        vc.view(-1, KV, D).index_copy_(0, self.slots, v)
+        kc, vc = self.kv.k[layer], self.kv.v[layer]  # [blocks, block_size, KV, D as stored]
+        kind = self.kv.type
+        kc.view(-1, KV, kc.shape[-1]).index_copy_(0, self.slots, kind.encode(k))
+        vc.view(-1, KV, vc.shape[-1]).index_copy_(0, self.slots, kind.encode(v))
         out = q.new_empty(N, H, D)
         nd, G = self.n_decode, H // KV
         if nd and q.is_cuda and paged_attention_kernel.available():
             paged_attention_kernel.paged_decode_attention(q[:nd], kc, vc, self.decode_blocks,
                                                           self.decode_lens, scale, window, out=out[:nd], sinks=sinks)
         elif nd:
-            keys, values = self.gather(kc), self.gather(vc, second=True)  # [rows, keys, KV, D]
+            keys, values = (kind.decode(self.gather(c, second), q.dtype)  # [rows, keys, KV, D]
+                            for c, second in ((kc, False), (vc, True)))
             mask = self.decode_mask(window, q.dtype)
             for h in range(KV):  # a strided [rows, keys, D] slice per KV head: no copy for bmm
                 heads = slice(h * G, (h + 1) * G)
@@ -148,8 +153,8 @@ class PagedStep(KV):
                     probs = softmax_with_sinks(scores.float(), sinks[heads].float()[:, None]).to(q.dtype)
                 out[:nd, heads] = torch.bmm(probs, values[:, :, h])
         for i, (s, T, _, blocks) in enumerate(self.prefills):
-            keys = kc.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]  # [1, KV, keys, D]
-            values = vc.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]
+            keys, values = (kind.decode(c.index_select(0, blocks), q.dtype).flatten(0, 1).transpose(0, 1)[None]
+                            for c in (kc, vc))  # [1, KV, keys, D]
             y = sdpa(q[s:s + T].transpose(0, 1)[None], keys, values, self.prefill_mask(i, window), scale, sinks)
             out[s:s + T] = y[0].transpose(0, 1)
         return out[None]  # [1, N, H, D]

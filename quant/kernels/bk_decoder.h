@@ -44,16 +44,22 @@ typedef struct {
     const float *router_bias, *expert_bias;
 } bk_layer;
 
+/* How a cache stores the head_dim values of one (position, head): float32; IEEE half; bfloat16;
+ * GGUF's Q8_0 blocks of 32 values (an fp16 scale d, then 32 int8 q: value = d q). Written
+ * converted, converted back to float32 on read. */
+enum { BK_KV_F32 = 0, BK_KV_F16 = 1, BK_KV_BF16 = 2, BK_KV_Q8_0 = 3 };
+
 /* Where position p of a row's sequence keeps its K (and V) in a layer's cache, head h:
  *   base + table[p / block_size] * block_stride + (p % block_size) * pos_stride + h * head_stride
- * (floats), table being the row's block table. A contiguous cache [batch, kv_heads, max_len, D] is
+ * (bytes), table being the row's block table. A contiguous cache [batch, kv_heads, max_len, D] is
  * one block of max_len positions per sequence; a paged pool [blocks, block_size, kv_heads, D] is
  * token-major. */
 typedef struct {
-    float *const *k, *const *v; /* per layer: the cache's base */
-    const int32_t *tables;      /* every row's block table, concatenated */
+    void *const *k, *const *v; /* per layer: the cache's base */
+    const int32_t *tables;     /* every row's block table, concatenated */
     int block_size;
     int64_t block_stride, pos_stride, head_stride;
+    int type; /* BK_KV_*: the stored values' type */
 } bk_cache;
 
 #endif

@@ -1,6 +1,7 @@
 /* The transformer blocks of a forward pass in one call: for rows of float32 activations, each
  * block's norms, q/k/v products, rope, K/V writes, attention, output product, residuals and gated
- * MLP, the products through brisk_kernels.c's bk_matmul_many. In torch the same step is ~20 small
+ * MLP, the products through brisk_kernels.c's bk_matmul_many. The cache may store its values
+ * narrower (bk_cache.type): written converted, read back into float32 before the attention's sums. In torch the same step is ~20 small
  * ops per block, each costing microseconds of dispatch: on a 135M model that overhead was as large
  * as the products themselves.
  *
@@ -55,6 +56,112 @@ BK_INLINE float dot(const float *a, const float *b, int n) {
     return reduce16(acc);
 }
 
+/* ---- the cache's stored types (bk_cache.type): written converted, read back as float32 ---- */
+
+/* float -> IEEE half, rounded to nearest even (as numpy and torch convert): infinities and NaN kept,
+ * overflow to infinity, halves below 2^-14 as subnormals */
+BK_INLINE uint16_t to_f16(float f) {
+    uint32_t x, sign, ax;
+    memcpy(&x, &f, 4);
+    sign = x >> 16 & 0x8000u, ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) return (uint16_t)(sign | 0x7C00u | (ax > 0x7F800000u ? 0x200u : 0));
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* rounds to 65520 or more */
+    if (ax < 0x38800000u) { /* |f| < 2^-14: adding 0.5 rounds it to a multiple of 2^-24, the subnormal's unit */
+        float t = bk_f32_bits(ax) + 0.5f;
+        uint32_t b;
+        memcpy(&b, &t, 4);
+        return (uint16_t)(sign | (b - 0x3F000000u));
+    }
+    ax += 0xFFFu + (ax >> 13 & 1); /* round the 13 dropped bits to nearest even */
+    return (uint16_t)(sign | (ax - (112u << 23)) >> 13);
+}
+
+/* float -> bfloat16, rounded to nearest even; NaN stays a (quiet) NaN */
+BK_INLINE uint16_t to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)(x >> 16 | 0x40u);
+    return (uint16_t)((x + 0x7FFFu + (x >> 16 & 1)) >> 16);
+}
+
+/* D values (a multiple of 32 for Q8_0) stored as `type` at dst */
+static void kv_store(int type, uint8_t *dst, const float *x, int D) {
+    if (type == BK_KV_F32) {
+        memcpy(dst, x, sizeof(float) * D);
+    } else if (type == BK_KV_F16 || type == BK_KV_BF16) {
+        for (int i = 0; i < D; i++) {
+            uint16_t h = type == BK_KV_F16 ? to_f16(x[i]) : to_bf16(x[i]);
+            memcpy(dst + 2 * i, &h, 2);
+        }
+    } else { /* Q8_0 as gguf-py quantizes it: d = max |x| / 127 in float32, q = round(x / d) half away from 0 */
+        for (int b = 0; b < D; b += 32, dst += 34) {
+            float amax = 0;
+            for (int i = 0; i < 32; i++) amax = fabsf(x[b + i]) > amax ? fabsf(x[b + i]) : amax;
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            uint16_t h = to_f16(d);
+            memcpy(dst, &h, 2);
+            for (int i = 0; i < 32; i++) dst[2 + i] = (uint8_t)(int8_t)roundf(x[b + i] * id);
+        }
+    }
+}
+
+/* 16 bfloat16 at p -> floats (a bfloat16 is a float's high half) */
+BK_INLINE v16 load16_bf16(const uint8_t *p) {
+    v16 y;
+#if defined(__AVX512F__)
+    __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    memcpy(&y, &w, sizeof y);
+#elif defined(__AVX2__)
+    __m256 w[2];
+    for (int h = 0; h < 2; h++)
+        w[h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * h))), 16));
+    memcpy(&y, w, sizeof y);
+#else
+    for (int l = 0; l < LANES; l++) y[l] = bk_f32_bits((uint32_t)(p[2 * l] | p[2 * l + 1] << 8) << 16);
+#endif
+    return y;
+}
+
+/* 16 int8 at p -> floats */
+BK_INLINE v16 load16_i8(const uint8_t *p) {
+    v16 y;
+#if defined(__AVX512F__)
+    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    memcpy(&y, &w, sizeof y);
+#elif defined(__AVX2__)
+    __m256 w[2];
+    for (int h = 0; h < 2; h++) w[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
+    memcpy(&y, w, sizeof y);
+#else
+    for (int l = 0; l < LANES; l++) y[l] = (float)(int8_t)p[l];
+#endif
+    return y;
+}
+
+/* D stored values of `type` at src -> D floats (D a multiple of 16) */
+static void kv_load(int type, const uint8_t *src, float *y, int D) {
+    if (type == BK_KV_F16) {
+        for (int i = 0; i < D; i += LANES) {
+#if defined(__AVX512F__)
+            _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * i))));
+#elif defined(__F16C__)
+            _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+            _mm256_storeu_ps(y + i + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i + 16))));
+#else
+            for (int l = 0; l < LANES; l++) y[i + l] = bk_fp16(src + 2 * (i + l));
+#endif
+        }
+    } else if (type == BK_KV_BF16) {
+        for (int i = 0; i < D; i += LANES) store16(y + i, load16_bf16(src + 2 * i));
+    } else { /* Q8_0 */
+        for (int b = 0; b < D; b += 32, src += 34) {
+            v16 d = splat16(bk_fp16(src));
+            store16(y + b, load16_i8(src + 2) * d);
+            store16(y + b + LANES, load16_i8(src + 2 + LANES) * d);
+        }
+    }
+}
+
 typedef struct {
     const bk_arch *a;
     const bk_layer *L;
@@ -64,10 +171,18 @@ typedef struct {
     const float *qkv; /* [N, (H + 2 KV) D] */
     float *out;       /* [N, H D] */
     int group;        /* query heads a task attends together (attention_chunk) */
+    int64_t pass;     /* this layer's attention in this call, unique: what a thread's converted keys belong to */
 } attention_job;
 
 static _Thread_local float *score_buf;
 static _Thread_local size_t score_cap;
+static _Thread_local float *wide_buf; /* a converted cache's keys and values as float32 (attend) */
+static _Thread_local size_t wide_cap;
+/* whose keys and values wide_buf holds: the next task on the same row and K/V head (the query heads
+ * that share it, when they run one a task) reuses them */
+static _Thread_local int64_t wide_pass = -1;
+static _Thread_local int wide_row, wide_head;
+static int64_t passes; /* attention_job.pass, counted across calls */
 
 /* Chains of multiply-adds side by side (keys x heads in the scores, output vectors x heads in the
  * weighted sum), as many as the registers hold: AVX-512 has 32 of 16 floats, else 16 of 8 (2 a v16).
@@ -136,11 +251,35 @@ static void attend(const attention_job *j, int r, int h0, int g) {
         y[e] = j->out + (int64_t)r * a->n_heads * D + (int64_t)(h0 + e) * D;
     }
     const int32_t *tab = c->tables + j->table[r];
-    int64_t head = (int64_t)(h0 / (a->n_heads / a->n_kv)) * c->head_stride;
-    const float *kc = c->k[j->layer] + head, *vc = c->v[j->layer] + head;
+    int kv_head = h0 / (a->n_heads / a->n_kv);
+    const uint8_t *kb = (const uint8_t *)c->k[j->layer] + kv_head * c->head_stride,
+                  *vb = (const uint8_t *)c->v[j->layer] + kv_head * c->head_stride;
+    const float *kc = (const float *)kb, *vc = (const float *)vb;
     for (int i = 0, blk = lo / c->block_size, in = lo % c->block_size; i < n; i++) { /* no division per key */
-        at[i] = (int64_t)tab[blk] * c->block_stride + (int64_t)in * c->pos_stride;
+        at[i] = (int64_t)tab[blk] * c->block_stride + (int64_t)in * c->pos_stride; /* bytes */
         if (++in == c->block_size) in = 0, blk++;
+    }
+    if (c->type == BK_KV_F32) {
+        for (int i = 0; i < n; i++) at[i] /= (int64_t)sizeof(float);
+    } else { /* the keys and values this row reads as float32, converted once per row and K/V head */
+        if (wide_pass != j->pass || wide_row != r || wide_head != kv_head) {
+            if (wide_cap < (size_t)2 * n * D) {
+                free(wide_buf);
+                wide_buf = malloc(sizeof(float) * 2 * (size_t)n * D * 2);
+                wide_cap = wide_buf ? (size_t)2 * n * D * 2 : 0;
+                if (!wide_buf) {
+                    wide_pass = -1;
+                    return;
+                }
+            }
+            for (int i = 0; i < n; i++) {
+                kv_load(c->type, kb + at[i], wide_buf + (size_t)i * D, D);
+                kv_load(c->type, vb + at[i], wide_buf + (size_t)(n + i) * D, D);
+            }
+            wide_pass = j->pass, wide_row = r, wide_head = kv_head;
+        }
+        for (int i = 0; i < n; i++) at[i] = (int64_t)i * D;
+        kc = wide_buf, vc = wide_buf + (size_t)n * D;
     }
     int keys = ATT_CHAINS / g, i = 0;
     for (; i + keys <= n; i += keys)
@@ -380,11 +519,11 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
             int64_t at = (int64_t)tab[pos[r] / c->block_size] * c->block_stride +
                          (int64_t)(pos[r] % c->block_size) * c->pos_stride;
             for (int h = 0; h < KV; h++) {
-                memcpy(c->k[l] + at + h * c->head_stride, k + (int64_t)h * D, sizeof(float) * D);
-                memcpy(c->v[l] + at + h * c->head_stride, v + (int64_t)h * D, sizeof(float) * D);
+                kv_store(c->type, (uint8_t *)c->k[l] + at + h * c->head_stride, k + (int64_t)h * D, D);
+                kv_store(c->type, (uint8_t *)c->v[l] + at + h * c->head_stride, v + (int64_t)h * D, D);
             }
         }
-        attention_job job = {a, L, c, l, pos, table, qkv, att, group};
+        attention_job job = {a, L, c, l, pos, table, qkv, att, group, __atomic_add_fetch(&passes, 1, __ATOMIC_RELAXED)};
         if (keys_read < ATTENTION_SPLIT) attention_chunk(&job, 0, N * H / group); /* a sync point costs more than it saves */
         else bk_parallel(attention_chunk, &job, N * H / group, 2);
         if ((rc = bk_matmul_many(&L->o, 1, N, att, o, level))) break;
