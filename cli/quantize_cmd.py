@@ -111,6 +111,10 @@ def _quantize_gguf(model, out, qtype, method, hf_only, threads, force, as_json) 
         set_cpu_threads(threads)
         try:
             summary = quantize_gguf(model, out, qtype, method, force=force, report=progress)
+        except KeyboardInterrupt:  # the partial file is already gone; nothing to resume (rtn starts over)
+            progress.stop()
+            print(f"interrupted: {out} not written", file=sys.stderr)
+            raise typer.Exit(130)
         finally:
             progress.stop()
     if as_json:

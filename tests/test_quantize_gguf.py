@@ -244,3 +244,21 @@ def test_refusals(tiny_llama_dir, smollm2_path, tmp_path):
         lines = r.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and word in lines[0], (args, r.output)
         assert not Path(out).exists()
+
+
+def test_interrupted_run_leaves_nothing(f32_gguf, tmp_path, monkeypatch):
+    """Ctrl-C mid-file: exit 130 and a line saying so; neither OUT nor its .partial is left behind."""
+    calls = []
+
+    def interrupt(qtype, rows):
+        calls.append(qtype)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(qtype, rows)
+
+    real = native.quantize_rows
+    monkeypatch.setattr(native, "quantize_rows", interrupt)
+    out = tmp_path / "m.gguf"
+    r = runner.invoke(app, ["quantize", str(f32_gguf), "-o", str(out), "--format", "gguf", "--type", "Q6_K"])
+    assert r.exit_code == 130 and "interrupted" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
