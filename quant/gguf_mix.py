@@ -6,8 +6,7 @@ MIXES is the one table: per mix, general.file_type, the base type, and the rules
 sensitive tensors (attention V, FFN down, attention output) by layer. tensor_types() applies it to a
 model's tensors, with llama.cpp's other choices: which tensors stay as they are, the output (and a
 tied token table) at Q6_K, and a type that does not divide a row falling back to a 32-weight one.
-Not followed (refused by the caller or noted in docs/quantization.md): Falcon's own rules and the
-70B models' attention V bump.
+Not followed (refused by the caller): Falcon's own rules.
 """
 from __future__ import annotations
 
@@ -35,6 +34,19 @@ class ModelShape:
     n_layer: int
     gqa: int  # query heads per K/V head
     n_expert: int = 0
+    is_70b: bool = False  # llama.cpp's 70B size class (seventy_b()): attention V gets Q5_K for Q3_K/Q4_K
+
+
+# The architectures and layer counts llama.cpp calls 70B (its per-architecture size tables)
+_70B_LAYERS = {"llama": 80, "qwen2": 80, "deci": 80, "olmo": 80, "jais2": 68}
+
+
+def seventy_b(arch: str, n_layer: int, n_head: int, n_head_kv: int, n_expert: int) -> bool:
+    """Whether llama.cpp's loader sizes this model 70B (a Llama of 80 layers with as many K/V heads as
+    query heads is its 65B, and one of 8 experts is 8x7B or 8x22B instead)."""
+    if arch == "llama" and (n_expert == 8 or n_head == n_head_kv):
+        return False
+    return _70B_LAYERS.get(arch) == n_layer
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,8 @@ def tensor_types(tensors: dict[str, tuple[tuple[int, ...], int]], mix: Mix, mode
             t = Q8_0 if cols % BY_ID[t].block_weights else t if t == Q8_0 else Q6_K
         elif cat == "attn_v":
             t = (mix.attn_v and mix.attn_v(i_attn_v, n_attn_v, model)) or t
+            if model.is_70b and t in (Q3_K, Q4_K):  # 8 query heads share each V: cheap to give it more bits
+                t = Q5_K
             if model.n_expert == 8:
                 t = Q8_0
             i_attn_v += 1

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from brisk.cli.main import app
 from brisk.quant import gguf_types, native
-from brisk.quant.gguf_mix import MIXES, ModelShape, more_bits, tensor_types
+from brisk.quant.gguf_mix import MIXES, ModelShape, more_bits, seventy_b, tensor_types
 
 import llama_cpp
 
@@ -148,6 +148,11 @@ def test_mix_rules():
     t = tensor_types(tensors, MIXES["Q2_K"], shape)
     assert name(t["blk.0.attn_v.weight"]) == "Q4_K" and name(t["blk.7.ffn_down.weight"]) == "Q3_K"
     assert name(tensor_types(tensors, MIXES["Q2_K"], ModelShape(8, 2))["blk.0.attn_v.weight"]) == "Q3_K"
+    # llama.cpp's 70B class: attention V one step up from Q3_K/Q4_K (Llama 80 layers with fewer K/V heads)
+    assert seventy_b("llama", 80, 64, 8, 0) and not seventy_b("llama", 80, 64, 64, 0) and not seventy_b("llama", 32, 32, 8, 0)
+    big = ModelShape(n_layer=8, gqa=8, is_70b=True)
+    assert [name(tensor_types(tensors, MIXES[m], big)["blk.1.attn_v.weight"]) for m in ("Q4_K_M", "Q2_K")] == ["Q5_K", "Q5_K"]
+    assert name(tensor_types(tensors, MIXES["Q4_K_M"], big)["blk.0.attn_v.weight"]) == "Q6_K"
     odd = {"blk.0.ffn_gate.weight": ((64, 576), 0), "blk.0.ffn_down.weight": ((64, 48), 0)}
     assert [name(q) for q in tensor_types(odd, MIXES["Q4_K_M"], ModelShape(1, 1)).values()] == ["F16", "Q5_0"]
 

@@ -56,7 +56,7 @@ def check_options(type_name: str | None, method: str | None) -> tuple[object, st
 
 
 def _model_shape(meta: dict, path: Path):
-    from ...quant.gguf_mix import ModelShape
+    from ...quant.gguf_mix import ModelShape, seventy_b
 
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
@@ -71,7 +71,9 @@ def _model_shape(meta: dict, path: Path):
     kv = first(meta.get(f"{arch}.attention.head_count_kv", heads))
     if not isinstance(n_layer, int) or not isinstance(heads, int):
         raise BriskError(f"{path}: {arch}.block_count or {arch}.attention.head_count is missing")
-    return ModelShape(n_layer=n_layer, gqa=heads // kv if kv else 0, n_expert=int(meta.get(f"{arch}.expert_count", 0) or 0))
+    n_expert = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    return ModelShape(n_layer=n_layer, gqa=heads // kv if kv else 0, n_expert=n_expert,
+                      is_70b=seventy_b(arch, n_layer, heads, kv, n_expert))
 
 
 def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: str | None = None,
