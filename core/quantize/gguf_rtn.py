@@ -110,10 +110,13 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
         t = tensors[n]
         current = gguf_types.BY_ID.get(t.qtype)
         if targets[n] != t.qtype and (current is None or current.name not in SOURCE_TYPES):
-            raise BriskError(f"{name}: tensor {n} is {current.name if current else t.qtype}; --format gguf "
+            raise BriskError(f"{name}: tensor {n} is {_type_name(t.qtype)}; --format gguf "
                              f"requantizes from {', '.join(SOURCE_TYPES)} tensors only")
-    entries = [gguf_writer.TensorEntry(n, tensors[n].shape, targets[n], _nbytes(tensors[n].shape, targets[n]))
-               for n in order]
+    if any(targets[n] not in (tensors[n].qtype, gguf_types.F16, gguf_types.F32) for n in order) and not native.available():
+        raise BriskError("--format gguf needs brisk's native CPU kernels, which could not be built here (a C compiler)")
+    # a tensor kept as it is may be of a type brisk does not run: its size is the file's
+    entries = [gguf_writer.TensorEntry(n, tensors[n].shape, targets[n], tensors[n].nbytes if targets[n] == tensors[n].qtype
+                                       else _nbytes(tensors[n].shape, targets[n])) for n in order]
     records = [bytes(src.data[a:b]) for k, (a, b) in src.kv_spans.items() if k not in _REPLACED]
     records += [gguf_writer.u32_record("general.quantization_version", QUANTIZATION_VERSION),
                 gguf_writer.u32_record("general.file_type", mix.file_type)]
@@ -129,14 +132,14 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
                 rows = src.load(t).numpy().reshape(-1, t.shape[-1])
                 blob = rows.astype(np.float16) if target == gguf_types.F16 else \
                     rows if target == gguf_types.F32 else native.quantize_rows(target, rows)
-            report("tensor", index=i, name=n, type=gguf_types.BY_ID[target].name, quantized=target != t.qtype)
+            report("tensor", index=i, name=n, type=_type_name(target), quantized=target != t.qtype)
             yield blob
 
     report("writing", out=str(out))
     size = gguf_writer.write(out, records, entries, data(), align)
     counts: dict[str, int] = {}
     for e in entries:
-        counts[gguf_types.BY_ID[e.qtype].name] = counts.get(gguf_types.BY_ID[e.qtype].name, 0) + 1
+        counts[_type_name(e.qtype)] = counts.get(_type_name(e.qtype), 0) + 1
     return GGUFSummary(out=str(out), type=mix.name, method=method, source_bytes=path.stat().st_size, out_bytes=size,
                        tensors=counts, seconds=round(time.perf_counter() - t0, 2),
                        quantized=sum(targets[n] != tensors[n].qtype for n in order))
@@ -148,3 +151,12 @@ def _nbytes(shape: tuple[int, ...], qtype: int) -> int:
     t = gguf_types.BY_ID[qtype]
     n = int(np.prod(shape))
     return n // t.block_weights * t.block_bytes
+
+
+def _type_name(qtype: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
