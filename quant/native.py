@@ -63,6 +63,7 @@ ACT8_OUTLIERS = settings.ACT8_OUTLIERS.get()
 OUTLIER_CACHE = settings.OUTLIER_CACHE.get()
 GGUF_TYPES = {t.id: t.name for t in gguf_types.NATIVE}  # the quantized GGUF types the kernels read
 BLOCK = {t.id: (t.block_weights, t.block_bytes) for t in gguf_types.NATIVE}  # (weights, bytes) per block
+BLOCK_OF_WRITTEN = {t.id: (t.block_weights, t.block_bytes) for t in gguf_types.WRITTEN}  # quantize_rows' types
 
 
 def _cache_dir() -> Path:
@@ -300,12 +301,30 @@ def library():
     lib.bk_read_probe.argtypes, lib.bk_read_probe.restype = [p, ctypes.c_size_t], ctypes.c_uint64
     i64 = ctypes.c_int64
     lib.bk_pack_groups.argtypes, lib.bk_pack_groups.restype = [p, p, i64, i64, i, p, i, p], None
+    lib.bk_quantize_rows.argtypes, lib.bk_quantize_rows.restype = [i, p, p, i, ctypes.c_int64], i
     lib.bk_threads(settings.THREADS.get() or torch.get_num_threads())
     if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):
         warnings.warn("brisk's native kernels for this CPU (AVX2) were built with GCC, whose code for them runs "
                       "4-10x slower than clang's: `pip install ziglang` (a clang brisk then uses) or install clang "
                       "for full speed")
     return lib
+
+
+def quantize_rows(qtype: int, rows) -> "numpy.ndarray":
+    """Float32 rows [n, k] (a NumPy array) as GGUF blocks of `qtype` (kernels/gguf_quantize.h: llama.cpp's
+    rounding without an importance matrix), [n, row bytes] uint8. RuntimeError without the kernels."""
+    import numpy as np
+
+    lib = library()
+    if lib is None:
+        raise RuntimeError("brisk's native CPU kernels are not available; GGUF quantization needs them")
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n, k = rows.shape
+    weights, nbytes = BLOCK_OF_WRITTEN[qtype]
+    out = np.empty((n, k // weights * nbytes), dtype=np.uint8)
+    if lib.bk_quantize_rows(qtype, rows.ctypes.data, out.ctypes.data, n, k) != 0:
+        raise ValueError(f"cannot write {gguf_types.BY_ID[qtype].name} rows of {k} weights")
+    return out
 
 
 def set_int_dot(on: bool) -> None:

@@ -116,6 +116,9 @@ def test_calib_file_formats(tmp_path):
     (["--method", "gptq", "--dynamic", "(down=8"], ["--dynamic", "not a regex"]),
     (["--method", "awq", "--dynamic", ".*down_proj=8"], ["--dynamic", "gptq only"]),
     (["--method", "gptq", "--compensate"], ["--compensate", "awq only"]),
+    ([], ["--method", "required"]),
+    (["--method", "gptq", "--type", "Q4_K_M"], ["--type", "--format gguf only"]),
+    (["--method", "gptq", "--format", "onnx"], ["--format", "hf or gguf"]),
 ])
 def test_bad_arguments(tiny_llama_dir, tmp_path, args, words):
     out = tmp_path / "out"

@@ -1,10 +1,10 @@
 """Every `brisk` example in the README and in docs/ runs as written, in a shell, from a scratch
 folder: the placeholder files it names are made there (model.gguf is the embedded default model's
-file, MODEL the same), and only small settings are added where a command would take minutes (fewer
-tokens, fewer calibration samples). Lines that cannot run here are listed in NOT_HERE with the
-reason. The files are read README first, then docs/ by name, and each distinct line runs once, in
-that order (a later example may use what an earlier one wrote). The Python examples run as written
-too."""
+file, MODEL the same, model-f16.gguf tinycoder's float one), and only small settings are added where
+a command would take minutes (fewer tokens, fewer calibration samples). Lines that cannot run here
+are listed in NOT_HERE with the reason. The files are read README first, then docs/ by name, and
+each distinct line runs once, in that order (a later example may use what an earlier one wrote).
+The Python examples run as written too."""
 from __future__ import annotations
 
 import os
@@ -42,7 +42,7 @@ def commands(files: list[Path] = DOCS) -> list[str]:
 
 def briefer(line: str) -> str:
     for prefix, flag, extra in SMALL:
-        if prefix in line and f" {flag} " not in f" {line} ":
+        if prefix in line and f" {flag} " not in f" {line} " and "--format gguf" not in line:  # gguf: no calibration
             line += " " + extra
     return line
 
@@ -51,6 +51,7 @@ def briefer(line: str) -> str:
 def scratch(tmp_path_factory, smollm2_path, tiny_gguf_path):
     d = tmp_path_factory.mktemp("readme")
     os.symlink(smollm2_path, d / "model.gguf")
+    os.symlink(tiny_gguf_path, d / "model-f16.gguf")  # a float GGUF (F16/F32 tensors): --format gguf's source
     (d / "prompt.txt").write_text("Write one line about the sea.\n###\n")
     (d / "city.json").write_text('{"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, '
                                  '"required": ["name"]}')

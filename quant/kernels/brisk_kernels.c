@@ -28,6 +28,7 @@
 
 #include "bk_decoder.h"
 #include "bk_weight.h"
+#include "gguf_quantize.h"
 #include "gguf_types.h"
 #include "int_dot.h"
 #include "int8_dot.h"
@@ -770,6 +771,32 @@ int bk_dequant_rows(const bk_weight *w, const int64_t *rows, int n, float *out, 
     for (int i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= w->N) return -1;
     KERNELS[clamp_level(level)].rows(w, rows, n, out);
+    return 0;
+}
+
+/* Float32 rows [nrows, k] into GGUF blocks of `type` (gguf_quantize.h), rows spread over the threads:
+ * 0, or -1 for a type brisk does not write or a k that is not whole blocks. */
+typedef struct {
+    bkq_fn fn;
+    const float *x;
+    uint8_t *y;
+    int64_t k, row_bytes;
+} quantize_job;
+
+static void quantize_chunk(const void *a, int r0, int r1) {
+    const quantize_job *j = a;
+    for (int r = r0; r < r1; r++) j->fn(j->x + (int64_t)r * j->k, j->y + (int64_t)r * j->row_bytes, j->k);
+}
+
+int bk_quantize_rows(int type, const float *x, void *y, int nrows, int64_t k) {
+    bkq_fn fn = bkq_for(type);
+    int64_t weights = 0, bytes = 0;
+#define BK_BLOCK_OF(id, w, b, flags) if (type == (id)) { weights = (w); bytes = (b); }
+    BK_TYPE_TABLE(BK_BLOCK_OF)
+#undef BK_BLOCK_OF
+    if (!fn || !weights || k % weights || nrows < 0) return -1;
+    quantize_job j = {fn, x, y, k, k / weights * bytes};
+    parallel_rows(quantize_chunk, &j, nrows, 1);
     return 0;
 }
 

@@ -1,0 +1,162 @@
+"""`brisk quantize --format gguf --method rtn`: a float (or Q8_0) GGUF model requantized into one of
+llama.cpp's mixes, tensor for tensor what `llama-quantize` writes without an importance matrix: the
+same type per tensor (quant/gguf_mix.py) and the same blocks (quant/kernels/gguf_quantize.h). The
+metadata (tokenizer, chat template, architecture keys) is copied as the source holds it, with
+general.file_type and general.quantization_version set; the file is written atomically
+(core/gguf_writer.py). Round-to-nearest takes seconds per tensor, so the job is not resumable: an
+interrupted run starts over.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BriskError, InvalidValue
+
+GGUF_METHODS = ("rtn",)  # gptq on the K-quant grids is the next installment (issue 36)
+# the source types llama.cpp requantizes exactly (their values are float32 without loss)
+SOURCE_TYPES = ("F32", "F16", "BF16", "Q8_0")
+_REPLACED = ("general.file_type", "general.quantization_version", "split.no", "split.count", "split.tensors.count")
+
+
+@dataclass
+class GGUFSummary:
+    out: str
+    type: str
+    method: str
+    source_bytes: int
+    out_bytes: int
+    tensors: dict[str, int]  # type name -> how many tensors have it
+    seconds: float
+    quantized: int  # tensors rounded here (the others copied as they were)
+    format: str = "gguf"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_options(type_name: str | None, method: str | None) -> tuple[object, str]:
+    """(the mix, the method) for --type/--method, or a BriskError naming the flag."""
+    from ...quant.gguf_mix import MIXES
+
+    if type_name is None:
+        raise InvalidValue("type", None, "", template=f"--format gguf needs {{option}}: one of {', '.join(MIXES)}")
+    mix = MIXES.get(type_name.upper())
+    if mix is None:
+        raise InvalidValue("type", type_name, "", template=f"unknown {{option}} {type_name!r}; use one of {', '.join(MIXES)}")
+    method = method or "rtn"
+    if method not in GGUF_METHODS:
+        raise InvalidValue("method", method, "", template=f"--format gguf takes {{option}} {' or '.join(GGUF_METHODS)} "
+                           f"(llama.cpp's rounding), not {method!r}" + (
+                               "; gptq on the GGUF grids is not written yet" if method == "gptq" else ""))
+    return mix, method
+
+
+def _model_shape(meta: dict, path: Path):
+    from ...quant.gguf_mix import ModelShape, seventy_b
+
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise BriskError(f"{path}: no general.architecture in its metadata")
+    if arch == "falcon":
+        raise BriskError("falcon: llama.cpp's own mix rules for it are not followed yet")
+
+    def first(v):
+        return v[0] if isinstance(v, list) and v else v
+
+    n_layer, heads = meta.get(f"{arch}.block_count"), first(meta.get(f"{arch}.attention.head_count"))
+    kv = first(meta.get(f"{arch}.attention.head_count_kv", heads))
+    if not isinstance(n_layer, int) or not isinstance(heads, int):
+        raise BriskError(f"{path}: {arch}.block_count or {arch}.attention.head_count is missing")
+    n_expert = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    return ModelShape(n_layer=n_layer, gqa=heads // kv if kv else 0, n_expert=n_expert,
+                      is_70b=seventy_b(arch, n_layer, heads, kv, n_expert))
+
+
+def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: str | None = None,
+                  force: bool = False, report=lambda event, **info: None) -> GGUFSummary:
+    """Write `model` (a GGUF file) as OUT, a GGUF file of the mix `type_name` (Q4_K_M, Q8_0, ...)."""
+    from ...quant import gguf_types, native
+    from ...quant.gguf_mix import QUANTIZATION_VERSION, file_order, tensor_types
+    from .. import gguf_writer
+    from ..checkpoint import resolve
+    from ..gguf_file import open_gguf
+
+    mix, method = check_options(type_name, method)
+    out = Path(out)
+    if out.is_dir():
+        raise InvalidValue("out", str(out), "", template=f"{{option}} {out} is a folder; --format gguf writes one .gguf file")
+    if out.exists() and not force:
+        raise BriskError(f"{out} exists (--force replaces it)")
+    if not out.parent.is_dir():
+        raise InvalidValue("out", str(out), "", template=f"{{option}}: no folder {out.parent}")
+    name, path = resolve(model)
+    if path.is_dir():
+        raise BriskError(f"{name} is a Hugging Face folder: --format gguf reads a GGUF file for now "
+                         f"(an F32, F16, BF16 or Q8_0 one, e.g. from llama.cpp's convert_hf_to_gguf.py)")
+    if out.resolve() == path.resolve():
+        raise BriskError(f"{out} is the input model itself; write the output elsewhere")
+    t0 = time.perf_counter()
+    report("loading", model=name)
+    src = open_gguf(path)
+    shape = _model_shape(src.metadata, path)
+    tensors = {t.name: t for t in src.tensors}
+    targets = tensor_types({n: (t.shape, t.qtype) for n, t in tensors.items()}, mix, shape)
+    order = file_order(tensors)
+    for n in order:
+        t = tensors[n]
+        current = gguf_types.BY_ID.get(t.qtype)
+        if targets[n] != t.qtype and (current is None or current.name not in SOURCE_TYPES):
+            raise BriskError(f"{name}: tensor {n} is {_type_name(t.qtype)}; --format gguf "
+                             f"requantizes from {', '.join(SOURCE_TYPES)} tensors only")
+    if any(targets[n] not in (tensors[n].qtype, gguf_types.F16, gguf_types.F32) for n in order) and not native.available():
+        raise BriskError("--format gguf needs brisk's native CPU kernels, which could not be built here (a C compiler)")
+    # a tensor kept as it is may be of a type brisk does not run: its size is the file's
+    entries = [gguf_writer.TensorEntry(n, tensors[n].shape, targets[n], tensors[n].nbytes if targets[n] == tensors[n].qtype
+                                       else _nbytes(tensors[n].shape, targets[n])) for n in order]
+    records = [bytes(src.data[a:b]) for k, (a, b) in src.kv_spans.items() if k not in _REPLACED]
+    records += [gguf_writer.u32_record("general.quantization_version", QUANTIZATION_VERSION),
+                gguf_writer.u32_record("general.file_type", mix.file_type)]
+    align = src.metadata.get("general.alignment", gguf_writer.DEFAULT_ALIGNMENT)
+    report("start", total=len(order), type=mix.name)
+
+    def data():
+        for i, n in enumerate(order):
+            t, target = tensors[n], targets[n]
+            if target == t.qtype:
+                blob = src.raw(t)
+            else:
+                rows = src.load(t).numpy().reshape(-1, t.shape[-1])
+                blob = rows.astype(np.float16) if target == gguf_types.F16 else \
+                    rows if target == gguf_types.F32 else native.quantize_rows(target, rows)
+            report("tensor", index=i, name=n, type=_type_name(target), quantized=target != t.qtype)
+            yield blob
+
+    report("writing", out=str(out))
+    size = gguf_writer.write(out, records, entries, data(), align)
+    counts: dict[str, int] = {}
+    for e in entries:
+        counts[_type_name(e.qtype)] = counts.get(_type_name(e.qtype), 0) + 1
+    return GGUFSummary(out=str(out), type=mix.name, method=method, source_bytes=path.stat().st_size, out_bytes=size,
+                       tensors=counts, seconds=round(time.perf_counter() - t0, 2),
+                       quantized=sum(targets[n] != tensors[n].qtype for n in order))
+
+
+def _nbytes(shape: tuple[int, ...], qtype: int) -> int:
+    from ...quant import gguf_types
+
+    t = gguf_types.BY_ID[qtype]
+    n = int(np.prod(shape))
+    return n // t.block_weights * t.block_bytes
+
+
+def _type_name(qtype: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
