@@ -44,9 +44,7 @@ MOVED = {q: (gguf_types.BY_ID[q].block_bytes, _moved(gguf_types.BY_ID[q].block_b
 TYPES = tuple(t.id for t in gguf_types.INTERLEAVED)  # the types with an interleaved layout (native.X8)
 
 
-def packable(qtype: int, rows: int, cols: int) -> bool:
-    t = gguf_types.BY_ID.get(qtype)
-    return t is not None and t.interleave is not None and rows >= ROWS and cols % t.block_weights == 0
+packable = gguf_types.interleavable
 
 
 CHUNK = 4096  # rows packed at a time: the temporaries (a strided view's reshape copies) stay small

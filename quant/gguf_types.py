@@ -80,6 +80,12 @@ WRITTEN = tuple(t for t in TYPES if t.written)  # the types brisk quantizes floa
 REPACKED = tuple(t for t in TYPES if t.fallback in (INT4, INT8))  # gguf_blocks.py's: kept quantized without the kernels
 
 
+def interleavable(qtype: int, rows: int, cols: int) -> bool:
+    """Whether a [rows, cols] matrix of qtype takes its rows-by-8 layout (gguf_interleave.py)."""
+    t = BY_ID.get(qtype)
+    return t is not None and t.interleave is not None and rows >= 8 and cols % t.block_weights == 0
+
+
 def block(qtype: int) -> tuple[int, int]:
     """(weights, bytes) per block of a type in the table."""
     t = BY_ID[qtype]

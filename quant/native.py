@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from . import gguf_interleave, gguf_types, settings
+from . import gguf_types, settings
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "brisk_kernels.c"
@@ -411,7 +411,7 @@ def takes(qtype: int, K: int) -> bool:
 def interleaves(qtype: int, rows: int, cols: int) -> bool:
     """Whether a kept GGUF weight of this type and shape is loaded with its rows interleaved by 8
     (X8: the faster layout, gguf_interleave.py). BRISK_INTERLEAVE=0 keeps the file's layout (A/B runs)."""
-    return (gguf_interleave.packable(qtype, rows, cols) and (ACT8 or qtype not in ACT8_TYPES)
+    return (gguf_types.interleavable(qtype, rows, cols) and (ACT8 or qtype not in ACT8_TYPES)
             and settings.INTERLEAVE.get())
 
 
@@ -428,7 +428,7 @@ class NativeWeight:
                  layout: int = 0):
         """layout: 0, the rows as the format stores them, or X8 (rows interleaved by 8, for the types
         gguf_types.py gives a layout: quant/gguf_interleave.py)."""
-        if layout not in (0, X8) or layout == X8 and kind not in gguf_interleave.TYPES:
+        if layout not in (0, X8) or layout == X8 and kind not in {t.id for t in gguf_types.INTERLEAVED}:
             raise ValueError(f"layout {layout} for a weight of kind {kind}")
         if kind in BLOCK:
             row_bytes = K // BLOCK[kind][0] * BLOCK[kind][1]
