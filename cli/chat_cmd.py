@@ -45,7 +45,6 @@ def chat(
 
     Reads lines from stdin when it is not a terminal (one user turn per line).
     """
-    from ..core.chat import Chat
     from ..core.errors import BriskError
 
     interactive = sys.stdin.isatty()
@@ -64,6 +63,8 @@ def chat(
         llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                      presence_penalty, frequency_penalty)
+        from ..core.chat import Chat
+
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
         conv.session.speculator = c.load_speculator(llm, draft_options)
     if interactive:

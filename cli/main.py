@@ -59,3 +59,7 @@ def _is_click_error(e: Exception) -> bool:
     """A click usage error, from click itself or from the copy of click that typer may vendor
     (typer._click: its classes are not click's, so isinstance against click misses them)."""
     return any(c.__name__ == "ClickException" for c in type(e).__mro__) and hasattr(e, "show")
+
+
+if __name__ == "__main__":  # python -m brisk.cli.main, as the console script runs it
+    run()

@@ -57,9 +57,11 @@ def quantize(
     Examples:  brisk quantize -o smol-gptq --method gptq  ·  brisk quantize org/name -o out --method awq
     ·  brisk quantize model.gguf -o out-nf4 --method nf4 --double-quant
     """
-    from ..core.quantize import QuantOptions, quantize_model
-
     with c.user_errors():
+        from ..core.load_options import check_load_options
+
+        check_load_options(model, threads=threads)  # before the stack that loads it is imported
+        from ..core.quantize import QuantOptions, quantize_model
         from ..core.device import set_cpu_threads
 
         set_cpu_threads(threads)

@@ -15,6 +15,7 @@ from .config import DEFAULT_CTX
 from .device import pick_device, pick_dtype, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue, PromptTooLong
 from .kernel_passes import apply_device_kernels
+from .load_options import QUANTIZE_CHOICES, check_quantize  # noqa: F401  (QUANTIZE_CHOICES: also imported from here)
 from .kv import ContiguousKV
 from .model import MoE, Router, Transformer
 from ..quant import gguf_blocks, native
@@ -47,8 +48,7 @@ class LLM:
         """quantize: "auto" runs a checkpoint as it is stored (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 weights stay
         quantized, a GPTQ/AWQ/bitsandbytes checkpoint stays in its format, a float one stays float);
         "none" widens everything to `dtype`; int8/int4/nf4 quantize float layers at load."""
-        if quantize not in QUANTIZE_CHOICES:
-            raise InvalidValue("quantize", quantize, "", template=f"{{option}} {quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
+        check_quantize(quantize)
         t0 = time.perf_counter()
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
@@ -126,7 +126,6 @@ class LLM:
             pass
         return session.last
 
-QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "nf4")
 # More characters than any vocabulary's tokens hold on average: text beyond ctx times this cannot fit
 MAX_CHARS_PER_TOKEN = 64
 

@@ -46,6 +46,67 @@ def test_version_and_help():
         assert "<bool>" not in r.output  # flags take no value: no type shown
 
 
+# What only loading or running a model needs: help, a usage error or a value refused by its checks
+# must not pay for it (`import torch` alone takes seconds on a small machine).
+HEAVY = ("torch", "numpy", "transformers", "jinja2", "tokenizers", "gguf", "safetensors", "fastapi", "uvicorn",
+         "llguidance", "huggingface_hub", "scipy", "sympy")
+NO_HEAVY_IMPORTS = """
+import json, sys
+from typer.testing import CliRunner
+from brisk.cli.main import app
+heavy = lambda: sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))
+seen = {"app built": heavy()}
+runner = CliRunner()
+for args in CASES:
+    r = runner.invoke(app, args)
+    seen[" ".join(args)] = [r.exit_code, r.output, heavy()]
+print(json.dumps(seen))
+"""
+
+
+def test_help_and_refusals_import_no_model_stack(tmp_path):
+    """Building the app, --help of every command, a bad flag, a missing file and a bad value, in one
+    fresh interpreter: none imports torch (or numpy, tokenizers, ...), and each refusal says what is
+    wrong (test_errors.py checks the one-line form through the console script)."""
+    missing, text = str(tmp_path / "missing.gguf"), tmp_path / "t.txt"
+    text.write_text("some text")
+    commands = ["generate", "chat", "bench", "info", "quantize", "eval", "serve", "distill", "cache", "pull", "list", "rm"]
+    refused = {  # arguments -> words of the error
+        ("generate", "--bogus"): "no such option",
+        ("generate", "-m", missing, "Hi"): "no such file",
+        ("generate", "--temperature", "-1", "Hi"): "--temperature",
+        ("generate", "--device", "tpu", "Hi"): "--device",
+        ("generate", "--dtype", "f8", "Hi"): "--dtype",
+        ("generate", "-q", "int3", "Hi"): "--quantize",
+        ("generate", "--threads", "0", "Hi"): "--threads",
+        ("generate", "--json-schema", str(tmp_path / "s.json"), "Hi"): "no such file",
+        ("generate", "--draft", missing, "Hi"): "no such file",
+        ("generate", "--batch", str(tmp_path / "b.jsonl")): "cannot read",
+        ("chat", "-m", missing): "no such file",
+        ("chat", "--top-p", "2"): "--top-p",
+        ("serve", "-m", missing): "no such file",
+        ("bench", "-m", missing): "no such file",
+        ("info", missing): "no such file",
+        ("eval", "-m", missing, "-f", str(text)): "no such file",
+        ("quantize", missing, "-o", str(tmp_path / "q"), "--method", "gptq"): "no such file",
+        ("distill", missing, "-o", str(tmp_path / "d")): "no such file",
+    }
+    cases = [["--help"]] + [[cmd, "--help"] for cmd in commands] + [list(a) for a in refused]
+    script = f"HEAVY = {HEAVY!r}\nCASES = {cases!r}\n" + NO_HEAVY_IMPORTS
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen.pop("app built") == []
+    for args, (code, output, heavy) in seen.items():
+        assert heavy == [], f"brisk {args} imported {heavy}"
+        words = refused.get(tuple(args.split(" ")))
+        if words is None:
+            assert code == 0, (args, output)
+        else:
+            assert code != 0 and words in output.lower() and "Traceback" not in output, (args, output)
+
+
 def test_generate_runner_json(tiny_llama_dir):
     r = runner.invoke(app, ["generate", str(tiny_llama_dir), "hello", "--temperature", "0", "-n", "6", "--json"])
     assert r.exit_code == 0, r.output
