@@ -565,6 +565,23 @@ def test_chat_multiline_message_is_one_turn(tiny_llama_dir):
     assert rc == 0 and "turns 1" in out, out
 
 
+def test_chat_paste_on_a_terminal_is_one_message(tiny_llama_dir, tmp_path):
+    """Lines pasted at once on a terminal (already waiting when the first is read) are one message;
+    lines typed one by one stay one turn each, as do piped lines (test_chat_piped_with_commands)."""
+    pasted, typed = tmp_path / "pasted.json", tmp_path / "typed.json"
+    rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "2"],
+                           [b"first line\rsecond line\rthird line\r", f"/save {pasted}\r".encode(), b"\x04"])
+    assert rc == 0, out
+    users = [m["content"] for m in json.loads(pasted.read_text())["messages"] if m["role"] == "user"]
+    assert users == ["first line\nsecond line\nthird line"], out
+    rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "2"], [b"one\r", b"two\r", f"/save {typed}\r".encode(), b"\x04"])
+    assert rc == 0, out
+    assert [m["content"] for m in json.loads(typed.read_text())["messages"] if m["role"] == "user"] == ["one", "two"]
+    # a paste that ends with Ctrl-D: its message is answered, then the chat ends
+    rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "2"], [f"/save {typed}\r".encode(), b"a\rb\r\x04"])
+    assert rc == 0 and out.count(">>> ") == 2, out
+
+
 def test_generate_interrupted_exits_130():
     """Ctrl-C (SIGINT) mid-answer: what was generated is printed, and the exit status says so."""
     import signal
