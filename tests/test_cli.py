@@ -107,6 +107,19 @@ def test_help_and_refusals_import_no_model_stack(tmp_path):
             assert code != 0 and words in output.lower() and "Traceback" not in output, (args, output)
 
 
+def test_cpu_generate_imports_only_what_it_runs(tiny_gguf_path):
+    """A CPU run of a GGUF imports no triton (its kernels need a GPU) and not the gguf package (brisk
+    reads the file itself; the package only dequantizes types brisk has no reader for)."""
+    script = ("import sys; from brisk.cli.main import run; sys.argv[1:] = ['generate', '-m', %r, 'hi', '-n', '2', "
+              "'--device', 'cpu']\ntry:\n    run()\nfinally:\n    print(sorted({m.split('.')[0] for m in sys.modules} "
+              "& {'triton', 'gguf', 'transformers'}), file=sys.stderr)" % str(tiny_gguf_path))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as users run it
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "[]", r.stderr
+
+
 def test_generate_runner_json(tiny_llama_dir):
     r = runner.invoke(app, ["generate", str(tiny_llama_dir), "hello", "--temperature", "0", "-n", "6", "--json"])
     assert r.exit_code == 0, r.output

@@ -6,6 +6,9 @@ rejected drafts or a rewritten chat turn the caller simply writes the next step 
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from .. import paged_attention_kernel
@@ -30,12 +33,23 @@ def decode_attention(q, k, v, scale, mask=None, sinks=None):
     return y.view(B, 1, H, D)
 
 
+def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros; on the CPU in fresh private anonymous memory, which the OS zeroes page by page
+    as it is first written: a cache for the whole context costs nothing at start (torch.zeros
+    writes every slot before the first token) and its memory grows with the text."""
+    n = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or not n or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: a fork does not share it
+    return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+
+
 class ContiguousKV(KV):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str, batch: int = 1):
         shape = (batch, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(n_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(n_layers)]
         self.max_len = max_len
         # each sequence's cache as one block of a paged pool (the CUDA decode-attention kernel)
         self.block_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
