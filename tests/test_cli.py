@@ -110,9 +110,9 @@ def test_help_and_refusals_import_no_model_stack(tmp_path):
 def test_cpu_generate_imports_only_what_it_runs(tiny_gguf_path):
     """A CPU run of a GGUF imports no triton (its kernels need a GPU) and not the gguf package (brisk
     reads the file itself; the package only dequantizes types brisk has no reader for)."""
-    script = ("import sys; from brisk.cli.main import run; sys.argv[1:] = ['generate', '-m', %r, 'hi', '-n', '2', "
-              "'--device', 'cpu']\ntry:\n    run()\nfinally:\n    print(sorted({m.split('.')[0] for m in sys.modules} "
-              "& {'triton', 'gguf', 'transformers'}), file=sys.stderr)" % str(tiny_gguf_path))
+    script = ("import atexit, sys; from brisk.cli.main import run; sys.argv[1:] = ['generate', '-m', %r, 'hi', '-n', "
+              "'2', '--device', 'cpu']\natexit.register(lambda: print(sorted({m.split('.')[0] for m in sys.modules} "
+              "& {'triton', 'gguf', 'transformers'}), file=sys.stderr))\nrun()" % str(tiny_gguf_path))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as users run it
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
                        stdin=subprocess.DEVNULL)
