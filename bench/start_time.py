@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("checkouts", nargs="*", type=Path, default=[ROOT])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--phases", action="store_true")
+    ap.add_argument("--case", action="append", choices=list(CASES), help="only these cases (repeatable)")
     a = ap.parse_args()
     roots = {str(c): package_root(c) for c in a.checkouts}
     for root in roots.values():  # untimed: builds the header cache and native kernels if missing
@@ -126,15 +127,16 @@ def main() -> None:
                 print(f"  {key:50s} {statistics.median(s[2][key] - s[2][prev] for s in stamps):.3f}")
             print(f"  {'(whole process)':50s} {statistics.median(s[1] for s in stamps):.3f}")
         return
-    results = {name: {case: [] for case in CASES} for name in roots}
+    cases = {case: CASES[case] for case in a.case or CASES}
+    results = {name: {case: [] for case in cases} for name in roots}
     for _ in range(a.reps):
-        for case, args in CASES.items():
+        for case, args in cases.items():
             for name, root in roots.items():  # alternating: A, B, A, B, ...
                 results[name][case].append(timed(args, env_for(root)))
     print(f"medians of {a.reps} runs, s (first byte on stdout / exit)")
     print("| case | " + " | ".join(roots) + " |")
     print("|---|" + "---|" * len(roots))
-    for case in CASES:
+    for case in cases:
         cells = []
         for name in roots:
             runs = results[name][case]
