@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,14 @@ def main() -> None:
     ap.add_argument("--case", action="append", choices=list(CASES), help="only these cases (repeatable)")
     a = ap.parse_args()
     roots = {str(c): package_root(c) for c in a.checkouts}
+    try:
+        measure(a, roots)
+    finally:
+        for root in roots.values():
+            shutil.rmtree(root, ignore_errors=True)  # the symlinks only, never the checkouts
+
+
+def measure(a, roots: dict) -> None:
     for root in roots.values():  # untimed: builds the header cache and native kernels if missing
         timed(CASES["generate -n 8"], env_for(root))
     if a.phases:
