@@ -52,16 +52,15 @@ def bench(
     Each tok/s is the median over -r runs ± half their range; GB/s is the weight bytes a decode
     step reads (of a mixture of experts, the routed experts only) x tg tok/s.
     """
-    import torch
-
-    from ..core import benchmark
-    from ..core.llm import LLM
-
     with c.user_errors():
         from ..core.errors import BriskError
+        from ..core.load_options import check_load_options
 
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
+        for dev, dt, quant in [(v, d, q) for v in _list(device) for d in _list(dtype) for q in _list(quantize)]:
+            check_load_options(model or model_pos, dev, dt, quant, threads)
+        from ..core import benchmark
         from ..core.device import cpu_threads, set_cpu_threads
 
         set_cpu_threads(threads)

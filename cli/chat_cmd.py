@@ -44,9 +44,9 @@ def chat(
 ):
     """Chat with a model in the terminal, using its own chat template.
 
-    Reads lines from stdin when it is not a terminal (one user turn per line).
+    Reads lines from stdin when it is not a terminal (one user turn per line). On a terminal,
+    lines pasted at once are one message.
     """
-    from ..core.chat import Chat
     from ..core.errors import BriskError
 
     interactive = sys.stdin.isatty()
@@ -68,6 +68,8 @@ def chat(
         llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads, kv_type=kv_type)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                      presence_penalty, frequency_penalty)
+        from ..core.chat import Chat
+
         conv = Chat(llm, system=system, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop or ()))
         conv.session.speculator = c.load_speculator(llm, draft_options)
     if interactive:
@@ -90,9 +92,19 @@ def chat(
         if line == "" and not interactive:
             break  # end of piped input
         line = line.rstrip("\n")
+        ended = False
         if line.strip() == '"""':  # a multi-line message (a paste), up to the next """ line
             line = _read_block(interactive)
+        elif interactive and not line.startswith("/"):
+            try:
+                more, ended = _pasted_lines()
+            except KeyboardInterrupt:  # Ctrl-C while the paste was read: the message is dropped
+                out.print()
+                continue
+            line = "\n".join([line, *more])
         if not line.strip():
+            if ended:
+                break
             continue
         if line.startswith("/"):
             if not _command(line, conv, out):
@@ -107,13 +119,38 @@ def chat(
                 except KeyboardInterrupt:
                     answer.close()
                     out.print(" [interrupted]", style="dim", end="", markup=False)
-        except typer.Exit:
-            continue  # the error was printed; the session goes on
+        except typer.Exit:  # the error was printed; the session goes on
+            if ended:
+                break
+            continue
         out.print()
         if conv.session.last is not None and conv.session.last.finish_reason == "loop":
             out.print(c.LOOP_NOTE, style="dim", markup=False)
         if conv.last_dropped:
             out.print(f"(dropped the {conv.last_dropped} oldest turn(s) to fit the context)", style="dim")
+        if ended:  # Ctrl-D came with the paste: leave after its answer
+            out.print()
+            break
+
+
+# A paste reaches the terminal at once, so its lines are already waiting when the first is read
+# (terminals without bracketed paste send them as typed lines; with it, readline returns one
+# line holding them all). No one types Enter and then the next line within this time.
+PASTE_GAP_S = 0.05
+
+
+def _pasted_lines() -> tuple[list[str], bool]:
+    """The lines already waiting on the terminal after the one just read: the rest of a paste, to
+    send with it as one message. Also whether Ctrl-D (the end of input) came among them."""
+    import select
+
+    lines = []
+    while select.select([sys.stdin.fileno()], [], [], PASTE_GAP_S)[0]:
+        try:
+            lines.append(input("... "))
+        except EOFError:
+            return lines, True
+    return lines, False
 
 
 def _read_block(interactive: bool) -> str:

@@ -74,7 +74,7 @@ def sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, s
                     presence_penalty=None, frequency_penalty=None):
     """Flags override the model's own settings (generation_config.json, a GGUF's general.sampling.*),
     which override brisk's defaults (core/sampling.py)."""
-    from ..core.sampling import SamplingParams
+    from ..core.sampling_params import SamplingParams
 
     gen = llm.checkpoint.generation if llm is not None else {}
     d = SamplingParams()
@@ -117,6 +117,9 @@ def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], 
     quantized kernel) become one 'warning:' line each."""
     import warnings
 
+    from ..core.load_options import check_load_options
+
+    check_load_options(model, device, dtype, quantize, threads)  # a wrong value fails before torch loads
     from ..core.device import set_cpu_threads
     from ..core.llm import LLM
 

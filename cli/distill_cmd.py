@@ -53,9 +53,11 @@ def distill(
     command resumes from the last checkpoint and gives the same heads.
     Examples:  brisk distill -o smol-heads  ·  brisk distill model.gguf -o heads --data prompts.jsonl
     """
-    from ..core.distill import distill as run_distill
-
     with c.user_errors():
+        from ..core.load_options import check_load_options
+
+        check_load_options(model, device, threads=threads)  # before the stack that loads it is imported
+        from ..core.distill import distill as run_distill
         from ..core.device import set_cpu_threads
 
         set_cpu_threads(threads)

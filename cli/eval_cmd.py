@@ -56,6 +56,10 @@ def eval_(
         if base:
             check_kv_type(base_kv_type)
         content = _read(text)
+        from ..core.load_options import check_load_options
+
+        for name, quant in ((model or model_pos, quantize), (base, base_quantize)) if base else ((model or model_pos, quantize),):
+            check_load_options(name, device, dtype, quant, threads)  # both models, before torch loads
         from ..core.evaluate import evaluate
 
         llm = c.load_llm(model or model_pos, device, dtype, ctx or 512, quiet=as_json, quantize=quantize, threads=threads,

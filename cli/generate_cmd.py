@@ -79,12 +79,9 @@ def generate(
                 raise BriskError("--logprobs goes with a single prompt's --json (not with --batch)")
             if prompt_opt is not None:
                 raise BriskError("--prompt goes with a single prompt (with --batch the prompts come from the file)")
-            from ..core.device import set_cpu_threads
-
-            set_cpu_threads(threads)
             return _generate_batch(args or [], model, batch, output, max_concurrency, file, draft or lookahead,
                                    as_json, raw,
-                                   system, max_tokens, tuple(stop or ()), device, dtype, ctx, kv_type,
+                                   system, max_tokens, tuple(stop or ()), device, dtype, ctx, kv_type, threads,
                                    (temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                     presence_penalty, frequency_penalty))
         if output is not None:
@@ -170,14 +167,13 @@ def _logprobs_json(entries, texts) -> list[dict]:
 
 
 def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as_json, raw, system, max_tokens,
-                    stop, device, dtype, ctx, kv_type, flags):
+                    stop, device, dtype, ctx, kv_type, threads, flags):
     """Every request of the file through one continuous-batching engine; results in input order."""
     import time
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..core.jobs import read_jsonl, request_from, summary, unknown_keys
-    from ..core.batching import Engine
 
     if len(args) > 1 or (args and model):
         raise BriskError("with --batch, give only the model (the prompts come from the file)")
@@ -187,7 +183,9 @@ def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as
     for obj in objs:
         for key in unknown_keys(obj):
             print(f"warning: {batch}:{obj['_line']}: unknown key {key!r} (ignored)", file=sys.stderr)
-    llm = c.load_llm(model or (args[0] if args else None), device, dtype, ctx, kv_type=kv_type)
+    llm = c.load_llm(model or (args[0] if args else None), device, dtype, ctx, threads=threads, kv_type=kv_type)
+    from ..core.batching import Engine
+
     defaults = c.sampling_params(llm, *flags)
     requests = []
     for obj in objs:
@@ -343,7 +341,7 @@ def _say_when_stdin_is_silent(fd: int) -> None:
 
 
 def _looks_like_model(arg: str) -> bool:
-    from ..core.checkpoint import HUB_ID
+    from ..core.model_path import HUB_ID
 
     try:
         exists = Path(arg).expanduser().exists()

@@ -16,6 +16,38 @@ from . import bench_cmd, cache_cmd, chat_cmd, distill_cmd, eval_cmd, generate_cm
 
 def run() -> None:
     """Console-script entry: user errors become one line on stderr and a non-zero exit."""
+    try:
+        _run()
+    except SystemExit as e:
+        _exit(e.code)
+    _exit(0)
+
+
+def _exit(code) -> None:
+    """Leave with `code` (as sys.exit takes it). Once torch is loaded, without the interpreter's
+    teardown: unloading its thousand modules takes most of a second after the answer is out. What
+    that teardown owes is done first: other threads joined, atexit handlers run, output flushed."""
+    if "torch" not in sys.modules:
+        sys.exit(code)
+    import atexit
+    import threading
+
+    if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (brisk ... | head) or stream: nothing to keep
+            pass
+    os._exit(code or 0)
+
+
+def _run() -> None:
     import warnings
 
     from ..core.errors import BriskError
@@ -59,3 +91,7 @@ def _is_click_error(e: Exception) -> bool:
     """A click usage error, from click itself or from the copy of click that typer may vendor
     (typer._click: its classes are not click's, so isinstance against click misses them)."""
     return any(c.__name__ == "ClickException" for c in type(e).__mro__) and hasattr(e, "show")
+
+
+if __name__ == "__main__":  # python -m brisk.cli.main, as the console script runs it
+    run()

@@ -23,7 +23,7 @@ from ..core.jobs import request_from, response_grammar
 from ..core.tool_calls import MAX_CALLS, checked_choice, checked_tools, tool_format
 from ..core.logprobs import checked_count
 from .openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from ..core.sampling import SamplingParams
+from ..core.sampling_params import SamplingParams
 from ..core.batching import Engine, EngineThread, Sequence
 from .http_limits import MAX_BODY_BYTES, MAX_JSON_DEPTH, too_deep
 

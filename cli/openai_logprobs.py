@@ -3,7 +3,10 @@ the token's text, its bytes and its alternatives) and the legacy completions' `l
 lists of tokens, logprobs, alternatives as {text: logprob} and text offsets)."""
 from __future__ import annotations
 
-from ..core.logprobs import TokenLogprob
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a name for the hints only: core.logprobs imports torch, which `brisk --help` must not pay
+    from ..core.logprobs import TokenLogprob
 
 
 class TokenTexts:

@@ -67,7 +67,6 @@ def quantize(
     ·  brisk quantize model-f16.gguf -o model-Q4_K_M.gguf --format gguf --type Q4_K_M
     """
     from ..core.errors import InvalidValue
-    from ..core.quantize import QuantOptions, quantize_model
 
     hf_only = {"bits": bits, "group_size": group_size, "sym": sym, "act_order": act_order, "damp": damp,
                "double_quant": double_quant, "calib": calib, "samples": samples, "seq_len": seq_len,
@@ -82,6 +81,10 @@ def quantize(
             raise InvalidValue("type", qtype, "", template="{option} applies to --format gguf only")
         if method is None:
             raise InvalidValue("method", None, "", template="{option} is required (gptq, awq, nf4, fp4 or int8)")
+        from ..core.load_options import check_load_options
+
+        check_load_options(model, threads=threads)  # before the stack that loads it is imported
+        from ..core.quantize import QuantOptions, quantize_model
         from ..core.device import set_cpu_threads
 
         set_cpu_threads(threads)

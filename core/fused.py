@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
+from ..quant.triton_runtime import load_triton
+
+triton = load_triton()
+if triton is not None:
     import triton.language as tl
-except ImportError:
-    triton = None
 
 
 def usable(x: torch.Tensor) -> bool:

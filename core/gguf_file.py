@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .errors import FileError, UnsupportedFormat
+from ..quant import gguf_types
 
 # GGUF value types: (numpy dtype or struct code) for the scalar types.
 _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
@@ -166,17 +167,17 @@ class _Corrupt(ValueError):
 
 def dequantize_tensor(data: np.ndarray, t: TensorInfo) -> torch.Tensor:
     """One tensor of a memory-mapped GGUF file as float32 torch."""
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType(t.qtype)
     raw = data[t.offset:t.offset + t.nbytes]
-    if qtype == gguf.GGMLQuantizationType.F32:
+    if t.qtype == gguf_types.F32:
         arr = raw.view(np.float32).copy()
-    elif qtype == gguf.GGMLQuantizationType.F16:
+    elif t.qtype == gguf_types.F16:
         arr = raw.view(np.float16).astype(np.float32)
-    elif qtype == gguf.GGMLQuantizationType.BF16:
+    elif t.qtype == gguf_types.BF16:
         return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
     else:
+        import gguf  # its dequantizers (the gguf package's import is slow: not for the float types)
+
+        qtype = gguf.GGMLQuantizationType(t.qtype)
         try:
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             arr = gguf.quants.dequantize(raw.reshape(-1, t.shape[-1] // block * size), qtype)

@@ -7,10 +7,13 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import BriskError, FileError, InvalidValue, PromptTooLong
-from .sampling import SamplingParams
-from .batching import Request
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the scheduler's stack (torch) loads when a request is made, not with the checks
+    from .batching import Request
 
 SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
                    "repetition_penalty": float, "seed": int, "presence_penalty": float, "frequency_penalty": float}
@@ -171,6 +174,8 @@ def request_from(llm, obj: dict, sampling: SamplingParams, max_tokens: int, stop
     A prompt that does not fit llm's context is refused here, before any engine sees it.
     logprobs, prompt_logprobs, grammar: Request's (with prompt_logprobs, max_tokens may be 0);
     tools: rendered by the chat template."""
+    from .batching import Request
+
     if not isinstance(obj, dict):
         raise BriskError("each request must be a JSON object")
     fields = {k: _typed(obj, k, kind) for k, kind in SAMPLING_FIELDS.items() if obj.get(k) is not None}

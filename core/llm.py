@@ -15,6 +15,7 @@ from .config import DEFAULT_CTX
 from .device import pick_device, pick_dtype, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue, PromptTooLong
 from .kernel_passes import apply_device_kernels
+from .load_options import QUANTIZE_CHOICES, check_quantize  # noqa: F401  (QUANTIZE_CHOICES: also imported from here)
 from .kv import ContiguousKV
 from .kv import kv_type as kv_types
 from .kv.kv_type import KVType
@@ -51,8 +52,7 @@ class LLM:
         quantized, a GPTQ/AWQ/bitsandbytes checkpoint stays in its format, a float one stays float);
         "none" widens everything to `dtype`; int8/int4/nf4 quantize float layers at load.
         kv_type: how caches store K and V, auto | f32 | f16 | bf16 | q8_0 (core/kv/kv_type.py)."""
-        if quantize not in QUANTIZE_CHOICES:
-            raise InvalidValue("quantize", quantize, "", template=f"{{option}} {quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
+        check_quantize(quantize)
         kv_types.check_kv_type(kv_type)
         t0 = time.perf_counter()
         dev = pick_device(device)
@@ -135,7 +135,6 @@ class LLM:
             pass
         return session.last
 
-QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "nf4")
 # More characters than any vocabulary's tokens hold on average: text beyond ctx times this cannot fit
 MAX_CHARS_PER_TOKEN = 64
 

@@ -126,12 +126,12 @@ def has_chat_template(model: str | None) -> bool | None:
     try:
         name, path = _locate(model)
         if path.is_file():
-            from .checkpoint import _gguf_header
+            from .checkpoint import gguf_has_chat_template
 
-            return _gguf_header(path)[1].has_chat_template
-        from .tokenizer import Tokenizer
+            return gguf_has_chat_template(path)
+        from .tokenizer import chat_template_in
 
-        return Tokenizer.from_hf_folder(path).has_chat_template
+        return chat_template_in(path) is not None
     except BriskError:
         return None
 
@@ -139,13 +139,12 @@ def has_chat_template(model: str | None) -> bool | None:
 # ---------------------------------------------------------------- finding the model
 
 def _locate(model: str | None) -> tuple[str, Path]:
-    """checkpoint.resolve, except that a hub id is only looked up in the local cache: info never
+    """model_path.resolve, except that a hub id is only looked up in the local cache: info never
     downloads a model."""
-    from . import checkpoint
+    from . import model_path
 
-    if model is None or model == "default" or Path(model).expanduser().exists() or model.endswith(".gguf") \
-            or model.startswith((".", "/", "~")) or not checkpoint.HUB_ID.match(model):
-        return checkpoint.resolve(model)
+    if model is None or not model_path.is_hub_id(model):
+        return model_path.resolve_local(model)
     from . import hub
 
     try:

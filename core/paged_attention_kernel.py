@@ -20,11 +20,12 @@ import functools
 
 import torch
 
-try:
-    import triton
+from ..quant.triton_runtime import load_triton
+
+triton = load_triton()  # None on a CPU-only install or run: callers use the torch path
+tl = None
+if triton is not None:
     import triton.language as tl
-except ImportError:  # the CPU-only install: callers use the torch path
-    triton = tl = None
 
 
 def available() -> bool:

@@ -373,6 +373,11 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def chat_template_in(folder: Path) -> str | None:
+    """The chat template of a tokenizer folder, read without building the tokenizer."""
+    return _chat_template(folder, _read_json(folder / "tokenizer_config.json"))
+
+
 def _chat_template(path: Path, cfg: dict) -> str | None:
     from .files import exists, read_bounded
 

@@ -24,11 +24,11 @@ import functools
 
 import torch
 
-try:
-    import triton
+from .triton_runtime import load_triton
+
+triton = load_triton()  # None without triton or a GPU: layers fall back to dequantize + F.linear
+if triton is not None:
     import triton.language as tl
-except ImportError:  # no triton (a CPU-only install): layers fall back to dequantize + F.linear
-    triton = None
 
 
 def usable(x: torch.Tensor) -> bool:

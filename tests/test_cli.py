@@ -46,6 +46,80 @@ def test_version_and_help():
         assert "<bool>" not in r.output  # flags take no value: no type shown
 
 
+# What only loading or running a model needs: help, a usage error or a value refused by its checks
+# must not pay for it (`import torch` alone takes seconds on a small machine).
+HEAVY = ("torch", "numpy", "transformers", "jinja2", "tokenizers", "gguf", "safetensors", "fastapi", "uvicorn",
+         "llguidance", "huggingface_hub", "scipy", "sympy")
+NO_HEAVY_IMPORTS = """
+import json, sys
+from typer.testing import CliRunner
+from brisk.cli.main import app
+heavy = lambda: sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))
+seen = {"app built": heavy()}
+runner = CliRunner()
+for args in CASES:
+    r = runner.invoke(app, args)
+    seen[" ".join(args)] = [r.exit_code, r.output, heavy()]
+print(json.dumps(seen))
+"""
+
+
+def test_help_and_refusals_import_no_model_stack(tmp_path):
+    """Building the app, --help of every command, a bad flag, a missing file and a bad value, in one
+    fresh interpreter: none imports torch (or numpy, tokenizers, ...), and each refusal says what is
+    wrong (test_errors.py checks the one-line form through the console script)."""
+    missing, text = str(tmp_path / "missing.gguf"), tmp_path / "t.txt"
+    text.write_text("some text")
+    commands = ["generate", "chat", "bench", "info", "quantize", "eval", "serve", "distill", "cache", "pull", "list", "rm"]
+    refused = {  # arguments -> words of the error
+        ("generate", "--bogus"): "no such option",
+        ("generate", "-m", missing, "Hi"): "no such file",
+        ("generate", "--temperature", "-1", "Hi"): "--temperature",
+        ("generate", "--device", "tpu", "Hi"): "--device",
+        ("generate", "--dtype", "f8", "Hi"): "--dtype",
+        ("generate", "-q", "int3", "Hi"): "--quantize",
+        ("generate", "--threads", "0", "Hi"): "--threads",
+        ("generate", "--json-schema", str(tmp_path / "s.json"), "Hi"): "no such file",
+        ("generate", "--draft", missing, "Hi"): "no such file",
+        ("generate", "--batch", str(tmp_path / "b.jsonl")): "cannot read",
+        ("chat", "-m", missing): "no such file",
+        ("chat", "--top-p", "2"): "--top-p",
+        ("serve", "-m", missing): "no such file",
+        ("bench", "-m", missing): "no such file",
+        ("info", missing): "no such file",
+        ("eval", "-m", missing, "-f", str(text)): "no such file",
+        ("quantize", missing, "-o", str(tmp_path / "q"), "--method", "gptq"): "no such file",
+        ("distill", missing, "-o", str(tmp_path / "d")): "no such file",
+    }
+    cases = [["--help"]] + [[cmd, "--help"] for cmd in commands] + [list(a) for a in refused]
+    script = f"HEAVY = {HEAVY!r}\nCASES = {cases!r}\n" + NO_HEAVY_IMPORTS
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen.pop("app built") == []
+    for args, (code, output, heavy) in seen.items():
+        assert heavy == [], f"brisk {args} imported {heavy}"
+        words = refused.get(tuple(args.split(" ")))
+        if words is None:
+            assert code == 0, (args, output)
+        else:
+            assert code != 0 and words in output.lower() and "Traceback" not in output, (args, output)
+
+
+def test_cpu_generate_imports_only_what_it_runs(tiny_gguf_path):
+    """A CPU run of a GGUF imports no triton (its kernels need a GPU) and not the gguf package (brisk
+    reads the file itself; the package only dequantizes types brisk has no reader for)."""
+    script = ("import atexit, sys; from brisk.cli.main import run; sys.argv[1:] = ['generate', '-m', %r, 'hi', '-n', "
+              "'2', '--device', 'cpu']\natexit.register(lambda: print(sorted({m.split('.')[0] for m in sys.modules} "
+              "& {'triton', 'gguf', 'transformers'}), file=sys.stderr))\nrun()" % str(tiny_gguf_path))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as users run it
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "[]", r.stderr
+
+
 def test_generate_runner_json(tiny_llama_dir):
     r = runner.invoke(app, ["generate", str(tiny_llama_dir), "hello", "--temperature", "0", "-n", "6", "--json"])
     assert r.exit_code == 0, r.output
@@ -527,6 +601,23 @@ def test_chat_multiline_message_is_one_turn(tiny_llama_dir):
     assert r.returncode == 0 and "turns 1" in r.stdout, r.stdout + r.stderr
     rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "2"], [b'"""\ra\rb\r"""\r/stats\r\x04'])
     assert rc == 0 and "turns 1" in out, out
+
+
+def test_chat_paste_on_a_terminal_is_one_message(tiny_llama_dir, tmp_path):
+    """Lines pasted at once on a terminal (already waiting when the first is read) are one message;
+    lines typed one by one stay one turn each, as do piped lines (test_chat_piped_with_commands)."""
+    pasted, typed = tmp_path / "pasted.json", tmp_path / "typed.json"
+    rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "2"],
+                           [b"first line\rsecond line\rthird line\r", f"/save {pasted}\r".encode(), b"\x04"])
+    assert rc == 0, out
+    users = [m["content"] for m in json.loads(pasted.read_text())["messages"] if m["role"] == "user"]
+    assert users == ["first line\nsecond line\nthird line"], out
+    rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "2"], [b"one\r", b"two\r", f"/save {typed}\r".encode(), b"\x04"])
+    assert rc == 0, out
+    assert [m["content"] for m in json.loads(typed.read_text())["messages"] if m["role"] == "user"] == ["one", "two"]
+    # a paste that ends with Ctrl-D: its message is answered, then the chat ends
+    rc, out = _chat_in_pty([str(tiny_llama_dir), "-n", "2"], [f"/save {typed}\r".encode(), b"a\rb\r\x04"])
+    assert rc == 0 and out.count(">>> ") == 2, out
 
 
 def test_generate_interrupted_exits_130():

@@ -10,11 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import SamplingParams, Seen
-
-# Tokens one tree pass may hold (the pending token and the nodes), for every tree drafter: beyond it
-# float32 passes leave the native kernels' batch-invariant products (native.F32_MAX_ROWS) and greedy
-# could drift from plain decoding.
-MAX_TREE = 64
+from .options import MAX_TREE  # noqa: F401  (also imported from here)
 
 
 @dataclass

@@ -26,27 +26,11 @@ plain decoding.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from .drafter import Draft, Drafter
+from .options import Shape  # noqa: F401  (also imported from here)
 
 POOL_PER_KEY = 16  # n-grams kept per first token, the most recent
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A lookahead round's size: window W, n-gram size N, n-grams verified G."""
-    window: int
-    ngram: int
-    guesses: int
-
-    def __str__(self) -> str:
-        return f"{self.window},{self.ngram},{self.guesses}"
-
-    @property
-    def nodes(self) -> int:
-        """The tree's drafted nodes at most: the window's levels and G full n-grams."""
-        return (self.ngram - 1) * (self.window + self.guesses)
 
 
 # What "auto" chooses among, cheapest first (the TreePolicy also runs plain steps): on a CPU a pass

@@ -6,12 +6,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import BriskError, InvalidValue
-from .drafter import MAX_TREE
-from .lookahead import Shape
+from ..model_path import is_hub_id, resolve_local
 
 HEADS = "heads:"  # --draft heads:PATH, draft heads written by `brisk distill`
 SELF_METHODS = {"self:int8": "int8", "self:int4": "int4"}
 K_RULE = "must be a positive integer or auto"
+
+# Tokens one tree pass may hold (the pending token and the nodes), for every tree drafter: beyond it
+# float32 passes leave the native kernels' batch-invariant products (native.F32_MAX_ROWS) and greedy
+# could drift from plain decoding.
+MAX_TREE = 64
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A lookahead round's size: window W, n-gram size N, n-grams verified G."""
+    window: int
+    ngram: int
+    guesses: int
+
+    def __str__(self) -> str:
+        return f"{self.window},{self.ngram},{self.guesses}"
+
+    @property
+    def nodes(self) -> int:
+        """The tree's drafted nodes at most: the window's levels and G full n-grams."""
+        return (self.ngram - 1) * (self.window + self.guesses)
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,8 @@ def parse_draft_options(draft: str | None, draft_k: str | int | None = "auto",
         return DraftOptions(draft, k, heads=path)
     if draft.startswith("self:") and draft not in SELF_METHODS:
         raise InvalidValue("draft", draft, "", template=f"{{option}} {draft}: use self:int8 or self:int4")
+    if draft != "ngram" and draft not in SELF_METHODS and not is_hub_id(draft):  # a draft model's file
+        resolve_local(draft)
     return DraftOptions(draft, k)
 
 
