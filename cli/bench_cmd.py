@@ -67,7 +67,7 @@ def bench(
         draft_options = c.check_draft(draft, draft_k, lookahead)
         out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads())
         pps, tgs, depths = _list(n_prompt, int), _list(n_gen, int), _list(n_depth, int)
-        from ..core.kv.kv_type import check_kv_type
+        from ..core.load_options import check_kv_type
 
         kv_types = [check_kv_type(k) for k in _list(kv_type)] or ["auto"]
         batches = _list(batch, int) if batch else []

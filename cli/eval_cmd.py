@@ -50,7 +50,7 @@ def eval_(
             raise BriskError("model given twice (positional and --model)")
         if ctx and stride and stride > ctx:
             raise BriskError(f"--stride {stride} is longer than --ctx {ctx}")
-        from ..core.kv.kv_type import check_kv_type
+        from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)
         if base:

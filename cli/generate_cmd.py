@@ -69,7 +69,7 @@ def generate(
     ·  echo "Hi" | brisk generate  ·  brisk generate -m org/name -f prompt.txt --json
     """
     with c.user_errors():
-        from ..core.kv.kv_type import check_kv_type
+        from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)  # before any model loads
         if batch is not None:

@@ -8,6 +8,7 @@ from .model_path import is_hub_id, resolve_local
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "nf4")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+KV_TYPE_CHOICES = ("auto", "f32", "f16", "bf16", "q8_0")  # kv/kv_type.py's types, and auto
 
 
 def check_device(name: str) -> None:
@@ -23,6 +24,14 @@ def check_dtype(name: str) -> None:
 def check_quantize(name: str) -> None:
     if name not in QUANTIZE_CHOICES:
         raise InvalidValue("quantize", name, "", template=f"{{option}} {name!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
+
+
+def check_kv_type(value: str) -> str:
+    """The --kv-type value as named (lower case), or InvalidValue naming the choices."""
+    name = str(value).strip().lower()
+    if name not in KV_TYPE_CHOICES:
+        raise InvalidValue("kv_type", value, "", template=f"{{option}} {value!r}: use one of {', '.join(KV_TYPE_CHOICES)}")
+    return name
 
 
 def check_threads(n: int | None) -> None:

@@ -92,7 +92,7 @@ def model_info(model: str | None = None, ctx: int | None = None, kv_type: str = 
     the default) without loading its weights. ctx: the context for the KV-cache figures (default,
     as the loader: min(4096, the model's maximum)); kv_type: the CPU cache's type (--kv-type; a GPU's
     is its activations' dtype). Raises FileError for anything unreadable."""
-    from .kv.kv_type import check_kv_type
+    from .load_options import check_kv_type
 
     kv_type = check_kv_type(kv_type)
     name, path = _locate(model)

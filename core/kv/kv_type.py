@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidValue
+from ..load_options import KV_TYPE_CHOICES, check_kv_type  # noqa: F401  (check_kv_type: also imported from here)
 
 Q8_BLOCK, Q8_BYTES = 32, 34  # values per block, bytes per block (an fp16 scale + 32 int8)
 
@@ -58,15 +59,8 @@ class KVType:
 TYPES = {t.name: t for t in (KVType("f32", torch.float32, 0), KVType("f16", torch.float16, 1),
                              KVType("bf16", torch.bfloat16, 2), KVType("q8_0", torch.uint8, 3))}
 CHOICES = ("auto", *TYPES)
+assert CHOICES == KV_TYPE_CHOICES  # the names load_options checks without torch
 _OF_DTYPE = {t.storage: t for t in TYPES.values() if not t.quantized}
-
-
-def check_kv_type(value: str) -> str:
-    """The --kv-type value as named (lower case), or InvalidValue naming the choices."""
-    name = str(value).strip().lower()
-    if name not in CHOICES:
-        raise InvalidValue("kv_type", value, "", template=f"{{option}} {value!r}: use one of {', '.join(CHOICES)}")
-    return name
 
 
 def resolve(value: str, dtype: torch.dtype, device: torch.device) -> KVType:
