@@ -99,8 +99,6 @@ class GGUFFile:
         raise _Corrupt(f"{self._where()}unknown value type {vtype}")
 
     def _parse(self) -> None:
-        import gguf
-
         if bytes(self._take(4)) != b"GGUF":
             raise _Corrupt("bad magic (not a GGUF file)")
         version = self._scalar("<u4")
@@ -135,21 +133,17 @@ class GGUFFile:
         start = -(-self.pos // align) * align
         self.tensors: list[TensorInfo] = []
         for name, dims, qtype, offset in infos:
-            try:
-                qt = gguf.GGMLQuantizationType(qtype)
-                block, size = gguf.GGML_QUANT_SIZES[qt]
-            except (ValueError, KeyError):
-                raise _Corrupt(f"tensor {name}: unknown type {qtype}") from None
+            block, size, type_name = _block_layout(qtype, name)
             # Python integers: no overflow, and every check before anything is allocated
             if any(d < 1 for d in dims):
                 raise _Corrupt(f"tensor {name} has a zero dimension {dims}")
             if dims[0] % block:
-                raise _Corrupt(f"tensor {name}: its rows of {dims[0]} do not split into {qt.name} blocks of {block}")
+                raise _Corrupt(f"tensor {name}: its rows of {dims[0]} do not split into {type_name} blocks of {block}")
             nbytes = math.prod(dims) // block * size
             if offset % align or start + offset + nbytes > len(self.data):
                 what = "is not aligned" if offset % align else \
                     f"needs {nbytes} bytes at offset {start + offset}, past the end of the file ({len(self.data)} bytes)"
-                raise _Corrupt(f"tensor {name} ({qt.name}, shape {list(reversed(dims))}) {what}")
+                raise _Corrupt(f"tensor {name} ({type_name}, shape {list(reversed(dims))}) {what}")
             self.tensors.append(TensorInfo(name, tuple(reversed(dims)), qtype, start + offset, nbytes))
 
     def load(self, t: TensorInfo) -> torch.Tensor:
@@ -159,6 +153,21 @@ class GGUFFile:
     def raw(self, t: TensorInfo) -> np.ndarray:
         """A tensor's bytes as stored (a view of the memory map)."""
         return self.data[t.offset:t.offset + t.nbytes]
+
+
+def _block_layout(qtype: int, name: str) -> tuple[int, int, str]:
+    """(weights, bytes per block, type name) of a tensor's type: brisk's table first, so a header of
+    the types brisk runs is read without the gguf package (imported only for the others)."""
+    t = gguf_types.BY_ID.get(qtype)
+    if t is not None:
+        return t.block_weights, t.block_bytes, t.name
+    import gguf
+
+    try:
+        qt = gguf.GGMLQuantizationType(qtype)
+        return (*gguf.GGML_QUANT_SIZES[qt], qt.name)
+    except (ValueError, KeyError):
+        raise _Corrupt(f"tensor {name}: unknown type {qtype}") from None
 
 
 class _Corrupt(ValueError):
