@@ -448,7 +448,7 @@ def verify(state):
 
 
 @section
-def hf(state):
+def hf(state, single: bool = True):
     """HF transformers on the same shapes (its own random weights), bf16, greedy, static cache."""
     import transformers as tf
 
@@ -467,7 +467,7 @@ def hf(state):
     ids = torch.randint(0, c["vocab_size"], (1, 32), device="cuda")
     out = {}
     for label, kwargs in (("hf eager, dynamic cache", {}), ("hf static cache (+ its auto compile)",
-                                                              {"cache_implementation": "static"})):
+                                                              {"cache_implementation": "static"}))[:2 if single else 0]:
         try:
             def gen(n):
                 torch.cuda.synchronize()
@@ -483,6 +483,23 @@ def hf(state):
             full = statistics.median(gen(129) for _ in range(3))
             out[label] = 128 / (full - short)
             log(f"  {label}: {out[label]:.1f} tok/s")
+        except Exception:
+            traceback.print_exc()
+    for b in (16, 64):  # batched greedy, equal-length prompts (no padding), HF's default cache
+        try:
+            ids_b = torch.randint(0, c["vocab_size"], (b, 32), device="cuda")
+
+            def gen_b(n):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                model.generate(ids_b, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t
+            gen_b(4)
+            short = statistics.median(gen_b(1) for _ in range(2))
+            full = statistics.median(gen_b(65) for _ in range(2))
+            out[f"hf dynamic cache x{b} aggregate"] = b * 64 / (full - short)
+            log(f"  hf x{b}: {out[f'hf dynamic cache x{b} aggregate']:.1f} tok/s aggregate")
         except Exception:
             traceback.print_exc()
     RESULTS["hf_8b"] = out
@@ -524,6 +541,9 @@ class _Tokens:
     def decode(self, ids, skip_special=True):
         return ""
 
+    def fit_rows(self, rows, model_name):
+        pass
+
 
 def fake_llm(net):
     from brisk.core.llm import LLM, LoadInfo
@@ -534,15 +554,26 @@ def fake_llm(net):
 
 @section
 def batch(state):
+    """The batching engine on the 8B shapes: aggregate decode tok/s at 1, 16 and 64 sequences, its
+    decode-only steps as graph replays (core/batching/decode_graphs.py) and eager, against
+    single-stream graph decode (what x1 should match)."""
+    import os
+
     from brisk.core.benchmark import run_batch
 
     net = state.get("net") or build_8b()
     state["net"] = net
     llm = fake_llm(net)
-    rows = run_batch(llm, [1, 16, 64], 64, 3)
-    RESULTS["batch_8b"] = [{"concurrency": r.test, "tok_s": r.tok_s} for r in rows]
-    for r in rows:
-        log(f"{r.test}: {r.tok_s:.1f} tok/s aggregate")
+    out = {"single_stream_tok_s": time_decode(net, n=128, reps=3)}
+    log(f"single stream (graphs): {out['single_stream_tok_s']:.1f} tok/s")
+    for label, flag in (("graphs", "1"), ("eager", "0")):
+        os.environ["BRISK_CUDA_GRAPHS"] = flag
+        rows = run_batch(llm, [1, 16, 64], 64, 3)
+        out[label] = [{"concurrency": r.test, "tok_s": r.tok_s, "spread": r.spread} for r in rows]
+        for r in rows:
+            log(f"{label} {r.test}: {r.tok_s:.1f} tok/s aggregate (+/- {r.spread:.1f})")
+    os.environ["BRISK_CUDA_GRAPHS"] = "1"
+    RESULTS["batch_8b"] = out
 
 
 COPY_PROMPT = ("Repeat the following paragraph exactly, word for word.\n\n"
@@ -569,7 +600,7 @@ def spec(state, paths: list[str]):
 
     out = {}
     cases = []
-    if True:  # the 8B-shaped model always: speed with nothing to draft
+    if not paths:  # the 8B-shaped model: speed with nothing to draft (measured before: skipped with real models)
         net = state.get("net") or build_8b()
         state["net"] = net
         g = torch.Generator().manual_seed(0)
@@ -614,17 +645,24 @@ def models(paths: list[str]):
         cpu_q = LLM.load(path, device="cpu", dtype="float32")  # the default load: GGUF blocks kept
         ref_q_tokens, ref_q = greedy(cpu_q, prompt), cpu_q.logits(ids)
         del cpu, cpu_q
-        for label, kw, (rt, rl) in (("cuda bf16, float weights", dict(quantize="none"), (ref_tokens, ref)),
+        for label, kw, (rt, rl) in (("cuda float32, float weights", dict(quantize="none", dtype="float32"), (ref_tokens, ref)),
+                                    ("cuda bf16, float weights", dict(quantize="none"), (ref_tokens, ref)),
                                     ("cuda bf16, default load", {}, (ref_q_tokens, ref_q))):
             gpu = LLM.load(path, device="cuda", **kw)
             lg = gpu.logits(ids).cpu()
             toks = greedy(gpu, prompt)
+            story = gpu.prompt_ids("Write a long story about a lighthouse keeper who finds a message in a bottle.")
+            s = Session(gpu)
+            for _ in range(2):  # the first run captures the graphs
+                list(s.stream(story, GREEDY, 256))
             n_same = next((i for i, (a, b) in enumerate(zip(toks, rt)) if a != b), min(len(toks), len(rt)))
             row = {"model": name, "run": label, "quant": gpu.quantization,
                    "max_abs_diff": float((lg - rl).abs().max()), "logit_range": float(rl.abs().max()),
                    "rel_err": float((lg - rl).norm() / rl.norm()),
                    "top1_agree": float((lg.argmax(-1) == rl.argmax(-1)).float().mean()),
-                   "greedy_same_prefix": n_same, "greedy_len": len(rt), "text": gpu.tokenizer.decode(toks)[:80]}
+                   "greedy_same_prefix": n_same, "greedy_len": len(rt), "text": gpu.tokenizer.decode(toks)[:80],
+                   "decode_tok_s": s.last.decode_tps, "decode_tokens": len(s.last.tokens),
+                   "prefill_tok_s": s.last.prefill_tps}
             out[f"{name} {label}"] = row
             log(json.dumps(row))
             del gpu
@@ -639,6 +677,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="try many GEMV launch shapes per matrix shape")
     ap.add_argument("--variants", default="", help="decode section: only the variants whose names contain one of these (comma-separated)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hf-batched-only", action="store_true", help="hf section: the x16/x64 rows alone")
     ap.add_argument("--models", default="", help="comma-separated model paths for the models section")
     a = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
@@ -672,7 +711,7 @@ def main():
     if "spec" in todo:
         spec(state, [m for m in a.models.split(",") if m])
     if "hf" in todo:
-        hf(state)
+        hf(state, single=not a.hf_batched_only)
     if a.json:
         Path(a.json).write_text(json.dumps(RESULTS, indent=1, default=str))
     log("\n" + json.dumps({k: v for k, v in RESULTS.items() if k != "kernels"}, indent=1, default=str))

@@ -52,10 +52,10 @@ def free_port() -> int:
 class Target:
     """The server process and the requests every attack and the probe make to it."""
 
-    def __init__(self, model: str | None, extra: list[str]):
+    def __init__(self, model: str | None, extra: list[str], max_concurrency: int = 16):
         self.port = free_port()
         args = [sys.executable, "-c", "from brisk.cli.main import run; run()", "serve", *([model] if model else []),
-                "--port", str(self.port), "--served-model-name", "m", "--max-concurrency", "16", *extra]
+                "--port", str(self.port), "--served-model-name", "m", "--max-concurrency", str(max_concurrency), *extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()

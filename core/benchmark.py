@@ -123,40 +123,48 @@ BATCH_PROMPT = 32  # prompt tokens per sequence in the --batch rows: the rows me
 
 
 @torch.inference_mode()
-def time_batch(llm, concurrency: int, n_gen: int, gen: torch.Generator):
+def time_batch(engine, concurrency: int, n_gen: int, gen: torch.Generator):
     """`concurrency` sequences of BATCH_PROMPT random tokens, each generating n_gen tokens, all at
-    once through the continuous-batching engine; the pool holds just what they need. Returns the
-    engine (its stats time the decode steps) and the sequences."""
-    from .batching import Engine, Request
+    once through the continuous-batching engine. Returns the engine's stats for this run (they
+    time its decode steps) and the sequences."""
+    from .batching import Request
+    from .batching.engine import EngineStats
 
-    engine = Engine(llm, max_batch=concurrency, kv_tokens=concurrency * (BATCH_PROMPT + n_gen))
+    llm = engine.llm
+    engine.stats = EngineStats()
     prompts = torch.randint(0, llm.config.vocab_size, (concurrency, BATCH_PROMPT), generator=gen).tolist()
     _sync(llm.device)
     seqs = [engine.add(Request(p, max_tokens=n_gen, ignore_eos=True)) for p in prompts]
     while engine.has_work():
         engine.step()
     _sync(llm.device)
-    return engine, seqs
+    return engine.stats, seqs
 
 
 def run_batch(llm, concurrencies: list[int], n_gen: int, reps: int) -> list[BenchRow]:
     """One row per concurrency: aggregate decode tok/s (tokens of all sequences per second of
-    decode steps), the median of reps runs; ttft is the mean first-token time of the sequences."""
+    decode steps), the median of reps runs; ttft is the mean first-token time of the sequences.
+    One engine per concurrency, its pool just what the sequences need, warmed up first (on CUDA
+    that captures its step graphs)."""
+    from .batching import Engine
+
     gen = torch.Generator().manual_seed(0)
     model_bytes = llm.load_info.param_bytes
     common = dict(model=llm.name, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
                   model_bytes=model_bytes, quant=llm.quantization, kv_type=llm.kv_type.name)
-    time_batch(llm, max(concurrencies), 4, gen)  # warm-up
     rows = []
     for c in concurrencies:
+        engine = Engine(llm, max_batch=c, kv_tokens=c * (BATCH_PROMPT + n_gen))
+        time_batch(engine, c, min(n_gen, 4), gen)  # warm-up
         reset_peak_memory(llm.device)
-        runs = [time_batch(llm, c, n_gen, gen) for _ in track(range(reps), f"tg{n_gen} x{c}", reps)]
-        speeds = [e.stats.decode_tokens / e.stats.decode_s for e, _ in runs]
+        runs = [time_batch(engine, c, n_gen, gen) for _ in track(range(reps), f"tg{n_gen} x{c}", reps)]
+        speeds = [st.decode_tokens / st.decode_s for st, _ in runs]
         med = statistics.median(speeds)
         ttft = statistics.mean(s.result.ttft_s for _, seqs in runs for s in seqs)
         rows.append(BenchRow(test=f"tg{n_gen} x{c}", tok_s=med, spread=(max(speeds) - min(speeds)) / 2,
                              ttft_s=ttft, gb_s=model_bytes * med / c / 1e9,
                              peak_mem_bytes=peak_memory(llm.device), **common))
+        del engine
     return rows
 
 

@@ -26,8 +26,14 @@ from ..quant import settings
 FIRST_BUCKET = 256
 
 
-def graphs_enabled(device) -> bool:
-    return torch.device(device).type == "cuda" and settings.CUDA_GRAPHS.get()
+def graphs_enabled(device, model=None) -> bool:
+    """Whether steps on `device` (of `model`) replay as CUDA graphs. A model with mixture-of-experts
+    layers runs eagerly: its routing reads the chosen experts back to the host, which a capture
+    cannot hold."""
+    if torch.device(device).type != "cuda" or not settings.CUDA_GRAPHS.get():
+        return False
+    cfg = getattr(model, "cfg", None)
+    return cfg is None or not any(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
 
 
 def key_bucket(end: int, max_len: int) -> int:
@@ -59,7 +65,7 @@ def decode_step(model, cache):
     """A function (token, pos) -> logits [V] that runs one decode step on `cache` (a ContiguousKV):
     graph replays on CUDA (unless BRISK_CUDA_GRAPHS=0), the eager model elsewhere."""
     device = cache.k[0].device
-    if graphs_enabled(device):
+    if graphs_enabled(device, model):
         return GraphedDecoder(model, cache)
 
     def eager(token: int, pos: int) -> torch.Tensor:
@@ -105,9 +111,9 @@ def verify_pass(model, cache, fixed: bool | None = None):
     (how the CPU tests check them)."""
     device = cache.k[0].device
     if fixed is None:
-        fixed = graphs_enabled(device)
+        fixed = graphs_enabled(device, model)
     if fixed:
-        return FixedVerifier(model, cache, graphs=graphs_enabled(device))
+        return FixedVerifier(model, cache, graphs=graphs_enabled(device, model))
 
     def eager(tokens: list[int], start: int, parents: list[int] | None, hidden: bool):
         tree = ancestor_mask(parents, device) if parents is not None else None

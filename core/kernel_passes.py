@@ -113,7 +113,7 @@ class JoinedMLP(MLP):
     def forward(self, x):
         joined = self.__dict__.get("_gate_up")
         if joined is None or joined[1] != (self.gate_proj, self.up_proj):
-            return super().forward(x)
+            return MLP.forward(self, x)  # not super(): FusedMLP calls this on itself, no JoinedMLP
         return self.down_proj(self.activate(*joined[0](x).chunk(2, dim=-1)))
 
 

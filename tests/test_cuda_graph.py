@@ -38,6 +38,16 @@ def test_fixed_shape_step_matches_the_ordinary_step(kind, request):
         tok = int(a.argmax())
 
 
+def test_moe_models_run_without_graphs(tiny_llama_dir, tiny_qwen3_moe_dir, monkeypatch):
+    """Routing reads the chosen experts back to the host, which no capture can hold: a model
+    with MoE layers decodes eagerly on CUDA (found on an H100: the capture refused the copy)."""
+    monkeypatch.setenv("BRISK_CUDA_GRAPHS", "1")
+    dense = LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32").model
+    moe = LLM.load(str(tiny_qwen3_moe_dir), device="cpu", dtype="float32").model
+    assert cuda_graph.graphs_enabled("cuda", dense) and not cuda_graph.graphs_enabled("cuda", moe)
+    assert not cuda_graph.graphs_enabled("cpu", dense)
+
+
 def test_buckets_double_up_to_the_context():
     # a step at position p sees p + 1 slots
     assert [cuda_graph.key_bucket(p + 1, 1000) for p in (0, 255, 256, 511, 512, 999)] == [256, 256, 512, 512, 1000, 1000]
@@ -151,3 +161,45 @@ def test_graphed_verifying_passes_give_plain_greedy_on_cuda(kind, request, heads
     sessions = _same_as_plain(llm, heads_dir if kind == "tiny_llama_dir" else None, prompt, n=60)
     graphs = [s._verify for s in sessions.values()]
     assert all(isinstance(g, cuda_graph.FixedVerifier) and g.graphs for g in graphs)
+
+
+def _engine_tokens(llm, fixed: bool, prompts, max_tokens):
+    from brisk.core.batching import Engine, Request
+
+    engine = Engine(llm, max_batch=8, block_size=4, fixed_decode=fixed)
+    seqs = engine.run([Request(p, SamplingParams(temperature=0), n, ignore_eos=True) for p, n in zip(prompts, max_tokens)])
+    return [s.result.tokens for s in seqs], engine
+
+
+def _engine_case(llm):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, llm.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 9, 14, 5, 20)]
+    return prompts, [30, 12, 25, 40, 18]  # sequences leave at different steps: the batch bucket shrinks
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_gemma3_dir"])
+def test_fixed_shape_engine_steps_give_the_engines_tokens(kind, request, monkeypatch):
+    """The batching engine's decode steps at fixed shapes (5 rows padded to 8, then fewer; block
+    tables padded to key buckets of 16, 32, 64; Gemma 3's sliding window) give the tokens of its
+    ordinary steps."""
+    monkeypatch.setattr(cuda_graph, "FIRST_BUCKET", 16)
+    llm = LLM.load(str(request.getfixturevalue(kind)), device="cpu", dtype="float32", ctx=128)
+    prompts, n = _engine_case(llm)
+    ref, _ = _engine_tokens(llm, False, prompts, n)
+    got, engine = _engine_tokens(llm, True, prompts, n)
+    assert got == ref
+    shapes = set(engine.decode_graphs.inputs)
+    # (batch, blocks of 4 keys): 5 rows padded to 8 over 32 keys, fewer rows, then 64 keys
+    assert {(8, 8), (4, 8), (4, 16), (1, 16)} <= shapes, shapes
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_gemma3_dir"])
+def test_engine_graph_replays_give_the_eager_tokens(kind, request, monkeypatch):
+    monkeypatch.setattr(cuda_graph, "FIRST_BUCKET", 16)
+    llm = LLM.load(str(request.getfixturevalue(kind)), device="cuda", dtype="float32", ctx=128)
+    prompts, n = _engine_case(llm)
+    ref, _ = _engine_tokens(llm, False, prompts, n)
+    got, engine = _engine_tokens(llm, None, prompts, n)
+    assert engine.decode_graphs is not None and len(engine.decode_graphs.graphs) >= 4
+    assert got == ref

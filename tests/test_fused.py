@@ -77,3 +77,18 @@ def test_joined_projections_give_the_same_logits(tiny_llama_dir, tiny_qwen2_dir)
     joined = concat_linears(layers)
     torch.testing.assert_close(joined(x), torch.cat(want, -1))
     torch.testing.assert_close([m(x) for m in layers], want)  # the originals (now views) still work
+
+
+def test_fused_pass_keeps_unfused_activations(tiny_gpt_oss_dir):
+    """gpt-oss's experts (clamped SwiGLU, no fused kernel, gate/up not joined) under the fused
+    pass give the plain MLP's output (on an H100 they raised a TypeError instead)."""
+    from brisk.core import LLM
+    from brisk.core.kernel_passes import FusedMLP, use_fused_kernels
+    from brisk.core.model import MLP
+
+    llm = LLM.load(str(tiny_gpt_oss_dir), device=str(DEV), dtype="float32")
+    use_fused_kernels(llm.model)
+    expert = llm.model.model.layers[0].mlp.experts[0]
+    assert type(expert) is FusedMLP and expert.act == "swiglu_clamp"
+    x = torch.randn(3, llm.config.dim, device=DEV)
+    torch.testing.assert_close(expert(x), MLP.forward(expert, x))

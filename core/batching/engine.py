@@ -18,7 +18,9 @@ import torch
 from ..errors import BriskError, InvalidValue, PromptTooLong
 from ..kv import PagedKV, PagedStep, Row
 from ..kv.paged import BLOCK_SIZE
+from ..cuda_graph import graphs_enabled
 from .block_pool import BlockPool
+from .decode_graphs import DecodeGraphs
 from .kv_manager import KVManager
 from .scheduler import STEP_TOKENS, Request, Scheduler, Sequence
 from ..grammar import constrained_token
@@ -63,7 +65,10 @@ def new_sequence(llm, ctx: int, request: Request, on_event=None) -> Sequence:
 
 class Engine:
     def __init__(self, llm, max_batch: int = 16, kv_tokens: int | None = None,
-                 block_size: int = BLOCK_SIZE, step_tokens: int = STEP_TOKENS, prefix_sharing: bool = True):
+                 block_size: int = BLOCK_SIZE, step_tokens: int = STEP_TOKENS, prefix_sharing: bool = True,
+                 fixed_decode: bool | None = None):
+        """fixed_decode: run decode-only steps at fixed shapes (decode_graphs.py); None: where they
+        replay as CUDA graphs (cuda_graph.graphs_enabled)."""
         if max_batch < 1:
             raise BriskError(f"max batch {max_batch}: must be >= 1")
         self.llm, self.model, self.device = llm, llm.model, llm.device
@@ -71,9 +76,15 @@ class Engine:
         n_blocks = -(-(kv_tokens or default_kv_tokens(llm.ctx)) // block_size)
         n_blocks = max(n_blocks, -(-self.ctx // block_size) + 1)  # always room for one full-context sequence
         cfg, w = llm.config, self.model.model.norm.weight
-        self.kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, block_size, w.dtype, w.device,
+        # one block more than the pool hands out: where fixed-shape steps' padding rows write
+        self.kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks + 1, block_size, w.dtype, w.device,
                           llm.kv_type)
+        self.kv.first_use([n_blocks])
         self.pool = BlockPool(n_blocks, block_size)
+        graphs = graphs_enabled(w.device, self.model)
+        if fixed_decode is None:
+            fixed_decode = graphs
+        self.decode_graphs = DecodeGraphs(self.model, self.kv, n_blocks, self.ctx, graphs) if fixed_decode else None
         self.kv_manager = KVManager(self.pool, self.kv, prefix_sharing)
         self.scheduler = Scheduler(self.kv_manager, max_batch, step_tokens)
         self.stats = EngineStats()
@@ -123,8 +134,11 @@ class Engine:
         rows = [Row(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks, _logits_wanted(seq, n))
                 for seq, n in plan]
         decoding = [n == 1 and seq.computed >= len(seq.request.prompt_ids) for seq, n in plan]
-        step = PagedStep.build(self.kv, rows, self.device)
-        logits = self.model(step.tokens[None], step.positions, step, logit_rows=step.logit_rows)[0]
+        if self.decode_graphs is not None and all(decoding) and DecodeGraphs.takes(rows):
+            logits = self.decode_graphs(rows)
+        else:
+            step = PagedStep.build(self.kv, rows, self.device)
+            logits = self.model(step.tokens[None], step.positions, step, logit_rows=step.logit_rows)[0]
         starts = [0, *itertools.accumulate(r.n_logits for r in rows)]  # each row's logits: starts[i]:starts[i+1]
         ends = [starts[i + 1] - 1 for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
         greedy = logits.argmax(-1).tolist() if ends else []  # every row: no gathered copy of the logits
