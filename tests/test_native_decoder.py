@@ -185,3 +185,40 @@ def test_passes_it_does_not_take_run_the_torch_blocks(tiny_llama_dir):
         llm.model(torch.tensor([ids[:2]]), 0, kv)
         tree_logits = llm.model(torch.tensor([ids[2:]]), 2, kv, tree=chain)[0]
     torch.testing.assert_close(tree_logits, llm.logits(ids)[2:], rtol=1e-4, atol=1e-4)
+
+
+def _long_context(folder, tmp_path):
+    """The tiny model with room for positions past several attention spans (decoder.c ATT_SPAN)."""
+    import json
+    import shutil
+
+    dst = tmp_path / folder.name
+    shutil.copytree(folder, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["max_position_embeddings"] = 2048
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_gemma3_dir", "tiny_gpt_oss_dir"])
+def test_keys_past_one_span_combine_to_the_torch_result(model, request, tmp_path):
+    """Rows whose keys cross spans of 512 positions are attended span by span and combined (with
+    gpt-oss's sinks, and sliding windows that start inside a span): the torch blocks' logits, and
+    decode steps past two span boundaries equal to the one pass over all the tokens, bit for bit."""
+    from brisk.quant import native
+
+    path = _long_context(request.getfixturevalue(model), tmp_path)
+    ids = [(11 * i + 5) % 290 + 2 for i in range(1100)]
+    native.set_int_dot(False)
+    try:
+        llm = LLM.load(str(path), device="cpu", dtype="float32", quantize="int8", ctx=1200)
+        one = _native_logits(llm, ids)
+        with torch.inference_mode():
+            kv = llm.new_cache(1200)
+            llm.model(torch.tensor([ids[:1090]]), 0, kv)
+            steps = [llm.model(torch.tensor([[t]]), 1090 + i, kv)[0, -1] for i, t in enumerate(ids[1090:])]
+        assert torch.equal(torch.stack(steps), one[1090:])
+        want = LLM.logits(_with(llm, _torch_blocks(llm.model)), ids)
+        torch.testing.assert_close(one, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    finally:
+        native.set_int_dot(True)

@@ -196,7 +196,7 @@ static void parallel_rows(chunk_fn run, const void *args, int n, int min_chunk) 
         return;
     }
     int chunk = (n + 4 * threads - 1) / (4 * threads); /* a few chunks each: uneven cores even out */
-    chunk = (chunk + 7) / 8 * 8; /* whole tiles of 4, whole interleaved groups of 8 (q4k_x8.h) */
+    if (min_chunk >= 4) chunk = (chunk + 7) / 8 * 8; /* whole tiles of 4, whole interleaved groups of 8 (q4k_x8.h) */
     if (chunk < min_chunk) chunk = min_chunk;
     P.run = run;
     P.args = args;
@@ -212,7 +212,7 @@ static void parallel_rows(chunk_fn run, const void *args, int n, int min_chunk) 
     while (atomic_load_explicit(&P.active, memory_order_acquire) > 0) PAUSE();
 }
 
-/* The pool for decoder.c's attention (tasks: a row's query head each). */
+/* The pool for decoder.c's attention (tasks: a row's query heads on one K/V head, over one span of keys). */
 void bk_parallel(chunk_fn run, const void *args, int n, int min_chunk) { parallel_rows(run, args, n, min_chunk); }
 
 /* The machine's read bandwidth, as the kernels' pool sees it: the threads stream through `bytes` of

@@ -162,31 +162,46 @@ static void kv_load(int type, const uint8_t *src, float *y, int D) {
     }
 }
 
+/* A row's keys are attended in spans of ATT_SPAN positions, aligned to absolute positions (span s
+ * holds positions s ATT_SPAN ..): each span a task, so one long row's attention spreads over the
+ * threads; a row whose keys span several combines their partial results (each span's max score, its
+ * sum of exponentials and its unnormalised output) in span order. The spans depend on the position
+ * alone, never on the other rows or the threads: a token's bits stay those of any other call. */
+#define ATT_SPAN 512
+
+typedef struct {
+    int32_t row, h0;   /* the row, its first query head (the task's g heads share one K/V head) */
+    int32_t lo, hi;    /* positions [lo, hi) */
+    int32_t whole;     /* the row's keys in this one span: normalise and write the output */
+} att_task;
+
 typedef struct {
     const bk_arch *a;
     const bk_layer *L;
     const bk_cache *c;
     int layer;
     const int32_t *pos, *table;
-    const float *qkv; /* [N, (H + 2 KV) D] */
-    float *out;       /* [N, H D] */
-    int group;        /* query heads a task attends together (attention_chunk) */
-    int64_t pass;     /* this layer's attention in this call, unique: what a thread's converted keys belong to */
+    const float *qkv;     /* [N, (H + 2 KV) D] */
+    float *out;           /* [N, H D] */
+    int group;            /* query heads a task attends together */
+    int64_t pass;         /* this layer's attention in this call, unique: what a thread's converted keys belong to */
+    const att_task *tasks;
+    float *partial;       /* per task: g heads x (D outputs, max, sum of exponentials), for split rows */
 } attention_job;
 
 static _Thread_local float *score_buf;
 static _Thread_local size_t score_cap;
 static _Thread_local float *wide_buf; /* a converted cache's keys and values as float32 (attend) */
 static _Thread_local size_t wide_cap;
-/* whose keys and values wide_buf holds: the next task on the same row and K/V head (the query heads
- * that share it, when they run one a task) reuses them */
+/* whose keys and values wide_buf holds: the next task on the same row, K/V head and span (the
+ * query heads that share it, when they run in several tasks) reuses them */
 static _Thread_local int64_t wide_pass = -1;
-static _Thread_local int wide_row, wide_head;
+static _Thread_local int wide_row, wide_head, wide_lo;
 static int64_t passes; /* attention_job.pass, counted across calls */
 
 /* Chains of multiply-adds side by side (keys x heads in the scores, output vectors x heads in the
  * weighted sum), as many as the registers hold: AVX-512 has 32 of 16 floats, else 16 of 8 (2 a v16).
- * Query heads on one K/V head are attended together, up to that many (a power of 2). */
+ * Query heads on one K/V head are attended together, up to that many. */
 #if defined(__AVX512F__)
 #define ATT_CHAINS 8
 #else
@@ -220,19 +235,22 @@ BK_INLINE void value_tile(const float *vc, const int64_t *at, int n, int k0, int
         for (int e = 0; e < G; e++) store16(y[e] + k0 + u * LANES, acc[u * G + e] * inv[e]);
 }
 
-/* Query heads h0..h0+g-1 of one row (g a power of 2 <= ATT_CHAINS, sharing one K/V head) against its
- * sequence's keys: softmax(q k / sqrt) v over the positions the row sees (its own and before; with a
- * window, the last `window` of them); with sinks (gpt-oss) the softmax's denominator also holds
- * e^sink, a key whose value is zero, so the real keys' weights sum below 1. The heads of a group
- * read each key and value once (in a prefill they come from L2: the loads, not the arithmetic,
- * bound it). Each score is summed as dot()
+/* the tiles for g heads (1 <= g <= ATT_CHAINS): constants for the compiler, case by case */
+#define SCORE_CASE(G) case G: score_tile(q, kc, at, i, D, G, ATT_CHAINS / G, s, a->attn_scale); break;
+#define VALUE_CASE(G) case G: value_tile(vc, at, n, k0, G, ATT_CHAINS / G, s, inv, y); break;
+
+/* One task: query heads h0..h0+g-1 of one row (sharing one K/V head) against the row's keys at
+ * positions [lo, hi): softmax(q k / sqrt) v. A whole row's task writes the output; with sinks
+ * (gpt-oss) the softmax's denominator also holds e^sink, a key whose value is zero, so the real
+ * keys' weights sum below 1. A span of a split row writes its partial result instead (see
+ * combine_spans). The heads of a group read each key and value once. Each score is summed as dot()
  * sums it and each output over the keys in order, however many run side by side: a head's bits do
  * not depend on its group. */
-static void attend(const attention_job *j, int r, int h0, int g) {
+static void attend(const attention_job *j, int t) {
     const bk_arch *a = j->a;
     const bk_cache *c = j->c;
-    int D = a->head_dim, P = j->pos[r];
-    int lo = j->L->window && P + 1 > j->L->window ? P + 1 - j->L->window : 0, n = P + 1 - lo;
+    const att_task *task = j->tasks + t;
+    int D = a->head_dim, r = task->row, h0 = task->h0, g = j->group, lo = task->lo, n = task->hi - task->lo;
     /* a head's scores and its last vector's spare lanes, an even count: the offsets after them 8-byte aligned */
     int stride = (n + 2 * LANES + 1) / 2 * 2;
     size_t need = (size_t)stride * (g + 2); /* then each key's offset in the cache (int64) */
@@ -248,7 +266,8 @@ static void attend(const attention_job *j, int r, int h0, int g) {
     for (int e = 0; e < g; e++) {
         q[e] = j->qkv + (int64_t)r * (a->n_heads + 2 * a->n_kv) * D + (int64_t)(h0 + e) * D;
         s[e] = score_buf + (size_t)e * stride;
-        y[e] = j->out + (int64_t)r * a->n_heads * D + (int64_t)(h0 + e) * D;
+        y[e] = task->whole ? j->out + (int64_t)r * a->n_heads * D + (int64_t)(h0 + e) * D
+                           : j->partial + ((size_t)t * g + e) * (D + 2);
     }
     const int32_t *tab = c->tables + j->table[r];
     int kv_head = h0 / (a->n_heads / a->n_kv);
@@ -261,8 +280,8 @@ static void attend(const attention_job *j, int r, int h0, int g) {
     }
     if (c->type == BK_KV_F32) {
         for (int i = 0; i < n; i++) at[i] /= (int64_t)sizeof(float);
-    } else { /* the keys and values this row reads as float32, converted once per row and K/V head */
-        if (wide_pass != j->pass || wide_row != r || wide_head != kv_head) {
+    } else { /* the keys and values this task reads as float32, converted once per row, K/V head and span */
+        if (wide_pass != j->pass || wide_row != r || wide_head != kv_head || wide_lo != lo) {
             if (wide_cap < (size_t)2 * n * D) {
                 free(wide_buf);
                 wide_buf = malloc(sizeof(float) * 2 * (size_t)n * D * 2);
@@ -276,7 +295,7 @@ static void attend(const attention_job *j, int r, int h0, int g) {
                 kv_load(c->type, kb + at[i], wide_buf + (size_t)i * D, D);
                 kv_load(c->type, vb + at[i], wide_buf + (size_t)(n + i) * D, D);
             }
-            wide_pass = j->pass, wide_row = r, wide_head = kv_head;
+            wide_pass = j->pass, wide_row = r, wide_head = kv_head, wide_lo = lo;
         }
         for (int i = 0; i < n; i++) at[i] = (int64_t)i * D;
         kc = wide_buf, vc = wide_buf + (size_t)n * D;
@@ -284,39 +303,37 @@ static void attend(const attention_job *j, int r, int h0, int g) {
     int keys = ATT_CHAINS / g, i = 0;
     for (; i + keys <= n; i += keys)
         switch (g) {
-        case 1: score_tile(q, kc, at, i, D, 1, ATT_CHAINS, s, a->attn_scale); break;
-        case 2: score_tile(q, kc, at, i, D, 2, ATT_CHAINS / 2, s, a->attn_scale); break;
-        case 4: score_tile(q, kc, at, i, D, 4, ATT_CHAINS / 4, s, a->attn_scale); break;
+            SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
 #if ATT_CHAINS == 8
-        default: score_tile(q, kc, at, i, D, 8, 1, s, a->attn_scale); break;
+            SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
 #endif
         }
     for (; i < n; i++)
         for (int e = 0; e < g; e++) s[e][i] = dot(q[e], kc + at[i], D) * a->attn_scale;
-    const float *sinks = j->L->sinks;
+    const float *sinks = task->whole ? j->L->sinks : NULL; /* a split row's sink joins in combine_spans */
+    float m[ATT_CHAINS], total[ATT_CHAINS];
     for (int e = 0; e < g; e++) {
-        float m = -INFINITY, *se = s[e], sink = sinks ? sinks[h0 + e] : 0;
-        for (i = 0; i < n; i++) m = se[i] > m ? se[i] : m;
-        if (sinks) m = sink > m ? sink : m;
+        float *se = s[e], sink = sinks ? sinks[h0 + e] : 0;
+        m[e] = -INFINITY;
+        for (i = 0; i < n; i++) m[e] = se[i] > m[e] ? se[i] : m[e];
+        if (sinks) m[e] = sink > m[e] ? sink : m[e];
         for (i = n; i < n + LANES; i++) se[i] = -INFINITY; /* the last vector's spare lanes: e^-inf = 0 */
         v16 sum = {0};
         for (i = 0; i < n; i += LANES) {
-            v16 x = exp16(load16(se + i) - m);
+            v16 x = exp16(load16(se + i) - m[e]);
             store16(se + i, x);
             sum += x;
         }
-        float total = reduce16(sum);
-        if (sinks) total += expf(sink - m);
-        inv[e] = 1.0f / total;
+        total[e] = reduce16(sum);
+        if (sinks) total[e] += expf(sink - m[e]);
+        inv[e] = task->whole ? 1.0f / total[e] : 1.0f;
     }
     int vecs = ATT_CHAINS / g, k0 = 0;
     for (; k0 + vecs * LANES <= D; k0 += vecs * LANES)
         switch (g) {
-        case 1: value_tile(vc, at, n, k0, 1, ATT_CHAINS, s, inv, y); break;
-        case 2: value_tile(vc, at, n, k0, 2, ATT_CHAINS / 2, s, inv, y); break;
-        case 4: value_tile(vc, at, n, k0, 4, ATT_CHAINS / 4, s, inv, y); break;
+            VALUE_CASE(1) VALUE_CASE(2) VALUE_CASE(3) VALUE_CASE(4)
 #if ATT_CHAINS == 8
-        default: value_tile(vc, at, n, k0, 8, 1, s, inv, y); break;
+            VALUE_CASE(5) VALUE_CASE(6) VALUE_CASE(7) VALUE_CASE(8)
 #endif
         }
     for (; k0 < D; k0 += LANES)
@@ -325,14 +342,39 @@ static void attend(const attention_job *j, int r, int h0, int g) {
             for (i = 0; i < n; i++) acc += splat16(s[e][i]) * load16(vc + at[i] + k0);
             store16(y[e] + k0, acc * inv[e]);
         }
+    if (!task->whole)
+        for (int e = 0; e < g; e++) y[e][D] = m[e], y[e][D + 1] = total[e];
 }
 
-/* tasks: a row's query heads one each (decode: few rows, the heads spread over the threads), or
- * (j->group > 1) a row's heads on one K/V head together */
 static void attention_chunk(const void *p, int i0, int i1) {
-    const attention_job *j = p;
-    int per = j->a->n_heads / j->group;
-    for (int i = i0; i < i1; i++) attend(j, i / per, i % per * j->group, j->group);
+    for (int i = i0; i < i1; i++) attend(p, i);
+}
+
+/* A split row's output, head by head: its spans' partial outputs rescaled to the largest max and
+ * added in span order, over the spans' sums (and the sink's e^sink, gpt-oss). Tasks t0.. are the
+ * row's, grouped as built: for each group of g heads, its spans in order. */
+static void combine_spans(const attention_job *j, int t0, int spans) {
+    const bk_arch *a = j->a;
+    int D = a->head_dim, g = j->group, r = j->tasks[t0].row;
+    const float *sinks = j->L->sinks;
+    for (int h = 0; h < a->n_heads; h++) {
+        int first = t0 + h / g * spans, e = h % g;
+        float M = sinks ? sinks[h] : -INFINITY, total = 0;
+        for (int sp = 0; sp < spans; sp++) {
+            float m = j->partial[((size_t)(first + sp) * g + e) * (D + 2) + D];
+            M = m > M ? m : M;
+        }
+        float *y = j->out + (int64_t)r * a->n_heads * D + (int64_t)h * D;
+        memset(y, 0, sizeof(float) * D);
+        for (int sp = 0; sp < spans; sp++) {
+            const float *p = j->partial + ((size_t)(first + sp) * g + e) * (D + 2);
+            float w = expf(p[D] - M);
+            total += p[D + 1] * w;
+            for (int k = 0; k < D; k += LANES) store16(y + k, load16(y + k) + load16(p + k) * splat16(w));
+        }
+        if (sinks) total += expf(sinks[h] - M);
+        for (int k = 0; k < D; k += LANES) store16(y + k, load16(y + k) * (1.0f / total));
+    }
 }
 
 /* a row's gate/up [2 F] -> act(gate) * up [F] */
@@ -490,12 +532,24 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
     if (!buf) return -2;
     float *xn = buf, *qkv = xn + (size_t)N * dim, *att = qkv + (size_t)N * W, *o = att + (size_t)N * H * D,
           *gu = o + (size_t)N * dim, *act = gu + (size_t)N * 2 * F;
-    int64_t keys_read = 0; /* per layer: the positions all rows attend over, times the heads */
-    for (int r = 0; r < N; r++) keys_read += (int64_t)(pos[r] + 1) * H;
-    /* a task's query heads (attend): a K/V head's, up to ATT_CHAINS, while that leaves tasks for the
-     * threads (a decode step of a model with one K/V head would have one) */
-    int group = ATT_CHAINS;
-    while (group > 1 && (H / KV % group || N * H / group < 8)) group /= 2;
+    int64_t keys_read = 0, spans = 0; /* per layer at most: the positions all rows attend over, times the
+                                         heads; the rows' spans of keys */
+    for (int r = 0; r < N; r++) keys_read += (int64_t)(pos[r] + 1) * H, spans += pos[r] / ATT_SPAN + 1;
+    /* a task's query heads (attend): as many of a K/V head's as the registers take (each key read
+     * once for all of them), while that leaves tasks for the threads where they are used */
+    int group = 1;
+    for (int g = H / KV < ATT_CHAINS ? H / KV : ATT_CHAINS; g > 1; g--)
+        if (H / KV % g == 0 && (keys_read < ATTENTION_SPLIT || spans * (H / g) >= 8)) {
+            group = g;
+            break;
+        }
+    int64_t max_tasks = spans * (H / group);
+    att_task *tasks = malloc(sizeof(att_task) * max_tasks);
+    float *partial = malloc(sizeof(float) * max_tasks * group * (D + 2));
+    if (!tasks || !partial) {
+        free(tasks), free(partial), free(buf);
+        return -2;
+    }
     int rc = 0;
     for (int l = 0; l < n_layers && rc == 0; l++) {
         const bk_layer *L = layers + l;
@@ -523,9 +577,27 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
                 kv_store(c->type, (uint8_t *)c->v[l] + at + h * c->head_stride, v + (int64_t)h * D, D);
             }
         }
-        attention_job job = {a, L, c, l, pos, table, qkv, att, group, __atomic_add_fetch(&passes, 1, __ATOMIC_RELAXED)};
-        if (keys_read < ATTENTION_SPLIT) attention_chunk(&job, 0, N * H / group); /* a sync point costs more than it saves */
-        else bk_parallel(attention_chunk, &job, N * H / group, 2);
+        int n_tasks = 0;
+        for (int r = 0; r < N; r++) {
+            int lo = L->window && pos[r] + 1 > L->window ? pos[r] + 1 - L->window : 0, hi = pos[r] + 1;
+            int whole = lo / ATT_SPAN == pos[r] / ATT_SPAN;
+            for (int h0 = 0; h0 < H; h0 += group)
+                for (int s0 = lo; s0 < hi; s0 = (s0 / ATT_SPAN + 1) * ATT_SPAN) {
+                    int s1 = (s0 / ATT_SPAN + 1) * ATT_SPAN;
+                    tasks[n_tasks++] = (att_task){r, h0, s0, s1 < hi ? s1 : hi, whole};
+                }
+        }
+        attention_job job = {a, L, c, l, pos, table, qkv, att, group,
+                             __atomic_add_fetch(&passes, 1, __ATOMIC_RELAXED), tasks, partial};
+        if (keys_read < ATTENTION_SPLIT) attention_chunk(&job, 0, n_tasks); /* a sync point costs more than it saves */
+        else bk_parallel(attention_chunk, &job, n_tasks, 1);
+        for (int t = 0; t < n_tasks;) { /* the split rows' outputs */
+            const att_task *first = tasks + t;
+            int per = first->whole ? 1 : pos[first->row] / ATT_SPAN - first->lo / ATT_SPAN + 1;
+            int row_tasks = H / group * per;
+            if (!first->whole) combine_spans(&job, t, per);
+            t += row_tasks;
+        }
         if ((rc = bk_matmul_many(&L->o, 1, N, att, o, level))) break;
         for (int r = 0; r < N; r++) {
             float *xr = x + (int64_t)r * dim, *orow = o + (int64_t)r * dim, *xnr = xn + (int64_t)r * dim;
@@ -552,6 +624,6 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
             add_rows(xr, orow, dim);
         }
     }
-    free(buf);
+    free(buf), free(tasks), free(partial);
     return rc == -2 ? -2 : rc ? -1 : 0;
 }
