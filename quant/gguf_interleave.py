@@ -47,6 +47,7 @@ TYPES = tuple(t.id for t in gguf_types.INTERLEAVED)  # the types with an interle
 packable = gguf_types.interleavable
 
 
+NATIVE_LAYOUTS = (Q6_K, Q8_0)  # the kernels' bk_pack_x8 packs these directly (6-bit codes, single bytes)
 CHUNK = 4096  # rows packed at a time: the temporaries (a strided view's reshape copies) stay small
 
 
@@ -143,6 +144,11 @@ def _native_packer(blocks: torch.Tensor, out: torch.Tensor, qtype: int) -> Calla
 
     if not (native.available() and blocks.is_contiguous() and out.is_contiguous()):
         return None
+    lib = native.library()
+    if qtype in NATIVE_LAYOUTS:  # written out by hand in the kernels: no program to derive
+        def by_hand(a: int, b: int) -> None:
+            lib.bk_pack_x8(blocks[a].data_ptr(), out[a].data_ptr(), (b - a) // ROWS, blocks.shape[1], qtype)
+        return by_hand
     moves = bit_moves(qtype)
     if moves is None:
         return None
@@ -150,7 +156,6 @@ def _native_packer(blocks: torch.Tensor, out: torch.Tensor, qtype: int) -> Calla
     bb, row_bytes = gguf_types.BY_ID[qtype].block_bytes, blocks.shape[1]
     terms = terms.copy()
     terms["src"] = source // bb * row_bytes + source % bb
-    lib = native.library()
 
     def run(a: int, b: int) -> None:
         lib.bk_pack_groups(blocks[a].data_ptr(), out[a].data_ptr(), (b - a) // ROWS, row_bytes, bb,

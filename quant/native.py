@@ -301,6 +301,7 @@ def library():
     lib.bk_read_probe.argtypes, lib.bk_read_probe.restype = [p, ctypes.c_size_t], ctypes.c_uint64
     i64 = ctypes.c_int64
     lib.bk_pack_groups.argtypes, lib.bk_pack_groups.restype = [p, p, i64, i64, i, p, i, p], None
+    lib.bk_pack_x8.argtypes, lib.bk_pack_x8.restype = [p, p, i64, i64, i], ctypes.c_int
     lib.bk_quantize_rows.argtypes, lib.bk_quantize_rows.restype = [i, p, p, i, ctypes.c_int64], i
     lib.bk_threads(settings.THREADS.get() or torch.get_num_threads())
     if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):

@@ -298,6 +298,86 @@ void bk_pack_groups(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t ro
     parallel_rows(pack_chunk, &j, (int)groups, 8);
 }
 
+/* Q6_K and Q8_0 written out by hand: their layouts move 6-bit codes and single bytes, one program
+ * term each, which the generic packer runs slowly. The layouts are quant/gguf_interleave.py's
+ * (_pack_q6_k, _small), the kernels' (q4k_x8.h, q8_x8.h). */
+BK_INLINE uint64_t bytes8(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+#define NIBBLES 0x0F0F0F0F0F0F0F0FULL
+#define PAIRS 0x0303030303030303ULL
+
+/* a Q6_K super-block's 8 rows (in[r]) -> the layout's 1680 bytes, 8 bytes (a row's part of a vector)
+ * at a time: weight 128h + x's low nibble is ql byte 64h + x % 64's (high nibble for x >= 64), its
+ * top pair qh byte 128 + 32h + x % 32's bits 2 (x / 32) */
+static void pack_q6k_block(const uint8_t *const *in, uint8_t *restrict out) {
+    for (int q = 0; q < 8; q++) {
+        uint8_t *c = out + q * 192;
+        for (int v = 0; v < 2; v++) { /* vector u = 2q + v, row r: weights 8u + i (low) and 128 + 8u + i (high) */
+            int u = 2 * q + v, off = u < 8 ? 8 * u : 8 * u - 64, sh = u < 8 ? 0 : 4;
+            for (int r = 0; r < 8; r++) {
+                uint64_t w = (bytes8(in[r] + off) >> sh & NIBBLES) | (bytes8(in[r] + 64 + off) >> sh & NIBBLES) << 4;
+                memcpy(c + v * 64 + r * 8, &w, 8);
+            }
+        }
+        int off = 128 + 16 * (q & 1), sh = 2 * (q >> 1); /* weights 16q + i, 128 + 16q + i, 16q + 8 + i, 136 + 16q + i */
+        for (int r = 0; r < 8; r++) {
+            uint64_t w = (bytes8(in[r] + off) >> sh & PAIRS) | (bytes8(in[r] + off + 32) >> sh & PAIRS) << 2 |
+                         (bytes8(in[r] + off + 8) >> sh & PAIRS) << 4 | (bytes8(in[r] + off + 40) >> sh & PAIRS) << 6;
+            memcpy(c + 128 + r * 8, &w, 8);
+        }
+    }
+    for (int q = 0; q < 4; q++)
+        for (int r = 0; r < 8; r++) memcpy(out + 1536 + q * 32 + 4 * r, in[r] + 192 + 4 * q, 4);
+    for (int r = 0; r < 8; r++) memcpy(out + 1664 + 2 * r, in[r] + 208, 2);
+}
+
+static void pack_q6k_chunk(const void *p, int g0, int g1) {
+    const pack_job *j = p;
+    int64_t group_bytes = 8 * j->row_bytes;
+    for (int g = g0; g < g1; g++)
+        for (int s = 0; s < j->blocks; s++) {
+            const uint8_t *in[8];
+            for (int r = 0; r < 8; r++) in[r] = j->src + g * group_bytes + r * j->row_bytes + (int64_t)s * 210;
+            pack_q6k_block(in, j->dst + g * group_bytes + (int64_t)s * 8 * 210);
+        }
+}
+
+static void pack_q8_0_chunk(const void *p, int g0, int g1) {
+    const pack_job *j = p;
+    int64_t group_bytes = 8 * j->row_bytes, rb = j->row_bytes;
+    for (int g = g0; g < g1; g++)
+        for (int s = 0; s < j->blocks; s++) {
+            const uint8_t *in = j->src + g * group_bytes + (int64_t)s * 34;
+            uint8_t *restrict out = j->dst + g * group_bytes + (int64_t)s * 8 * 34;
+            /* vector c, lane 8r + i: weight 8c + i of rows r (low byte) and 4 + r (high byte) */
+            for (int c = 0; c < 4; c++)
+                for (int r = 0; r < 4; r++) {
+                    const uint8_t *lo = in + r * rb + 2 + 8 * c, *hi = in + (4 + r) * rb + 2 + 8 * c;
+#if defined(__SSE2__)
+                    __m128i a = _mm_loadl_epi64((const __m128i *)lo), b = _mm_loadl_epi64((const __m128i *)hi);
+                    _mm_storeu_si128((__m128i *)(out + c * 64 + r * 16), _mm_unpacklo_epi8(a, b));
+#else
+                    for (int i = 0; i < 8; i++) out[c * 64 + r * 16 + 2 * i] = lo[i], out[c * 64 + r * 16 + 2 * i + 1] = hi[i];
+#endif
+                }
+            for (int r = 0; r < 8; r++) memcpy(out + 256 + 2 * r, in + r * rb, 2);
+        }
+}
+
+/* groups of 8 rows of GGUF type qtype (14: Q6_K, 8: Q8_0) from src into dst, interleaved; -1 for
+ * another type (bk_pack_groups takes those) */
+int bk_pack_x8(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t row_bytes, int qtype) {
+    int block_bytes = qtype == 14 ? 210 : qtype == 8 ? 34 : 0;
+    if (!block_bytes) return -1;
+    pack_job j = {src, dst, row_bytes, block_bytes, (int)(row_bytes / block_bytes), NULL, 0, NULL};
+    parallel_rows(qtype == 14 ? pack_q6k_chunk : pack_q8_0_chunk, &j, (int)groups, 8);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ entry points */
 #define MAX_JOINED 32 /* a decode step's routed experts' gate and up (decoder.c moe): up to 16 experts */
 #define LANES_OK 16 /* decoder.c works in whole vectors of 16 floats */
