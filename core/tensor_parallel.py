@@ -1,0 +1,359 @@
+"""Tensor parallelism (`--tp N`, `LLM.load(..., tp=N)`): one model over N ranks of
+torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
+
+- q/k/v and gate/up are split by output columns (whole heads; KV heads split across ranks, or
+  each rank keeps the one its query heads read when there are fewer KV heads than ranks);
+  o_proj and down_proj by input rows, then one all-reduce each (a forward hook, so the modules
+  keep their kinds and the device passes still swap in their kernels per shard); the output
+  head by vocabulary, its logits all-gathered. The embedding and norms are replicated.
+- The sharded model reports its local head counts in its config, so every cache sized from it
+  (LLM.new_cache, ContiguousKV.for_model) holds the rank's own KV heads.
+- Rank 0 is the caller: it tokenizes, samples and drives the model. Each of its forward passes
+  first sends the step (tokens, positions, which cache) to the other ranks, which run the same
+  pass on their shards and their own caches (`follow`), so code above the model does not know.
+
+Ranks come from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) where it
+is set, else brisk starts ranks 1..N-1 itself (`launch`) as children in their own process
+group, killed when rank 0 exits.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import BriskError
+from .model import MLP, Transformer
+
+# Collectives inside a pass: a rank that hangs this long ends the run.
+STEP_TIMEOUT = timedelta(seconds=300)
+# The followers' wait for rank 0's next step (a chat waits on its user): no practical limit.
+IDLE_TIMEOUT = timedelta(days=7)
+
+
+@dataclass
+class Group:
+    rank: int
+    world: int
+    control: object  # the process group the steps are sent on (IDLE_TIMEOUT)
+    children: list  # the follower processes rank 0 started (empty under torchrun)
+
+
+_group: Group | None = None
+
+
+def free_port() -> int:
+    """A TCP port free now on this machine, found before any rank loads (a busy port fails at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def start(tp: int, load_args: dict) -> Group:
+    """Join (torchrun, or a follower brisk started) or make (rank 0) the process group of tp ranks."""
+    global _group
+    if _group is not None:
+        if _group.world != tp:
+            raise BriskError(f"--tp {tp}: this process already runs with --tp {_group.world}")
+        return _group
+    children = []
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp:
+            raise BriskError(f"--tp {tp}: the launcher started {world} ranks (WORLD_SIZE)")
+        rank = int(os.environ["RANK"])
+    else:
+        rank, port = 0, free_port()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        children = [_spawn(r, tp, port, load_args) for r in range(1, tp)]
+        atexit.register(_shutdown, children)
+    cuda = load_args.get("device", "auto") != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    try:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp, timeout=STEP_TIMEOUT,
+                                init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    except (RuntimeError, dist.DistError) as e:
+        raise BriskError(f"--tp {tp}: the ranks could not connect ({first_line(e)})") from None
+    _group = Group(rank, tp, control, children)
+    return _group
+
+
+def _spawn(rank: int, world: int, port: int, load_args: dict) -> subprocess.Popen:
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # start_new_session: rank 0 kills the child's whole group, and a Ctrl-C at the terminal reaches
+    # rank 0 alone (which then stops the followers) instead of every rank at once
+    return subprocess.Popen([sys.executable, "-m", "brisk.core.tp_follower", json.dumps(load_args)],
+                            env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def _shutdown(children: list) -> None:
+    """Rank 0's exit: tell the followers to stop, then make sure none is left."""
+    if _group is not None and dist.is_initialized():
+        with _quietly():
+            dist.broadcast_object_list([("stop",)], src=0, group=_group.control)
+    deadline = time.monotonic() + 5
+    for p in children:
+        with _quietly():
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in children:
+        if p.poll() is None:
+            with _quietly():
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+class _quietly:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return True
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def watch_parent() -> None:
+    """A follower brisk started ends when rank 0 is gone, even killed (no orphans)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="tp-parent-watch").start()
+
+
+# ------------------------------------------------------------------ sharding
+
+
+def _span(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank's part of n items split evenly (n a multiple of world)."""
+    step = n // world
+    return rank * step, (rank + 1) * step
+
+
+def check_shardable(cfg, world: int) -> None:
+    """What this installment shards; refused by name before any rank loads weights twice."""
+    if cfg.n_experts:
+        raise BriskError(f"--tp: mixture-of-experts models ({cfg.arch}) are not sharded yet")
+    if cfg.n_heads % world:
+        raise BriskError(f"--tp {world}: the model's {cfg.n_heads} attention heads do not split over {world} ranks")
+    if cfg.n_kv_heads % world and world % cfg.n_kv_heads:
+        raise BriskError(f"--tp {world}: the model's {cfg.n_kv_heads} KV heads neither split over {world} ranks "
+                         "nor divide them")
+    if cfg.ffn_dim % world:
+        raise BriskError(f"--tp {world}: the MLP's width {cfg.ffn_dim} does not split over {world} ranks")
+
+
+def check_float_load(ckpt, world: int) -> None:
+    """Refusals that need the checkpoint's header only, before any rank is started."""
+    check_shardable(ckpt.config, world)
+    if ckpt.quant_config or ckpt.modules:
+        raise BriskError(f"--tp {world}: {ckpt.name} loads quantized, and quantized weights are not sharded yet "
+                         "(--quantize none loads a GGUF in float)")
+
+
+def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi].clone()  # clone: the full tensor is freed once dropped
+
+
+def _set_linear(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    layer.out_features, layer.in_features = weight.shape
+
+
+def shard(net: Transformer, group: Group) -> None:
+    """Cut a loaded float Transformer down to this rank's shard, in place."""
+    cfg, rank, world = net.cfg, group.rank, group.world
+    check_shardable(cfg, world)
+    for m in net.modules():
+        if type(m) is not nn.Linear and isinstance(m, nn.Linear):
+            raise BriskError(f"--tp: {type(m).__name__} layers are not sharded yet (a float load only: "
+                             "--quantize none, or a float checkpoint)")
+    hd, heads = cfg.head_dim, cfg.n_heads // world
+    if cfg.n_kv_heads % world == 0:
+        kv_lo, kv_hi = _span(cfg.n_kv_heads, rank, world)
+    else:  # fewer KV heads than ranks: the one this rank's query heads read, replicated
+        kv_lo = rank * heads // (cfg.n_heads // cfg.n_kv_heads)
+        kv_hi = kv_lo + 1
+    q_lo, q_hi = rank * heads, (rank + 1) * heads
+    f_lo, f_hi = _span(cfg.ffn_dim, rank, world)
+    for block in net.model.layers:
+        a, mlp = block.self_attn, block.mlp
+        _set_linear(a.q_proj, _rows(a.q_proj.weight, q_lo * hd, q_hi * hd), _rows(a.q_proj.bias, q_lo * hd, q_hi * hd))
+        for p in (a.k_proj, a.v_proj):
+            _set_linear(p, _rows(p.weight, kv_lo * hd, kv_hi * hd), _rows(p.bias, kv_lo * hd, kv_hi * hd))
+        # the bias once, on rank 0: the all-reduce adds every rank's part
+        _set_linear(a.o_proj, a.o_proj.weight[:, q_lo * hd:q_hi * hd].contiguous(),
+                    a.o_proj.bias if rank == 0 else None)
+        if a.sinks is not None:
+            a.sinks = nn.Parameter(_rows(a.sinks, q_lo, q_hi), requires_grad=False)
+        a.n_heads, a.n_kv = heads, kv_hi - kv_lo
+        assert isinstance(mlp, MLP)
+        for p in (mlp.gate_proj, mlp.up_proj):
+            _set_linear(p, _rows(p.weight, f_lo, f_hi), _rows(p.bias, f_lo, f_hi))
+        _set_linear(mlp.down_proj, mlp.down_proj.weight[:, f_lo:f_hi].contiguous(),
+                    mlp.down_proj.bias if rank == 0 else None)
+        a.o_proj.register_forward_hook(_all_reduce_output)
+        mlp.down_proj.register_forward_hook(_all_reduce_output)
+    _shard_head(net, rank, world)
+    net.cfg = replace(cfg, n_heads=heads, n_kv_heads=kv_hi - kv_lo)
+    net.__class__ = ShardedTransformer
+    net.__dict__["_tp"] = group
+
+
+def _shard_head(net: Transformer, rank: int, world: int) -> None:
+    """The output layer by vocabulary, in equal parts (the last padded with zero rows: an
+    all-gather takes equal sizes), gathered and cut back to the vocabulary after each pass."""
+    vocab = net.cfg.vocab_size
+    per = -(-vocab // world)
+    lo, hi = min(rank * per, vocab), min((rank + 1) * per, vocab)
+    w = net.lm_head.weight
+    part = w[lo:hi]
+    if hi - lo < per:
+        part = torch.cat([part, part.new_zeros(per - (hi - lo), w.shape[1])])
+    elif w is not net.model.embed_tokens.weight:  # tied: a view of the embedding's rows, no copy
+        part = part.clone()
+    _set_linear(net.lm_head, part, None)
+    net.lm_head.register_forward_hook(_gather_vocab(vocab, world))
+
+
+def _all_reduce_output(module, inputs, out: torch.Tensor) -> torch.Tensor:
+    out = out.contiguous()
+    dist.all_reduce(out)
+    return out
+
+
+def _gather_vocab(vocab: int, world: int):
+    def hook(module, inputs, out: torch.Tensor) -> torch.Tensor:
+        out = out.contiguous()
+        parts = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(parts, out)
+        return torch.cat(parts, dim=-1)[..., :vocab]
+    return hook
+
+
+# ------------------------------------------------------------------ running
+
+
+_cache_keys = itertools.count()
+
+
+class ShardedTransformer(Transformer):
+    """A Transformer holding one rank's shard. On rank 0 each pass is first sent to the followers
+    (which run it through Transformer.forward on their own caches); a rank that fails mid-pass
+    ends the run with one error naming it."""
+
+    def forward(self, tokens, start, kv, tree=None, logit_rows=None, return_hidden=False):
+        group: Group = self.__dict__["_tp"]
+        if group.rank != 0:
+            return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
+        try:
+            cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731  (the steps go over gloo)
+            _send(("forward", _cache_spec(kv), _dropped(), cpu(tokens), cpu(start), cpu(tree), cpu(logit_rows),
+                   return_hidden))
+            return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
+        except (RuntimeError, dist.DistError) as e:
+            if dist.is_initialized() and "timed out" not in str(e).lower() and not _gone(group):
+                raise
+            raise BriskError(f"--tp: {_gone(group) or 'a rank'} stopped answering ({first_line(e)})") from None
+
+
+def _gone(group: Group) -> str:
+    """'rank k (exit code c)' for a follower rank 0 started that has ended, or ''."""
+    time.sleep(0.2)  # a dying child's exit code shows a moment after its sockets close
+    for r, p in enumerate(group.children, start=1):
+        if p.poll() is not None:
+            return f"rank {r} (exit code {p.returncode})"
+    return ""
+
+
+_pending_drops: list[int] = []
+
+
+def _dropped() -> list[int]:
+    """The caches rank 0 has freed since its last step: the followers free theirs."""
+    out = _pending_drops[:]
+    del _pending_drops[:]
+    return out
+
+
+def _cache_spec(kv) -> tuple | None:
+    """What a follower needs to make (once) and find its own cache matching rank 0's."""
+    from .kv import ContiguousKV
+
+    if not isinstance(kv, ContiguousKV):
+        raise BriskError(f"--tp: the {type(kv).__name__} cache is not supported yet (generation and bench only)")
+    key = kv.__dict__.get("_tp_key")
+    if key is None:
+        key = kv.__dict__["_tp_key"] = next(_cache_keys)
+        weakref.finalize(kv, _pending_drops.append, key)  # sent with the next step, never from a finalizer
+    k = kv.k[0]
+    return key, len(kv.k), k.shape[1], k.shape[0], kv.max_len, kv.type
+
+
+def _send(step: tuple) -> None:
+    dist.broadcast_object_list([step], src=0, group=_group.control)
+
+
+def follow_and_exit(net: ShardedTransformer, head_dim: int) -> None:
+    """A follower rank's end: follow rank 0, then leave (a failure of rank 0's side ends it quietly:
+    rank 0 reports it)."""
+    code = 0
+    try:
+        follow(net, head_dim)
+    except (RuntimeError, dist.DistError):
+        code = 1
+    with _quietly():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def follow(net: ShardedTransformer, head_dim: int) -> None:
+    """A follower rank's life after loading: run rank 0's passes until it says stop."""
+    from .kv import ContiguousKV
+
+    group: Group = net.__dict__["_tp"]
+    w = net.model.norm.weight
+    caches: dict[int, ContiguousKV] = {}
+    with torch.inference_mode():
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=group.control)
+            step = box[0]
+            if step[0] == "stop":
+                return
+            _, (key, layers, kv_heads, batch, max_len, kv_type), drops, tokens, start, tree, rows, hidden = step
+            for d in drops:
+                caches.pop(d, None)
+            if key not in caches:
+                caches[key] = ContiguousKV(layers, kv_heads, head_dim, max_len, w.dtype, w.device, batch, kv_type)
+            net(tokens.to(w.device), start if not torch.is_tensor(start) else start.to(w.device), caches[key],
+                None if tree is None else tree.to(w.device), rows, hidden)
