@@ -54,6 +54,8 @@ class Group:
 
 
 _group: Group | None = None
+_spawned = False  # this process is a follower rank 0 started (not torchrun's)
+PEER_FAILED = 3  # a follower's exit code when a collective failed because another rank did
 
 
 def free_port() -> int:
@@ -74,28 +76,63 @@ def start(tp: int, load_args: dict) -> Group:
         if _group.world != tp:
             raise BriskError(f"--tp {tp}: this process already runs with --tp {_group.world}")
         return _group
-    children = []
-    if under_torchrun():
+    children, store = [], None
+    if under_torchrun() and not _spawned:
         world = int(os.environ["WORLD_SIZE"])
         if world != tp:
             raise BriskError(f"--tp {tp}: the launcher started {world} ranks (WORLD_SIZE)")
         rank = int(os.environ["RANK"])
+    elif _spawned:  # a follower rank 0 started: it joins rank 0's store
+        rank = int(os.environ["RANK"])
+        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), tp, is_master=False, timeout=STEP_TIMEOUT)
+        store.add("joined", 1)
     else:
-        rank, port = 0, free_port()
+        rank, store = 0, _store(tp)
+        port = store.port
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         children = [_spawn(r, tp, port, load_args) for r in range(1, tp)]
-        atexit.register(_shutdown, children)
+        _wait_for_followers(store, children)
     cuda = load_args.get("device", "auto") != "cpu" and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    backend = "nccl" if cuda else "gloo"
     try:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp, timeout=STEP_TIMEOUT,
-                                init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        if store is None:
+            dist.init_process_group(backend, rank=rank, world_size=tp, timeout=STEP_TIMEOUT,
+                                    init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=tp, timeout=STEP_TIMEOUT, store=store)
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     except (RuntimeError, dist.DistError) as e:
+        _shutdown(children)
         raise BriskError(f"--tp {tp}: the ranks could not connect ({first_line(e)})") from None
     _group = Group(rank, tp, control, children)
+    if rank == 0:  # under torchrun too: the followers wait for its stop
+        atexit.register(_shutdown, children)
     return _group
+
+
+def _store(world: int):
+    """Rank 0's rendezvous on a port found free now, before any rank loads (a busy one fails at once)."""
+    try:
+        return dist.TCPStore("127.0.0.1", free_port(), world, is_master=True, wait_for_workers=False,
+                             timeout=STEP_TIMEOUT)
+    except (RuntimeError, dist.DistError) as e:
+        raise BriskError(f"--tp {world}: no port for the ranks to meet on ({first_line(e)})") from None
+
+
+def _wait_for_followers(store, children: list) -> None:
+    """Until every follower has joined; one that ends first ends the run (no wait for a timeout)."""
+    deadline = time.monotonic() + STEP_TIMEOUT.total_seconds()
+    while store.add("joined", 0) < len(children):
+        for r, p in enumerate(children, start=1):
+            if p.poll() is not None:
+                _shutdown(children)
+                raise BriskError(f"--tp {len(children) + 1}: rank {r} ended while starting (exit code {p.returncode})")
+        if time.monotonic() > deadline:
+            _shutdown(children)
+            raise BriskError(f"--tp {len(children) + 1}: the ranks did not start within {STEP_TIMEOUT.seconds} s")
+        time.sleep(0.05)
 
 
 def _spawn(rank: int, world: int, port: int, load_args: dict) -> subprocess.Popen:
@@ -136,8 +173,11 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def watch_parent() -> None:
-    """A follower brisk started ends when rank 0 is gone, even killed (no orphans)."""
+def become_follower() -> None:
+    """In a follower brisk started (tp_follower.py): join rank 0's store, and end when rank 0 is
+    gone, even killed (no orphans)."""
+    global _spawned
+    _spawned = True
     parent = os.getppid()
 
     def watch():
@@ -282,16 +322,21 @@ class ShardedTransformer(Transformer):
         except (RuntimeError, dist.DistError) as e:
             if dist.is_initialized() and "timed out" not in str(e).lower() and not _gone(group):
                 raise
-            raise BriskError(f"--tp: {_gone(group) or 'a rank'} stopped answering ({first_line(e)})") from None
+            gone = _gone(group)
+            raise BriskError(f"--tp: {gone} ended, so the run stops" if gone else
+                             f"--tp: a rank stopped answering ({first_line(e)[:200]})") from None
 
 
 def _gone(group: Group) -> str:
-    """'rank k (exit code c)' for a follower rank 0 started that has ended, or ''."""
+    """'rank k (how it ended)' for a follower rank 0 started that has ended, or ''. A rank that
+    left because another one failed (PEER_FAILED) is named only when no other is."""
     time.sleep(0.2)  # a dying child's exit code shows a moment after its sockets close
-    for r, p in enumerate(group.children, start=1):
-        if p.poll() is not None:
-            return f"rank {r} (exit code {p.returncode})"
-    return ""
+    ended = [(r, p.returncode) for r, p in enumerate(group.children, start=1) if p.poll() is not None]
+    ended.sort(key=lambda e: e[1] == PEER_FAILED)
+    if not ended:
+        return ""
+    r, code = ended[0]
+    return f"rank {r} ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'})"
 
 
 _pending_drops: list[int] = []
@@ -329,7 +374,7 @@ def follow_and_exit(net: ShardedTransformer, head_dim: int) -> None:
     try:
         follow(net, head_dim)
     except (RuntimeError, dist.DistError):
-        code = 1
+        code = PEER_FAILED
     with _quietly():
         dist.destroy_process_group()
     sys.stdout.flush()

@@ -12,7 +12,7 @@ def main() -> None:
     from .device import set_cpu_threads
     from .llm import LLM
 
-    tensor_parallel.watch_parent()
+    tensor_parallel.become_follower()
     set_cpu_threads(args.pop("threads", None))
     LLM.load(**args)  # on a follower rank this runs rank 0's steps and does not return
 
