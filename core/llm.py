@@ -80,9 +80,11 @@ class LLM:
                 dev = torch.device("cuda", torch.cuda.current_device())
         net = build_model(ckpt, dev, dt)
         if group is not None:
-            tensor_parallel.shard(net, group)
+            tensor_parallel.shard(net, group, quantize)
         if quantize in ("int8", "int4", "nf4"):
-            quantize_at_load(net, quantize)
+            quantize_at_load(net, quantize, embedding_from_head=group is None)
+        if group is not None:
+            tensor_parallel.connect(net)
         apply_device_kernels(net, dev)  # last: after every layer has its final kind
         if dev.type == "cpu":
             use_one_thread_pool(any(getattr(m, "native", False) for m in net.modules()))
@@ -230,19 +232,20 @@ def _place_quantized(net: Transformer, ckpt: Checkpoint) -> None:
     replace_modules(net, lambda name, m: modules.get(name))
 
 
-def quantize_at_load(net: Transformer, method: str) -> None:
+def quantize_at_load(net: Transformer, method: str, embedding_from_head: bool = True) -> None:
     """--quantize int8|int4|nf4: every linear layer to that format, in place. Float layers are
     quantized; for int8/int4, layers a GGUF stored at the other width go through float one at a
     time, and those already of the format stay. The output layer is quantized too (a fifth of a
     small model's bytes); when it is tied to the embedding, lookups then read the quantized head
-    (which keeps its int4 codes for that) and the float table is dropped."""
+    (which keeps its int4 codes for that) and the float table is dropped. embedding_from_head
+    False: the embedding is left as it is (a tensor-parallel shard's head holds part of the vocabulary)."""
     if method == "nf4":
         from ..quant.bnb_format import NF4Linear
 
         # the head stays float (no NF4 kernel on the CPU), and MoE routers always do
         replace_modules(net, lambda name, m: NF4Linear.from_float(m) if name != "lm_head" and _quantizable(m) else None)
         return
-    tied = net.cfg.tie_embeddings
+    tied = net.cfg.tie_embeddings and embedding_from_head
     want = Int4Linear if method == "int4" else Int8Linear
 
     def convert(name, m):

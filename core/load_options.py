@@ -40,12 +40,12 @@ def check_threads(n: int | None) -> None:
 
 
 def check_tp(tp: int, quantize: str = "auto") -> None:
-    """--tp N: a rank count, and (in this installment) float weights only."""
+    """--tp N: a rank count, and (in this installment) float weights, quantized at load to int8/int4 or not."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InvalidValue("tp", tp, "must be a whole number of ranks, at least 1")
-    if tp > 1 and quantize not in ("auto", "none"):
-        raise InvalidValue("tp", tp, "", template=f"{{option}} {tp} with --quantize {quantize}: quantized weights "
-                           "are not sharded yet (float weights only)")
+    if tp > 1 and quantize == "nf4":
+        raise InvalidValue("tp", tp, "", template=f"{{option}} {tp} with --quantize nf4: NF4 weights are not "
+                           "sharded yet (float, int8 and int4 are)")
 
 
 def check_load_options(model: str | None, device: str = "auto", dtype: str = "auto", quantize: str = "auto",

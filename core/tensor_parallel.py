@@ -38,6 +38,7 @@ from torch import nn
 
 from .errors import BriskError
 from .model import MLP, Transformer
+from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
 
 # Collectives inside a pass: a rank that hangs this long ends the run.
 STEP_TIMEOUT = timedelta(seconds=300)
@@ -228,8 +229,10 @@ def _set_linear(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | Non
     layer.out_features, layer.in_features = weight.shape
 
 
-def shard(net: Transformer, group: Group) -> None:
-    """Cut a loaded float Transformer down to this rank's shard, in place."""
+def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
+    """Cut a loaded float Transformer down to this rank's shard, in place. quantize int8|int4:
+    each shard then quantized as the whole layer would be (whole groups of 32 columns, an int8
+    row's scale from the whole row), so the ranks hold the single-process model's codes."""
     cfg, rank, world = net.cfg, group.rank, group.world
     check_shardable(cfg, world)
     for m in net.modules():
@@ -244,28 +247,55 @@ def shard(net: Transformer, group: Group) -> None:
         kv_hi = kv_lo + 1
     q_lo, q_hi = rank * heads, (rank + 1) * heads
     f_lo, f_hi = _span(cfg.ffn_dim, rank, world)
+    if quantize == "int4" and (heads * hd % GROUP or (f_hi - f_lo) % GROUP):
+        raise BriskError(f"--tp {world} with --quantize int4: a rank's part of o_proj ({heads * hd} columns) or "
+                         f"down_proj ({f_hi - f_lo}) is not whole groups of {GROUP}")
     for block in net.model.layers:
         a, mlp = block.self_attn, block.mlp
         _set_linear(a.q_proj, _rows(a.q_proj.weight, q_lo * hd, q_hi * hd), _rows(a.q_proj.bias, q_lo * hd, q_hi * hd))
         for p in (a.k_proj, a.v_proj):
             _set_linear(p, _rows(p.weight, kv_lo * hd, kv_hi * hd), _rows(p.bias, kv_lo * hd, kv_hi * hd))
         # the bias once, on rank 0: the all-reduce adds every rank's part
-        _set_linear(a.o_proj, a.o_proj.weight[:, q_lo * hd:q_hi * hd].contiguous(),
-                    a.o_proj.bias if rank == 0 else None)
+        a.o_proj = _columns(a.o_proj, q_lo * hd, q_hi * hd, rank == 0, quantize)
         if a.sinks is not None:
             a.sinks = nn.Parameter(_rows(a.sinks, q_lo, q_hi), requires_grad=False)
         a.n_heads, a.n_kv = heads, kv_hi - kv_lo
         assert isinstance(mlp, MLP)
         for p in (mlp.gate_proj, mlp.up_proj):
             _set_linear(p, _rows(p.weight, f_lo, f_hi), _rows(p.bias, f_lo, f_hi))
-        _set_linear(mlp.down_proj, mlp.down_proj.weight[:, f_lo:f_hi].contiguous(),
-                    mlp.down_proj.bias if rank == 0 else None)
-        a.o_proj.register_forward_hook(_all_reduce_output)
-        mlp.down_proj.register_forward_hook(_all_reduce_output)
+        mlp.down_proj = _columns(mlp.down_proj, f_lo, f_hi, rank == 0, quantize)
+    if quantize in ("int8", "int4") and cfg.tie_embeddings:
+        # lookups read the whole quantized table, as a single process's do from its quantized head
+        table = quantize_linear(net.lm_head, quantize, GROUP, keep_codes=True)
+        net.model.embed_tokens = QuantEmbedding(table, net.model.norm.weight.dtype, owner=True)
     _shard_head(net, rank, world)
     net.cfg = replace(cfg, n_heads=heads, n_kv_heads=kv_hi - kv_lo)
     net.__class__ = ShardedTransformer
     net.__dict__["_tp"] = group
+
+
+def connect(net: ShardedTransformer) -> None:
+    """The collectives, as forward hooks on the layers' final modules (call after any quantization
+    at load, which replaces them): an all-reduce after o_proj and down_proj, the all-gather of the
+    logits after the output layer."""
+    for block in net.model.layers:
+        block.self_attn.o_proj.register_forward_hook(_all_reduce_output)
+        block.mlp.down_proj.register_forward_hook(_all_reduce_output)
+    net.lm_head.register_forward_hook(_gather_vocab(net.cfg.vocab_size, net.__dict__["_tp"].world))
+
+
+GROUP = 32  # quantize_at_load's int4 group size: a column shard must hold whole groups
+
+
+def _columns(layer: nn.Linear, lo: int, hi: int, keep_bias: bool, quantize: str) -> nn.Module:
+    """A row-parallel layer's input columns lo:hi. int8 scales each output row by its whole row, so
+    the shard is cut from the whole layer's codes (quantize_at_load then leaves it as it is)."""
+    bias = layer.bias if keep_bias else None
+    if quantize == "int8":
+        q, scales = quantize_int8(layer.weight)
+        return Int8Linear(q[:, lo:hi].contiguous(), scales, bias)
+    _set_linear(layer, layer.weight[:, lo:hi].contiguous(), bias)
+    return layer
 
 
 def _shard_head(net: Transformer, rank: int, world: int) -> None:
@@ -278,10 +308,9 @@ def _shard_head(net: Transformer, rank: int, world: int) -> None:
     part = w[lo:hi]
     if hi - lo < per:
         part = torch.cat([part, part.new_zeros(per - (hi - lo), w.shape[1])])
-    elif w is not net.model.embed_tokens.weight:  # tied: a view of the embedding's rows, no copy
+    elif w is not getattr(net.model.embed_tokens, "weight", None):  # tied: a view of the embedding's rows
         part = part.clone()
     _set_linear(net.lm_head, part, None)
-    net.lm_head.register_forward_hook(_gather_vocab(vocab, world))
 
 
 def _all_reduce_output(module, inputs, out: torch.Tensor) -> torch.Tensor:
