@@ -66,7 +66,7 @@ def bench(
 
         set_cpu_threads(threads)
         draft_options = c.check_draft(draft, draft_k, lookahead)
-        out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads())
+        out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads(), tp)
         pps, tgs, depths = _list(n_prompt, int), _list(n_gen, int), _list(n_depth, int)
         from ..core.load_options import check_kv_type
 
@@ -122,8 +122,8 @@ class _Rows:
 
     COLUMNS = ("model", "device", "dtype", "quant", "kv", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB")
 
-    def __init__(self, form: str, threads: int):
-        self.form, self.threads, self.rows = form, threads, []
+    def __init__(self, form: str, threads: int, ranks: int = 1):
+        self.form, self.threads, self.ranks, self.rows = form, threads, ranks, []
 
     def add(self, rows) -> None:
         for r in rows:
@@ -141,7 +141,8 @@ class _Rows:
     def _header(self, first) -> None:
         if self.form == "table":
             peak = "peak mem MB" if first.device.startswith("cuda") else "peak RSS MB (process)"
-            print(f"brisk bench · {self.threads} threads", flush=True)
+            ranks = f" x {self.ranks} ranks (--tp: model MB, GB/s and memory are rank 0's)" if self.ranks > 1 else ""
+            print(f"brisk bench · {self.threads} threads{ranks}", flush=True)
             print("| " + " | ".join(self.COLUMNS[:-1] + (peak,)) + " |")
             print("|" + "---|" * len(self.COLUMNS), flush=True)
         elif self.form == "csv":

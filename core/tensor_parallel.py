@@ -19,6 +19,7 @@ group, killed when rank 0 exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -147,26 +148,26 @@ def _spawn(rank: int, world: int, port: int, load_args: dict) -> subprocess.Pope
 
 def _shutdown(children: list) -> None:
     """Rank 0's exit: tell the followers to stop, then make sure none is left."""
+    told = False
     if _group is not None and dist.is_initialized():
-        with _quietly():
-            dist.broadcast_object_list([("stop",)], src=0, group=_group.control)
-    deadline = time.monotonic() + 5
+        def stop():
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list([("stop",)], src=0, group=_group.control)
+
+        # in a thread: after a pass cut short (Ctrl-C), the followers wait inside it, not for a step
+        sender = threading.Thread(target=stop, daemon=True)
+        sender.start()
+        sender.join(timeout=1)
+        told = not sender.is_alive()
+    deadline = time.monotonic() + (3 if told else 0)  # not told: no need to wait
     for p in children:
-        with _quietly():
+        with contextlib.suppress(Exception):
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
     for p in children:
         if p.poll() is None:
-            with _quietly():
+            with contextlib.suppress(Exception):
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-
-
-class _quietly:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return True
 
 
 def first_line(e: BaseException) -> str:
@@ -404,7 +405,7 @@ def follow_and_exit(net: ShardedTransformer, head_dim: int) -> None:
         follow(net, head_dim)
     except (RuntimeError, dist.DistError):
         code = PEER_FAILED
-    with _quietly():
+    with contextlib.suppress(Exception):
         dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(code)
