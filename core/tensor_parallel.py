@@ -13,8 +13,8 @@ torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
   pass on their shards and their own caches (`follow`), so code above the model does not know.
 
 Ranks come from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) where it
-is set, else brisk starts ranks 1..N-1 itself (`launch`) as children in their own process
-group, killed when rank 0 exits.
+is set, else brisk starts ranks 1..N-1 itself (`start`, core/tp_follower.py) as children in
+their own process group, killed when rank 0 exits.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -349,12 +350,23 @@ class ShardedTransformer(Transformer):
             _send(("forward", _cache_spec(kv), _dropped(), cpu(tokens), cpu(start), cpu(tree), cpu(logit_rows),
                    return_hidden))
             return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
-        except (RuntimeError, dist.DistError) as e:
-            if dist.is_initialized() and "timed out" not in str(e).lower() and not _gone(group):
-                raise
+        except RuntimeError as e:
             gone = _gone(group)
+            if not gone and not _peer_failure(e):
+                raise  # not the ranks' failure: a bug shows as one
             raise BriskError(f"--tp: {gone} ended, so the run stops" if gone else
-                             f"--tp: a rank stopped answering ({first_line(e)[:200]})") from None
+                             f"--tp: a rank stopped answering ({_reason(e)})") from None
+
+
+def _peer_failure(e: RuntimeError) -> bool:
+    """Whether a collective failed because another rank did (gloo raises plain RuntimeErrors)."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "timed out"))
+
+
+def _reason(e: BaseException) -> str:
+    """gloo's message without its source path and advice: 'Read error ...: Connection reset by peer'."""
+    return re.sub(r"^\[[^\]]*\]\s*", "", first_line(e)).split(". ")[0][:200]
 
 
 def _gone(group: Group) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 
 def main() -> None:
@@ -13,6 +14,7 @@ def main() -> None:
     from .llm import LLM
 
     tensor_parallel.become_follower()
+    warnings.simplefilter("ignore")  # the load's warnings are rank 0's to print, once
     set_cpu_threads(args.pop("threads", None))
     LLM.load(**args)  # on a follower rank this runs rank 0's steps and does not return
 
