@@ -38,6 +38,7 @@ def bench(
     kv_type: str = typer.Option("auto", "--kv-type", "-ctk", "--cache-type-k", help="Comma list of KV cache "
                                 "types, one row each: auto | f32 | f16 | bf16 | q8_0 (as generate's --kv-type)."),
     threads: Optional[int] = c.ThreadsOpt,
+    tp: int = c.TpOpt,
     draft: Optional[str] = c.DraftOpt,
     draft_k: str = c.DraftKOpt,
     lookahead: Optional[str] = c.LookaheadOpt,
@@ -59,13 +60,13 @@ def bench(
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
         for dev, dt, quant in [(v, d, q) for v in _list(device) for d in _list(dtype) for q in _list(quantize)]:
-            check_load_options(model or model_pos, dev, dt, quant, threads)
+            check_load_options(model or model_pos, dev, dt, quant, threads, tp)
         from ..core import benchmark
         from ..core.device import cpu_threads, set_cpu_threads
 
         set_cpu_threads(threads)
         draft_options = c.check_draft(draft, draft_k, lookahead)
-        out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads())
+        out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads(), tp)
         pps, tgs, depths = _list(n_prompt, int), _list(n_gen, int), _list(n_depth, int)
         from ..core.load_options import check_kv_type
 
@@ -73,6 +74,10 @@ def bench(
         batches = _list(batch, int) if batch else []
         if batch and (draft or not batches or min(batches) < 1):
             raise BriskError("--batch takes concurrencies >= 1 (e.g. 1,4,16) and does not combine with --draft")
+        if tp != 1 and (batches or draft or len(_list(device)) * len(_list(dtype)) * len(_list(quantize))
+                        * len(kv_types) > 1):
+            raise BriskError("--tp runs one model (one --device, --dtype, --quantize, --kv-type), without --batch "
+                             "or --draft")
         if not depths or min(depths) < 0:
             raise BriskError(f"-d/--n-depth {n_depth!r}: use depths >= 0, e.g. 0,2048")
         if max(depths) and (batches or draft):
@@ -83,7 +88,7 @@ def bench(
             for dt, quant, kv in [(d, q, k) for d in _list(dtype) for q in _list(quantize) for k in kv_types]:
                 llm = c.load_llm(model or model_pos, dev, dt,
                                  max(depths) + max(pps + tgs + [16]) + 1 + (128 if draft else 0),
-                                 quiet=as_json or as_csv, quantize=quant, kv_type=kv)  # --draft: room for its prompt
+                                 quiet=as_json or as_csv, quantize=quant, kv_type=kv, tp=tp)  # --draft: room for its prompt
                 for d in depths:
                     at = f" after {d} tokens" if d else ""
                     for p in ([] if batches else pps):
@@ -117,8 +122,8 @@ class _Rows:
 
     COLUMNS = ("model", "device", "dtype", "quant", "kv", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB")
 
-    def __init__(self, form: str, threads: int):
-        self.form, self.threads, self.rows = form, threads, []
+    def __init__(self, form: str, threads: int, ranks: int = 1):
+        self.form, self.threads, self.ranks, self.rows = form, threads, ranks, []
 
     def add(self, rows) -> None:
         for r in rows:
@@ -136,7 +141,8 @@ class _Rows:
     def _header(self, first) -> None:
         if self.form == "table":
             peak = "peak mem MB" if first.device.startswith("cuda") else "peak RSS MB (process)"
-            print(f"brisk bench · {self.threads} threads", flush=True)
+            ranks = f" x {self.ranks} ranks (--tp: model MB, GB/s and memory are rank 0's)" if self.ranks > 1 else ""
+            print(f"brisk bench · {self.threads} threads{ranks}", flush=True)
             print("| " + " | ".join(self.COLUMNS[:-1] + (peak,)) + " |")
             print("|" + "---|" * len(self.COLUMNS), flush=True)
         elif self.form == "csv":

@@ -26,6 +26,9 @@ KvTypeOpt = typer.Option("auto", "--kv-type", "-ctk", "--cache-type-k", help="Ho
                          "values: auto (the activations' dtype) | f32 | f16 | bf16 | q8_0 (GGUF's 8-bit blocks, about "
                          "a quarter of f32). Other than auto: CPU only. -ctk/--cache-type-k as llama.cpp's (one "
                          "type for keys and values).")
+TpOpt = typer.Option(1, "--tp", help="Tensor parallelism: split the model over N ranks (processes brisk starts on "
+                     "this machine; NCCL on GPUs, gloo on the CPU), each holding 1/N of the weights. Float weights; "
+                     "under torchrun, the ranks it starts (docs/usage.md).")
 CtxOpt = typer.Option(None, "--ctx", "-c", "--ctx-size", help="Context length to allocate (default: min(4096, model's)).", min=16)
 TempOpt = typer.Option(None, "--temperature", "-t", help="0 = greedy. Default: the model's recommended setting, else 0.3.")
 TopKOpt = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off). Default: the model's, else 40.")
@@ -112,14 +115,14 @@ def warning_line(message, category) -> str:
 
 
 def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], quiet: bool = False,
-             quantize: str = "auto", threads: Optional[int] = None, kv_type: str = "auto"):
+             quantize: str = "auto", threads: Optional[int] = None, kv_type: str = "auto", tp: int = 1):
     """LLM.load with a spinner on a terminal; the loader's warnings (e.g. a weight type without a
     quantized kernel) become one 'warning:' line each."""
     import warnings
 
     from ..core.load_options import check_load_options
 
-    check_load_options(model, device, dtype, quantize, threads)  # a wrong value fails before torch loads
+    check_load_options(model, device, dtype, quantize, threads, tp)  # a wrong value fails before torch loads
     from ..core.device import set_cpu_threads
     from ..core.llm import LLM
 
@@ -133,10 +136,10 @@ def load_llm(model: Optional[str], device: str, dtype: str, ctx: Optional[int], 
         warnings.simplefilter("always")
         warnings.showwarning = say
         if quiet or not sys.stderr.isatty():
-            llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize, kv_type=kv_type)
+            llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize, kv_type=kv_type, tp=tp)
         else:
             with loading_bar(f"loading {model or 'default model'}"):
-                llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize, kv_type=kv_type)
+                llm = LLM.load(model, device=device, dtype=dtype, ctx=ctx, quantize=quantize, kv_type=kv_type, tp=tp)
     return llm
 
 

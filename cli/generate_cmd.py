@@ -62,6 +62,7 @@ def generate(
     quantize: str = c.QuantizeOpt,
     ctx: Optional[int] = c.CtxOpt,
     kv_type: str = c.KvTypeOpt,
+    tp: int = c.TpOpt,
 ):
     """Generate text for one prompt, streamed to stdout.
 
@@ -72,6 +73,8 @@ def generate(
         from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)  # before any model loads
+        if tp != 1 and (batch is not None or draft or lookahead):
+            raise BriskError("--tp does not combine with --batch or --draft yet (one sequence, plain decoding)")
         if batch is not None:
             if json_schema is not None or grammar_file is not None:
                 raise BriskError("--json-schema and --grammar go with a single prompt (not with --batch)")
@@ -103,7 +106,7 @@ def generate(
             raise BriskError("give --json-schema or --grammar, not both")
         source = read_user_text(json_schema or grammar_file) if json_schema or grammar_file else None
         llm = c.load_llm(model_name, device, dtype, ctx, quiet=as_json, quantize=quantize, threads=threads,
-                         kv_type=kv_type)
+                         kv_type=kv_type, tp=tp)
         grammar = _grammar(llm, source, json_schema, grammar_file) if source is not None else None
         speculator = c.load_speculator(llm, draft_options, quiet=as_json)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,

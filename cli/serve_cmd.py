@@ -42,6 +42,7 @@ def serve(
                                         "batching fill the same pass."),
     draft_k: str = c.DraftKOpt,
     lookahead: Optional[str] = c.LookaheadOpt,
+    tp: int = typer.Option(1, "--tp", help="Tensor parallelism: not for serve yet (generate, bench)."),
 ):
     """Serve /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API), streamed or not.
 
@@ -55,6 +56,8 @@ def serve(
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
         name = model or model_pos
+        if tp != 1:  # the batching engine's paged cache is not sharded yet
+            raise BriskError("--tp: brisk serve does not run tensor parallel yet (generate and bench do)")
         sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
         draft_options = c.check_draft(draft, draft_k, lookahead)
         from ..core.load_options import check_kv_type

@@ -12,10 +12,10 @@ from torch import nn
 from . import progress
 from .checkpoint import Checkpoint, load_checkpoint
 from .config import DEFAULT_CTX
-from .device import pick_device, pick_dtype, use_one_thread_pool
+from .device import cpu_threads, pick_device, pick_dtype, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue, PromptTooLong
 from .kernel_passes import apply_device_kernels
-from .load_options import QUANTIZE_CHOICES, check_quantize  # noqa: F401  (QUANTIZE_CHOICES: also imported from here)
+from .load_options import QUANTIZE_CHOICES, check_quantize, check_tp  # noqa: F401  (QUANTIZE_CHOICES: also imported from here)
 from .kv import ContiguousKV
 from .kv import kv_type as kv_types
 from .kv.kv_type import KVType
@@ -47,13 +47,16 @@ class LLM:
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
-             ctx: int | None = None, quantize: str = "auto", kv_type: str = "auto") -> "LLM":
+             ctx: int | None = None, quantize: str = "auto", kv_type: str = "auto", tp: int = 1) -> "LLM":
         """quantize: "auto" runs a checkpoint as it is stored (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 weights stay
         quantized, a GPTQ/AWQ/bitsandbytes checkpoint stays in its format, a float one stays float);
         "none" widens everything to `dtype`; int8/int4/nf4 quantize float layers at load.
-        kv_type: how caches store K and V, auto | f32 | f16 | bf16 | q8_0 (core/kv/kv_type.py)."""
+        kv_type: how caches store K and V, auto | f32 | f16 | bf16 | q8_0 (core/kv/kv_type.py).
+        tp: ranks of tensor parallelism (core/tensor_parallel.py); on a rank other than 0 (a
+        follower, or torchrun's RANK > 0) this runs rank 0's passes and exits, never returning."""
         check_quantize(quantize)
         kv_types.check_kv_type(kv_type)
+        check_tp(tp, quantize)
         t0 = time.perf_counter()
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
@@ -66,9 +69,22 @@ class LLM:
             raise BriskError(f"{ckpt.name} is already quantized ({ckpt.quant_config.get('quant_method', '?')}); "
                              "--quantize applies to float and GGUF checkpoints")
         kv.check_head_dim(ckpt.config.head_dim)
+        group = None
+        if tp > 1:
+            from . import tensor_parallel
+
+            tensor_parallel.check_float_load(ckpt, tp)
+            group = tensor_parallel.start(tp, dict(model=model, device=device, dtype=dtype, ctx=ctx,
+                                                   quantize=quantize, kv_type=kv_type, tp=tp, threads=cpu_threads()))
+            if dev.type == "cuda":
+                dev = torch.device("cuda", torch.cuda.current_device())
         net = build_model(ckpt, dev, dt)
+        if group is not None:
+            tensor_parallel.shard(net, group, quantize)
         if quantize in ("int8", "int4", "nf4"):
-            quantize_at_load(net, quantize)
+            quantize_at_load(net, quantize, embedding_from_head=group is None)
+        if group is not None:
+            tensor_parallel.connect(net)
         apply_device_kernels(net, dev)  # last: after every layer has its final kind
         if dev.type == "cpu":
             use_one_thread_pool(any(getattr(m, "native", False) for m in net.modules()))
@@ -79,6 +95,8 @@ class LLM:
         held = model_bytes(net)
         info = LoadInfo(time.perf_counter() - t0, held, ckpt.file_bytes, held - idle_expert_bytes(net))
         ckpt.tensors = {}  # the model owns the weights now
+        if group is not None and group.rank != 0:
+            tensor_parallel.follow_and_exit(net, ckpt.config.head_dim)
         return cls(net, ckpt.tokenizer, ckpt, dev, dt, ctx, info, kv)
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> ContiguousKV:
@@ -214,19 +232,20 @@ def _place_quantized(net: Transformer, ckpt: Checkpoint) -> None:
     replace_modules(net, lambda name, m: modules.get(name))
 
 
-def quantize_at_load(net: Transformer, method: str) -> None:
+def quantize_at_load(net: Transformer, method: str, embedding_from_head: bool = True) -> None:
     """--quantize int8|int4|nf4: every linear layer to that format, in place. Float layers are
     quantized; for int8/int4, layers a GGUF stored at the other width go through float one at a
     time, and those already of the format stay. The output layer is quantized too (a fifth of a
     small model's bytes); when it is tied to the embedding, lookups then read the quantized head
-    (which keeps its int4 codes for that) and the float table is dropped."""
+    (which keeps its int4 codes for that) and the float table is dropped. embedding_from_head
+    False: the embedding is left as it is (a tensor-parallel shard's head holds part of the vocabulary)."""
     if method == "nf4":
         from ..quant.bnb_format import NF4Linear
 
         # the head stays float (no NF4 kernel on the CPU), and MoE routers always do
         replace_modules(net, lambda name, m: NF4Linear.from_float(m) if name != "lm_head" and _quantizable(m) else None)
         return
-    tied = net.cfg.tie_embeddings
+    tied = net.cfg.tie_embeddings and embedding_from_head
     want = Int4Linear if method == "int4" else Int8Linear
 
     def convert(name, m):

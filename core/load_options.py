@@ -39,13 +39,23 @@ def check_threads(n: int | None) -> None:
         raise InvalidValue("threads", n, "must be at least 1")
 
 
+def check_tp(tp: int, quantize: str = "auto") -> None:
+    """--tp N: a rank count, and (in this installment) float weights, quantized at load to int8/int4 or not."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise InvalidValue("tp", tp, "must be a whole number of ranks, at least 1")
+    if tp > 1 and quantize == "nf4":
+        raise InvalidValue("tp", tp, "", template=f"{{option}} {tp} with --quantize nf4: NF4 weights are not "
+                           "sharded yet (float, int8 and int4 are)")
+
+
 def check_load_options(model: str | None, device: str = "auto", dtype: str = "auto", quantize: str = "auto",
-                       threads: int | None = None) -> None:
+                       threads: int | None = None, tp: int = 1) -> None:
     """Everything LLM.load and --threads would refuse by value; a local model's path must exist (a hub
     id is left to the load, which looks in the cache and then downloads)."""
     check_device(device)
     check_dtype(dtype)
     check_quantize(quantize)
     check_threads(threads)
+    check_tp(tp, quantize)
     if model is None or not is_hub_id(model):
         resolve_local(model)

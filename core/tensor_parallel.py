@@ -1,0 +1,446 @@
+"""Tensor parallelism (`--tp N`, `LLM.load(..., tp=N)`): one model over N ranks of
+torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
+
+- q/k/v and gate/up are split by output columns (whole heads; KV heads split across ranks, or
+  each rank keeps the one its query heads read when there are fewer KV heads than ranks);
+  o_proj and down_proj by input rows, then one all-reduce each (a forward hook, so the modules
+  keep their kinds and the device passes still swap in their kernels per shard); the output
+  head by vocabulary, its logits all-gathered. The embedding and norms are replicated.
+- The sharded model reports its local head counts in its config, so every cache sized from it
+  (LLM.new_cache, ContiguousKV.for_model) holds the rank's own KV heads.
+- Rank 0 is the caller: it tokenizes, samples and drives the model. Each of its forward passes
+  first sends the step (tokens, positions, which cache) to the other ranks, which run the same
+  pass on their shards and their own caches (`follow`), so code above the model does not know.
+
+Ranks come from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) where it
+is set, else brisk starts ranks 1..N-1 itself (`start`, core/tp_follower.py) as children in
+their own process group, killed when rank 0 exits.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import BriskError
+from .model import MLP, Transformer
+from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
+
+# Collectives inside a pass: a rank that hangs this long ends the run.
+STEP_TIMEOUT = timedelta(seconds=300)
+# The followers' wait for rank 0's next step (a chat waits on its user): no practical limit.
+IDLE_TIMEOUT = timedelta(days=7)
+
+
+@dataclass
+class Group:
+    rank: int
+    world: int
+    control: object  # the process group the steps are sent on (IDLE_TIMEOUT)
+    children: list  # the follower processes rank 0 started (empty under torchrun)
+
+
+_group: Group | None = None
+_spawned = False  # this process is a follower rank 0 started (not torchrun's)
+PEER_FAILED = 3  # a follower's exit code when a collective failed because another rank did
+
+
+def free_port() -> int:
+    """A TCP port free now on this machine, found before any rank loads (a busy port fails at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def start(tp: int, load_args: dict) -> Group:
+    """Join (torchrun, or a follower brisk started) or make (rank 0) the process group of tp ranks."""
+    global _group
+    if _group is not None:
+        if _group.world != tp:
+            raise BriskError(f"--tp {tp}: this process already runs with --tp {_group.world}")
+        return _group
+    children, store = [], None
+    if under_torchrun() and not _spawned:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp:
+            raise BriskError(f"--tp {tp}: the launcher started {world} ranks (WORLD_SIZE)")
+        rank = int(os.environ["RANK"])
+    elif _spawned:  # a follower rank 0 started: it joins rank 0's store
+        rank = int(os.environ["RANK"])
+        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), tp, is_master=False, timeout=STEP_TIMEOUT)
+        store.add("joined", 1)
+    else:
+        rank, store = 0, _store(tp)
+        port = store.port
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        children = [_spawn(r, tp, port, load_args) for r in range(1, tp)]
+        _wait_for_followers(store, children)
+    cuda = load_args.get("device", "auto") != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    backend = "nccl" if cuda else "gloo"
+    try:
+        if store is None:
+            dist.init_process_group(backend, rank=rank, world_size=tp, timeout=STEP_TIMEOUT,
+                                    init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=tp, timeout=STEP_TIMEOUT, store=store)
+        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    except (RuntimeError, dist.DistError) as e:
+        _shutdown(children)
+        raise BriskError(f"--tp {tp}: the ranks could not connect ({first_line(e)})") from None
+    _group = Group(rank, tp, control, children)
+    if rank == 0:  # under torchrun too: the followers wait for its stop
+        atexit.register(_shutdown, children)
+    return _group
+
+
+def _store(world: int):
+    """Rank 0's rendezvous on a port found free now, before any rank loads (a busy one fails at once)."""
+    try:
+        return dist.TCPStore("127.0.0.1", free_port(), world, is_master=True, wait_for_workers=False,
+                             timeout=STEP_TIMEOUT)
+    except (RuntimeError, dist.DistError) as e:
+        raise BriskError(f"--tp {world}: no port for the ranks to meet on ({first_line(e)})") from None
+
+
+def _wait_for_followers(store, children: list) -> None:
+    """Until every follower has joined; one that ends first ends the run (no wait for a timeout)."""
+    deadline = time.monotonic() + STEP_TIMEOUT.total_seconds()
+    while store.add("joined", 0) < len(children):
+        for r, p in enumerate(children, start=1):
+            if p.poll() is not None:
+                _shutdown(children)
+                raise BriskError(f"--tp {len(children) + 1}: rank {r} ended while starting (exit code {p.returncode})")
+        if time.monotonic() > deadline:
+            _shutdown(children)
+            raise BriskError(f"--tp {len(children) + 1}: the ranks did not start within {STEP_TIMEOUT.seconds} s")
+        time.sleep(0.05)
+
+
+def _spawn(rank: int, world: int, port: int, load_args: dict) -> subprocess.Popen:
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # start_new_session: rank 0 kills the child's whole group, and a Ctrl-C at the terminal reaches
+    # rank 0 alone (which then stops the followers) instead of every rank at once
+    return subprocess.Popen([sys.executable, "-m", "brisk.core.tp_follower", json.dumps(load_args)],
+                            env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def _shutdown(children: list) -> None:
+    """Rank 0's exit: tell the followers to stop, then make sure none is left."""
+    told = False
+    if _group is not None and dist.is_initialized():
+        def stop():
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list([("stop",)], src=0, group=_group.control)
+
+        # in a thread: after a pass cut short (Ctrl-C), the followers wait inside it, not for a step
+        sender = threading.Thread(target=stop, daemon=True)
+        sender.start()
+        sender.join(timeout=1)
+        told = not sender.is_alive()
+    deadline = time.monotonic() + (3 if told else 0)  # not told: no need to wait
+    for p in children:
+        with contextlib.suppress(Exception):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in children:
+        if p.poll() is None:
+            with contextlib.suppress(Exception):
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def become_follower() -> None:
+    """In a follower brisk started (tp_follower.py): join rank 0's store, and end when rank 0 is
+    gone, even killed (no orphans)."""
+    global _spawned
+    _spawned = True
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="tp-parent-watch").start()
+
+
+# ------------------------------------------------------------------ sharding
+
+
+def _span(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank's part of n items split evenly (n a multiple of world)."""
+    step = n // world
+    return rank * step, (rank + 1) * step
+
+
+def check_shardable(cfg, world: int) -> None:
+    """What this installment shards; refused by name before any rank loads weights twice."""
+    if cfg.n_experts:
+        raise BriskError(f"--tp: mixture-of-experts models ({cfg.arch}) are not sharded yet")
+    if cfg.n_heads % world:
+        raise BriskError(f"--tp {world}: the model's {cfg.n_heads} attention heads do not split over {world} ranks")
+    if cfg.n_kv_heads % world and world % cfg.n_kv_heads:
+        raise BriskError(f"--tp {world}: the model's {cfg.n_kv_heads} KV heads neither split over {world} ranks "
+                         "nor divide them")
+    if cfg.ffn_dim % world:
+        raise BriskError(f"--tp {world}: the MLP's width {cfg.ffn_dim} does not split over {world} ranks")
+
+
+def check_float_load(ckpt, world: int) -> None:
+    """Refusals that need the checkpoint's header only, before any rank is started."""
+    check_shardable(ckpt.config, world)
+    if ckpt.quant_config or ckpt.modules:
+        raise BriskError(f"--tp {world}: {ckpt.name} loads quantized, and quantized weights are not sharded yet "
+                         "(--quantize none loads a GGUF in float)")
+
+
+def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi].clone()  # clone: the full tensor is freed once dropped
+
+
+def _set_linear(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    layer.out_features, layer.in_features = weight.shape
+
+
+def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
+    """Cut a loaded float Transformer down to this rank's shard, in place. quantize int8|int4:
+    each shard then quantized as the whole layer would be (whole groups of 32 columns, an int8
+    row's scale from the whole row), so the ranks hold the single-process model's codes."""
+    cfg, rank, world = net.cfg, group.rank, group.world
+    check_shardable(cfg, world)
+    for m in net.modules():
+        if type(m) is not nn.Linear and isinstance(m, nn.Linear):
+            raise BriskError(f"--tp: {type(m).__name__} layers are not sharded yet (a float load only: "
+                             "--quantize none, or a float checkpoint)")
+    hd, heads = cfg.head_dim, cfg.n_heads // world
+    if cfg.n_kv_heads % world == 0:
+        kv_lo, kv_hi = _span(cfg.n_kv_heads, rank, world)
+    else:  # fewer KV heads than ranks: the one this rank's query heads read, replicated
+        kv_lo = rank * heads // (cfg.n_heads // cfg.n_kv_heads)
+        kv_hi = kv_lo + 1
+    q_lo, q_hi = rank * heads, (rank + 1) * heads
+    f_lo, f_hi = _span(cfg.ffn_dim, rank, world)
+    if quantize == "int4" and (heads * hd % GROUP or (f_hi - f_lo) % GROUP):
+        raise BriskError(f"--tp {world} with --quantize int4: a rank's part of o_proj ({heads * hd} columns) or "
+                         f"down_proj ({f_hi - f_lo}) is not whole groups of {GROUP}")
+    for block in net.model.layers:
+        a, mlp = block.self_attn, block.mlp
+        _set_linear(a.q_proj, _rows(a.q_proj.weight, q_lo * hd, q_hi * hd), _rows(a.q_proj.bias, q_lo * hd, q_hi * hd))
+        for p in (a.k_proj, a.v_proj):
+            _set_linear(p, _rows(p.weight, kv_lo * hd, kv_hi * hd), _rows(p.bias, kv_lo * hd, kv_hi * hd))
+        # the bias once, on rank 0: the all-reduce adds every rank's part
+        a.o_proj = _columns(a.o_proj, q_lo * hd, q_hi * hd, rank == 0, quantize)
+        if a.sinks is not None:
+            a.sinks = nn.Parameter(_rows(a.sinks, q_lo, q_hi), requires_grad=False)
+        a.n_heads, a.n_kv = heads, kv_hi - kv_lo
+        assert isinstance(mlp, MLP)
+        for p in (mlp.gate_proj, mlp.up_proj):
+            _set_linear(p, _rows(p.weight, f_lo, f_hi), _rows(p.bias, f_lo, f_hi))
+        mlp.down_proj = _columns(mlp.down_proj, f_lo, f_hi, rank == 0, quantize)
+    if quantize in ("int8", "int4") and cfg.tie_embeddings:
+        # lookups read the whole quantized table, as a single process's do from its quantized head
+        table = quantize_linear(net.lm_head, quantize, GROUP, keep_codes=True)
+        net.model.embed_tokens = QuantEmbedding(table, net.model.norm.weight.dtype, owner=True)
+    _shard_head(net, rank, world)
+    net.cfg = replace(cfg, n_heads=heads, n_kv_heads=kv_hi - kv_lo)
+    net.__class__ = ShardedTransformer
+    net.__dict__["_tp"] = group
+
+
+def connect(net: ShardedTransformer) -> None:
+    """The collectives, as forward hooks on the layers' final modules (call after any quantization
+    at load, which replaces them): an all-reduce after o_proj and down_proj, the all-gather of the
+    logits after the output layer."""
+    for block in net.model.layers:
+        block.self_attn.o_proj.register_forward_hook(_all_reduce_output)
+        block.mlp.down_proj.register_forward_hook(_all_reduce_output)
+    net.lm_head.register_forward_hook(_gather_vocab(net.cfg.vocab_size, net.__dict__["_tp"].world))
+
+
+GROUP = 32  # quantize_at_load's int4 group size: a column shard must hold whole groups
+
+
+def _columns(layer: nn.Linear, lo: int, hi: int, keep_bias: bool, quantize: str) -> nn.Module:
+    """A row-parallel layer's input columns lo:hi. int8 scales each output row by its whole row, so
+    the shard is cut from the whole layer's codes (quantize_at_load then leaves it as it is)."""
+    bias = layer.bias if keep_bias else None
+    if quantize == "int8":
+        q, scales = quantize_int8(layer.weight)
+        return Int8Linear(q[:, lo:hi].contiguous(), scales, bias)
+    _set_linear(layer, layer.weight[:, lo:hi].contiguous(), bias)
+    return layer
+
+
+def _shard_head(net: Transformer, rank: int, world: int) -> None:
+    """The output layer by vocabulary, in equal parts (the last padded with zero rows: an
+    all-gather takes equal sizes), gathered and cut back to the vocabulary after each pass."""
+    vocab = net.cfg.vocab_size
+    per = -(-vocab // world)
+    lo, hi = min(rank * per, vocab), min((rank + 1) * per, vocab)
+    w = net.lm_head.weight
+    part = w[lo:hi]
+    if hi - lo < per:
+        part = torch.cat([part, part.new_zeros(per - (hi - lo), w.shape[1])])
+    elif w is not getattr(net.model.embed_tokens, "weight", None):  # tied: a view of the embedding's rows
+        part = part.clone()
+    _set_linear(net.lm_head, part, None)
+
+
+def _all_reduce_output(module, inputs, out: torch.Tensor) -> torch.Tensor:
+    out = out.contiguous()
+    dist.all_reduce(out)
+    return out
+
+
+def _gather_vocab(vocab: int, world: int):
+    def hook(module, inputs, out: torch.Tensor) -> torch.Tensor:
+        out = out.contiguous()
+        parts = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(parts, out)
+        return torch.cat(parts, dim=-1)[..., :vocab]
+    return hook
+
+
+# ------------------------------------------------------------------ running
+
+
+_cache_keys = itertools.count()
+
+
+class ShardedTransformer(Transformer):
+    """A Transformer holding one rank's shard. On rank 0 each pass is first sent to the followers
+    (which run it through Transformer.forward on their own caches); a rank that fails mid-pass
+    ends the run with one error naming it."""
+
+    def forward(self, tokens, start, kv, tree=None, logit_rows=None, return_hidden=False):
+        group: Group = self.__dict__["_tp"]
+        if group.rank != 0:
+            return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
+        try:
+            cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731  (the steps go over gloo)
+            _send(("forward", _cache_spec(kv), _dropped(), cpu(tokens), cpu(start), cpu(tree), cpu(logit_rows),
+                   return_hidden))
+            return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
+        except RuntimeError as e:
+            gone = _gone(group)
+            if not gone and not _peer_failure(e):
+                raise  # not the ranks' failure: a bug shows as one
+            raise BriskError(f"--tp: {gone} ended, so the run stops" if gone else
+                             f"--tp: a rank stopped answering ({_reason(e)})") from None
+
+
+def _peer_failure(e: RuntimeError) -> bool:
+    """Whether a collective failed because another rank did (gloo raises plain RuntimeErrors)."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "timed out"))
+
+
+def _reason(e: BaseException) -> str:
+    """gloo's message without its source path and advice: 'Read error ...: Connection reset by peer'."""
+    return re.sub(r"^\[[^\]]*\]\s*", "", first_line(e)).split(". ")[0][:200]
+
+
+def _gone(group: Group) -> str:
+    """'rank k (how it ended)' for a follower rank 0 started that has ended, or ''. A rank that
+    left because another one failed (PEER_FAILED) is named only when no other is."""
+    time.sleep(0.2)  # a dying child's exit code shows a moment after its sockets close
+    ended = [(r, p.returncode) for r, p in enumerate(group.children, start=1) if p.poll() is not None]
+    ended.sort(key=lambda e: e[1] == PEER_FAILED)
+    if not ended:
+        return ""
+    r, code = ended[0]
+    return f"rank {r} ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'})"
+
+
+_pending_drops: list[int] = []
+
+
+def _dropped() -> list[int]:
+    """The caches rank 0 has freed since its last step: the followers free theirs."""
+    out = _pending_drops[:]
+    del _pending_drops[:]
+    return out
+
+
+def _cache_spec(kv) -> tuple | None:
+    """What a follower needs to make (once) and find its own cache matching rank 0's."""
+    from .kv import ContiguousKV
+
+    if not isinstance(kv, ContiguousKV):
+        raise BriskError(f"--tp: the {type(kv).__name__} cache is not supported yet (generation and bench only)")
+    key = kv.__dict__.get("_tp_key")
+    if key is None:
+        key = kv.__dict__["_tp_key"] = next(_cache_keys)
+        weakref.finalize(kv, _pending_drops.append, key)  # sent with the next step, never from a finalizer
+    k = kv.k[0]
+    return key, len(kv.k), k.shape[1], k.shape[0], kv.max_len, kv.type
+
+
+def _send(step: tuple) -> None:
+    dist.broadcast_object_list([step], src=0, group=_group.control)
+
+
+def follow_and_exit(net: ShardedTransformer, head_dim: int) -> None:
+    """A follower rank's end: follow rank 0, then leave (a failure of rank 0's side ends it quietly:
+    rank 0 reports it)."""
+    code = 0
+    try:
+        follow(net, head_dim)
+    except (RuntimeError, dist.DistError):
+        code = PEER_FAILED
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def follow(net: ShardedTransformer, head_dim: int) -> None:
+    """A follower rank's life after loading: run rank 0's passes until it says stop."""
+    from .kv import ContiguousKV
+
+    group: Group = net.__dict__["_tp"]
+    w = net.model.norm.weight
+    caches: dict[int, ContiguousKV] = {}
+    with torch.inference_mode():
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=group.control)
+            step = box[0]
+            if step[0] == "stop":
+                return
+            _, (key, layers, kv_heads, batch, max_len, kv_type), drops, tokens, start, tree, rows, hidden = step
+            for d in drops:
+                caches.pop(d, None)
+            if key not in caches:
+                caches[key] = ContiguousKV(layers, kv_heads, head_dim, max_len, w.dtype, w.device, batch, kv_type)
+            net(tokens.to(w.device), start if not torch.is_tensor(start) else start.to(w.device), caches[key],
+                None if tree is None else tree.to(w.device), rows, hidden)
