@@ -5,7 +5,6 @@ untrusted data or runs code shipped with a model.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -23,6 +22,7 @@ import torch
 from . import arch as arch_mod
 from . import config as config_mod
 from . import progress
+from .anonymous_memory import anonymous_bytes
 from .config import ModelConfig
 from .errors import FileError, shown
 from .files import exists as files_exists, named_inside, read_json, regular_file
@@ -397,31 +397,12 @@ def _kept_layer(blocks: torch.Tensor, qtype: int, rows: int, cols: int, source=N
         # Q5_K 2.1x, Q6_K 1.3x, Q8_0 2.1x, Q4_0/Q4_1 2x, Q3_K/Q2_K ~2-4x; Q5_0 prefill 1.6x); the file's pages it was read from are handed back chunk by chunk, else memory
         # would hold the weight twice (at the peak: Gemma 3's 178 MB table, +120 MB of peak RSS).
         release = (lambda a, b: _release_pages(source[a:b])) if source is not None else None
-        packed = gguf_interleave.pack(blocks, qtype, out=_huge_page_empty(blocks.shape), done=release)
+        # the kernels stream the packed weights: on 4 KB pages (TLB misses) they decode slower than on 2 MB ones
+        out = anonymous_bytes(blocks.numel(), huge_pages=True).view(blocks.shape)
+        packed = gguf_interleave.pack(blocks, qtype, out=out, done=release)
         _trim_heap(packed.numel())
         return GGUFLinear(packed, qtype, rows, cols, layout=native.X8)
     return GGUFLinear(blocks, qtype, rows, cols)
-
-
-def _huge_page_empty(shape) -> torch.Tensor:
-    """An empty uint8 tensor in private anonymous memory the kernel may back with 2 MB pages (Linux's
-    transparent huge pages in their usual madvise mode): the kernels stream the weights, and on 4 KB
-    pages a 1.1B Q4_K_M model's interleaved copy decoded at 37-42 tok/s against 44-50 for the same
-    file's pages read in place (the page cache maps them in large folios here), 2026-11-25."""
-    n = math.prod(shape)
-    huge = 2 << 20
-    if sys.platform != "linux" or n < huge:
-        return torch.empty(shape, dtype=torch.uint8)
-    import mmap
-
-    m = mmap.mmap(-1, n + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # pages touched on write only
-    t = torch.frombuffer(m, dtype=torch.uint8)  # keeps m alive
-    at = -t.data_ptr() % huge
-    with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise / no THP: 4 KB pages
-        # whole 2 MB pages only: a huge page under the partial tail would hold up to 2 MB of nothing
-        # (a 1.1B model's 154 matrices: +366 MB of RSS)
-        m.madvise(mmap.MADV_HUGEPAGE, at, n // huge * huge)
-    return t[at:at + n].view(shape)
 
 
 @functools.cache
