@@ -27,6 +27,7 @@ from .config import ModelConfig
 from .errors import FileError, shown
 from .files import exists as files_exists, named_inside, read_json, regular_file
 from .model_path import DEFAULT_MODEL_DIST, HUB_ID, default_model_path, resolve  # noqa: F401  (also imported from here)
+from .safetensors_header import check_unique_names
 from ..quant import settings
 
 CACHE_DIR = Path(_cache if (_cache := settings.CACHE.get()) is not None else Path.home() / ".cache" / "brisk")
@@ -55,7 +56,6 @@ class Checkpoint:
 
 # ---------------------------------------------------------------- HF folders
 
-SAFETENSORS_HEADER_MAX = 100 << 20  # the safetensors reader's own bound on a header
 
 def _read_json(path: Path) -> dict:
     data = read_json(path)
@@ -67,30 +67,11 @@ def _read_json(path: Path) -> dict:
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    _check_unique_names(path)
+    check_unique_names(path)
     try:
         return load_file(str(path))  # memory-mapped; no copy until the tensors are converted
     except Exception as e:
         raise FileError(f"unreadable safetensors file ({str(e).splitlines()[0]})", path) from None
-
-
-def _check_unique_names(path: Path) -> None:
-    """A FileError where a safetensors header names one tensor twice: its reader keeps one of the
-    two without a word. A header that does not parse is left to the reader's own error."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 0 < size <= SAFETENSORS_HEADER_MAX:
-            return
-        raw = f.read(size)
-    try:  # pairs at every level, so that the top level's repeats show
-        top = json.loads(raw, object_pairs_hook=lambda pairs: pairs)
-    except (ValueError, RecursionError):
-        return
-    if isinstance(top, list):
-        names = [k for k, _ in top]
-        if len(set(names)) < len(names):
-            twice = next(n for i, n in enumerate(names) if n in names[:i])
-            raise FileError(f"the header lists tensor {twice} twice", path)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
