@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..core.distill_options import DistillOptions
+from ..core.distill_options import DistillOptions, checked_out
 from . import common as c
 from .app import app
 from .resumable_job import JobProgress, run_resumable_job
@@ -62,6 +62,7 @@ def distill(
                               vocab=vocab, temperature=temperature, tree_nodes=tree_nodes,
                               checkpoint_every=checkpoint_every, seed=seed, measure=measure,
                               data=str(data) if data else None).checked()
+        checked_out(out, force)
         if data is not None:
             regular_file(data)
         from ..core.distill import distill as run_distill

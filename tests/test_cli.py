@@ -99,6 +99,8 @@ def test_help_and_refusals_import_no_model_stack(tmp_path):
         ("distill", "-o", str(tmp_path / "d"), "--lr", "-1"): "--lr",
         ("distill", "-o", str(tmp_path / "d"), "--temperature", "0"): "--temperature",
         ("distill", "-o", str(tmp_path / "d"), "--data", missing): "no such file",
+        ("distill", "-o", str(tmp_path / "no" / "d")): "no such folder",
+        ("distill", "-o", str(text)): "already exists",
         ("serve", "--port", str(busy_port)): "--port",
     }
     cases = [["--help"]] + [[cmd, "--help"] for cmd in commands] + [list(a) for a in refused]
