@@ -99,6 +99,9 @@ def _check_port(host: str, port: int) -> None:
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:  # not an address nor a name this machine resolves
+        raise InvalidValue("host", host, "", template=f"{{option}} {host!r}: {e.strerror or e}") from None
+    try:
         with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             s.bind(infos[0][4])

@@ -1,5 +1,5 @@
-"""`brisk distill`'s options and summary, apart from the pipeline (core/distill.py) so that the
-command line can show the defaults without importing torch."""
+"""`brisk distill`'s options, output folder check and summary, apart from the pipeline (core/distill.py)
+so that the command line can show the defaults and refuse bad values without importing torch."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

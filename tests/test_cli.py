@@ -102,6 +102,7 @@ def test_help_and_refusals_import_no_model_stack(tmp_path):
         ("distill", "-o", str(tmp_path / "no" / "d")): "no such folder",
         ("distill", "-o", str(text)): "already exists",
         ("serve", "--port", str(busy_port)): "--port",
+        ("serve", "--host", "no-such-host.invalid"): "--host",
     }
     cases = [["--help"]] + [[cmd, "--help"] for cmd in commands] + [list(a) for a in refused]
     script = f"HEAVY = {HEAVY!r}\nCASES = {cases!r}\n" + NO_HEAVY_IMPORTS
