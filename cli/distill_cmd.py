@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..core.distill_options import DistillOptions
+from ..core.distill_options import DistillOptions, checked_out
 from . import common as c
 from .app import app
 from .resumable_job import JobProgress, run_resumable_job
@@ -54,17 +54,21 @@ def distill(
     Examples:  brisk distill -o smol-heads  ·  brisk distill model.gguf -o heads --data prompts.jsonl
     """
     with c.user_errors():
+        from ..core.files import regular_file
         from ..core.load_options import check_load_options
 
         check_load_options(model, device, threads=threads)  # before the stack that loads it is imported
+        opts = DistillOptions(heads=heads, steps=steps, samples=samples, max_tokens=max_tokens, batch=batch, lr=lr,
+                              vocab=vocab, temperature=temperature, tree_nodes=tree_nodes,
+                              checkpoint_every=checkpoint_every, seed=seed, measure=measure,
+                              data=str(data) if data else None).checked()
+        checked_out(out, force)
+        if data is not None:
+            regular_file(data)
         from ..core.distill import distill as run_distill
         from ..core.device import set_cpu_threads
 
         set_cpu_threads(threads)
-        opts = DistillOptions(heads=heads, steps=steps, samples=samples, max_tokens=max_tokens, batch=batch, lr=lr,
-                              vocab=vocab, temperature=temperature, tree_nodes=tree_nodes,
-                              checkpoint_every=checkpoint_every, seed=seed, measure=measure,
-                              data=str(data) if data else None)
         progress = _Progress(enabled=not as_json)
         run_resumable_job(lambda: run_distill(model, out, opts, force=force, report=progress, device=device),
                             progress, out, as_json, _print_summary)

@@ -81,9 +81,12 @@ def quantize(
             raise InvalidValue("type", qtype, "", template="{option} applies to --format gguf only")
         if method is None:
             raise InvalidValue("method", None, "", template="{option} is required (gptq, awq, nf4, fp4 or int8)")
+        from ..core.files import regular_file
         from ..core.load_options import check_load_options
 
         check_load_options(model, threads=threads)  # before the stack that loads it is imported
+        if calib is not None and samples != 0:  # with --samples 0, QuantOptions refuses --calib itself
+            regular_file(calib)
         from ..core.quantize import QuantOptions, quantize_model
         from ..core.device import set_cpu_threads
 

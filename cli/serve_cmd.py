@@ -98,12 +98,16 @@ def serve(
 def _check_port(host: str, port: int) -> None:
     import socket
 
-    from ..core.errors import BriskError
+    from ..core.errors import InvalidValue
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:  # not an address nor a name this machine resolves
+        raise InvalidValue("host", host, "", template=f"{{option}} {host!r}: {e.strerror or e}") from None
+    try:
         with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             s.bind(infos[0][4])
     except OSError as e:
-        raise BriskError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise InvalidValue("port", port, "", template=f"{{option}} {port}: cannot listen on {host}:{port} "
+                           f"({e.strerror or e})") from None

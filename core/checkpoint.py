@@ -5,7 +5,6 @@ untrusted data or runs code shipped with a model.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -23,10 +22,12 @@ import torch
 from . import arch as arch_mod
 from . import config as config_mod
 from . import progress
+from .anonymous_memory import anonymous_bytes
 from .config import ModelConfig
 from .errors import FileError, shown
 from .files import exists as files_exists, named_inside, read_json, regular_file
 from .model_path import DEFAULT_MODEL_DIST, HUB_ID, default_model_path, resolve  # noqa: F401  (also imported from here)
+from .safetensors_header import check_unique_names
 from ..quant import settings
 
 CACHE_DIR = Path(_cache if (_cache := settings.CACHE.get()) is not None else Path.home() / ".cache" / "brisk")
@@ -55,7 +56,6 @@ class Checkpoint:
 
 # ---------------------------------------------------------------- HF folders
 
-SAFETENSORS_HEADER_MAX = 100 << 20  # the safetensors reader's own bound on a header
 
 def _read_json(path: Path) -> dict:
     data = read_json(path)
@@ -67,30 +67,11 @@ def _read_json(path: Path) -> dict:
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    _check_unique_names(path)
+    check_unique_names(path)
     try:
         return load_file(str(path))  # memory-mapped; no copy until the tensors are converted
     except Exception as e:
         raise FileError(f"unreadable safetensors file ({str(e).splitlines()[0]})", path) from None
-
-
-def _check_unique_names(path: Path) -> None:
-    """A FileError where a safetensors header names one tensor twice: its reader keeps one of the
-    two without a word. A header that does not parse is left to the reader's own error."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 0 < size <= SAFETENSORS_HEADER_MAX:
-            return
-        raw = f.read(size)
-    try:  # pairs at every level, so that the top level's repeats show
-        top = json.loads(raw, object_pairs_hook=lambda pairs: pairs)
-    except (ValueError, RecursionError):
-        return
-    if isinstance(top, list):
-        names = [k for k, _ in top]
-        if len(set(names)) < len(names):
-            twice = next(n for i, n in enumerate(names) if n in names[:i])
-            raise FileError(f"the header lists tensor {twice} twice", path)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -397,31 +378,12 @@ def _kept_layer(blocks: torch.Tensor, qtype: int, rows: int, cols: int, source=N
         # Q5_K 2.1x, Q6_K 1.3x, Q8_0 2.1x, Q4_0/Q4_1 2x, Q3_K/Q2_K ~2-4x; Q5_0 prefill 1.6x); the file's pages it was read from are handed back chunk by chunk, else memory
         # would hold the weight twice (at the peak: Gemma 3's 178 MB table, +120 MB of peak RSS).
         release = (lambda a, b: _release_pages(source[a:b])) if source is not None else None
-        packed = gguf_interleave.pack(blocks, qtype, out=_huge_page_empty(blocks.shape), done=release)
+        # the kernels stream the packed weights: on 4 KB pages (TLB misses) they decode slower than on 2 MB ones
+        out = anonymous_bytes(blocks.numel(), huge_pages=True).view(blocks.shape)
+        packed = gguf_interleave.pack(blocks, qtype, out=out, done=release)
         _trim_heap(packed.numel())
         return GGUFLinear(packed, qtype, rows, cols, layout=native.X8)
     return GGUFLinear(blocks, qtype, rows, cols)
-
-
-def _huge_page_empty(shape) -> torch.Tensor:
-    """An empty uint8 tensor in private anonymous memory the kernel may back with 2 MB pages (Linux's
-    transparent huge pages in their usual madvise mode): the kernels stream the weights, and on 4 KB
-    pages a 1.1B Q4_K_M model's interleaved copy decoded at 37-42 tok/s against 44-50 for the same
-    file's pages read in place (the page cache maps them in large folios here), 2026-11-25."""
-    n = math.prod(shape)
-    huge = 2 << 20
-    if sys.platform != "linux" or n < huge:
-        return torch.empty(shape, dtype=torch.uint8)
-    import mmap
-
-    m = mmap.mmap(-1, n + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # pages touched on write only
-    t = torch.frombuffer(m, dtype=torch.uint8)  # keeps m alive
-    at = -t.data_ptr() % huge
-    with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise / no THP: 4 KB pages
-        # whole 2 MB pages only: a huge page under the partial tail would hold up to 2 MB of nothing
-        # (a 1.1B model's 154 matrices: +366 MB of RSS)
-        m.madvise(mmap.MADV_HUGEPAGE, at, n // huge * huge)
-    return t[at:at + n].view(shape)
 
 
 @functools.cache

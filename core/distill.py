@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from .distill_options import DistillOptions, DistillSummary
+from .distill_options import DistillOptions, DistillSummary, checked_out
 from .errors import BriskError, FileError
 from .files import read_user_text, write_text_atomic
 from .spec import heads_file, heads_net, heads_tree
@@ -646,11 +646,7 @@ def distill(model: str | None, out: str | Path, opts: DistillOptions, force: boo
     t_start = time.perf_counter()
     report = report or (lambda event, **info: None)
     opts = opts.checked()
-    out = Path(out).expanduser()
-    if out.exists() and not force:
-        raise FileError("already exists (use --force to replace it)", out)
-    if not out.parent.exists():
-        raise FileError("no such folder", out.parent)
+    out = checked_out(out, force)
     prompts = load_prompts(opts.data)
     report("loading", model=model or "default")
     llm = LLM.load(model, device=device)

@@ -1,10 +1,11 @@
-"""`brisk distill`'s options and summary, apart from the pipeline (core/distill.py) so that the
-command line can show the defaults without importing torch."""
+"""`brisk distill`'s options, output folder check and summary, apart from the pipeline (core/distill.py)
+so that the command line can show the defaults and refuse bad values without importing torch."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from .errors import InvalidValue
+from .errors import FileError, InvalidValue
 
 
 @dataclass
@@ -58,6 +59,16 @@ class DistillOptions:
     def train_fields(self) -> dict:
         """What the trained heads depend on, besides the data."""
         return {k: getattr(self, k) for k in ("heads", "steps", "batch", "lr", "vocab", "seed")}
+
+
+def checked_out(out: str | Path, force: bool) -> Path:
+    """The output folder, when it can be written: absent (or --force) and inside a folder that exists."""
+    out = Path(out).expanduser()
+    if out.exists() and not force:
+        raise FileError("already exists (use --force to replace it)", out)
+    if not out.parent.exists():
+        raise FileError("no such folder", out.parent)
+    return out
 
 
 @dataclass

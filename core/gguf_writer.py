@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-_U32, _STRING = 4, 8  # GGUF value types
+_U32, _F32, _STRING = 4, 6, 8  # GGUF value types
 DEFAULT_ALIGNMENT = 32
 
 
@@ -36,6 +36,16 @@ def _string(s: str) -> bytes:
 def u32_record(key: str, value: int) -> bytes:
     """One metadata record holding a uint32."""
     return _string(key) + struct.pack("<II", _U32, value)
+
+
+def f32_record(key: str, value: float) -> bytes:
+    """One metadata record holding a float32."""
+    return _string(key) + struct.pack("<If", _F32, value)
+
+
+def string_record(key: str, value: str) -> bytes:
+    """One metadata record holding a string."""
+    return _string(key) + struct.pack("<I", _STRING) + _string(value)
 
 
 def _padding(n: int, align: int) -> bytes:

@@ -8,7 +8,10 @@ from .model_path import is_hub_id, resolve_local
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "nf4")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-KV_TYPE_CHOICES = ("auto", "f32", "f16", "bf16", "q8_0")  # kv/kv_type.py's types, and auto
+# The KV cache's types (kv/kv_type.py builds its table from these), in the order of bk_cache.type's
+# ids (quant/kernels/bk_decoder.h)
+KV_TYPE_NAMES = ("f32", "f16", "bf16", "q8_0")
+KV_TYPE_CHOICES = ("auto", *KV_TYPE_NAMES)
 
 
 def check_device(name: str) -> None:

@@ -8,7 +8,6 @@ layout, and the dtype everything else and the KV cache are widened to.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -16,13 +15,13 @@ from pathlib import Path
 
 from .config import DEFAULT_CTX, ModelConfig
 from .errors import BriskError, FileError, InvalidValue
+from .safetensors_header import tensor_entries
 
 
 # Layers the loader may keep quantized (checkpoint.load_gguf): projections, the head, the embedding.
 _QUANTIZED_LAYERS = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
 _INT_DTYPES = {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}  # safetensors: held as stored
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
-_MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors format's own limit
 
 
 @dataclass
@@ -260,7 +259,7 @@ def _hf_info(name: str, folder: Path, ctx: int | None) -> ModelInfo:
     files = _weight_files(folder)
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
     for f in files:
-        tensors.update(safetensors_header(f))
+        tensors.update(tensor_entries(f))
     qcfg = cfg_json.get("quantization_config") or {}
 
     usage: dict[str, TypeUsage] = {}
@@ -302,42 +301,6 @@ def _weight_files(folder: Path) -> list[Path]:
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
         raise FileError("weights are PyTorch pickles (*.bin/*.pt): info reads safetensors headers only", folder)
     raise FileError("no *.safetensors weights found", folder)
-
-
-def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
-    """{tensor name: (dtype, shape, bytes)} from a safetensors file's header: its 8-byte length and
-    the JSON after it; the tensor data is never read."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise FileError("not a safetensors file (shorter than its header length)", path)
-            n = int.from_bytes(head, "little")
-            if n > min(size - 8, _MAX_SAFETENSORS_HEADER):
-                raise FileError(f"corrupt safetensors header (it claims {n} bytes; the file has {size})", path)
-            raw = f.read(n)
-    except OSError as e:
-        raise FileError(f"cannot read ({e.strerror or e})", path) from None
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise FileError("corrupt safetensors header (not JSON)", path) from None
-    if not isinstance(header, dict):
-        raise FileError("corrupt safetensors header (not a JSON object)", path)
-    data = size - 8 - n
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-            if not (isinstance(dtype, str) and 0 <= begin <= end <= data and min(shape, default=0) >= 0):
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise FileError(f"corrupt safetensors header (entry {name!r})", path) from None
-        out[name] = (dtype, shape, int(end - begin))
-    return out
 
 
 def _logical_parameters(cfg: ModelConfig) -> int:

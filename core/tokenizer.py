@@ -6,6 +6,7 @@ tokenizer.json's post-processor, so both sources follow one rule.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -93,13 +94,8 @@ class Tokenizer:
                             "re-save the tokenizer with transformers to create it)", path)
         if os.stat(regular_file(tj)).st_size > MAX_JSON_BYTES:
             raise FileError(f"is over {MAX_JSON_BYTES >> 20} MiB", tj)
-        try:
+        with _tokenizer_failures(lambda why: FileError(f"unreadable tokenizer ({why[:300]})", tj), also=Exception):
             backend = tokenizers.Tokenizer.from_file(str(tj))
-        except BaseException as e:  # some malformed parts make the Rust side panic (a BaseException)
-            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
-                raise
-            raise FileError(f"unreadable tokenizer ({str(e).splitlines()[0][:300] if str(e) else type(e).__name__})",
-                            tj) from None
         cfg = _read_json(path / "tokenizer_config.json")
         smap = _read_json(path / "special_tokens_map.json")
         gen = _read_json(path / "generation_config.json")
@@ -162,13 +158,10 @@ class Tokenizer:
         except UnicodeEncodeError:  # lone surrogates (undecodable bytes of a command-line argument)
             text = text.encode("utf-8", "surrogateescape" if _escapes_only(text) else "surrogatepass") \
                 .decode("utf-8", "replace")
-        try:
+        with _tokenizer_failures(lambda why: BriskError(
+                f"{self._model_name or 'the model'}: the tokenizer failed on this text ({why[:200]}); its "
+                "tokenizer.json pre-tokenizer regex may backtrack")):
             ids = self.backend.encode(text, add_special_tokens=False).ids
-        except BaseException as e:  # the Rust tokenizer's panics derive from BaseException
-            if type(e).__name__ != "PanicException":
-                raise
-            raise BriskError(f"{self._model_name or 'the model'}: the tokenizer failed on this text "
-                             f"({str(e).splitlines()[0][:200]}); its tokenizer.json pre-tokenizer regex may backtrack") from None
         if self._rows is not None and ids and max(ids) >= self._rows:
             bad = max(ids)
             raise BriskError(f"{self._model_name}: token {self.backend.id_to_token(bad)!r} (id {bad}) is beyond the "
@@ -310,6 +303,19 @@ class IncrementalDecoder:
 
 
 # ---- helpers -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _tokenizer_failures(error, also: type[BaseException] | tuple = ()):
+    """The Rust tokenizer's panics (pyo3's PanicException derives from BaseException, so `except
+    Exception` misses them), and exceptions of the `also` types, raised as error(the first line of
+    the message) without the Rust traceback."""
+    try:
+        yield
+    except BaseException as e:
+        if not isinstance(e, also) and type(e).__name__ != "PanicException":
+            raise
+        raise error(next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)) from None
+
+
 def _unicode_to_byte() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: printable bytes stand for themselves, the other
     bytes for the code points from 256 up, in byte order."""

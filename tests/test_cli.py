@@ -6,6 +6,7 @@ import json
 import re
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,10 @@ def test_help_and_refusals_import_no_model_stack(tmp_path):
     wrong (test_errors.py checks the one-line form through the console script)."""
     missing, text = str(tmp_path / "missing.gguf"), tmp_path / "t.txt"
     text.write_text("some text")
+    busy = socket.socket()  # held while the refusals run: serve must refuse its port before loading
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    busy_port = busy.getsockname()[1]
     commands = ["generate", "chat", "bench", "info", "quantize", "eval", "serve", "distill", "cache", "pull", "list", "rm"]
     refused = {  # arguments -> words of the error
         ("generate", "--bogus"): "no such option",
@@ -90,11 +95,20 @@ def test_help_and_refusals_import_no_model_stack(tmp_path):
         ("eval", "-m", missing, "-f", str(text)): "no such file",
         ("quantize", missing, "-o", str(tmp_path / "q"), "--method", "gptq"): "no such file",
         ("distill", missing, "-o", str(tmp_path / "d")): "no such file",
+        ("quantize", "-o", str(tmp_path / "q"), "--method", "gptq", "--calib", missing): "no such file",
+        ("distill", "-o", str(tmp_path / "d"), "--lr", "-1"): "--lr",
+        ("distill", "-o", str(tmp_path / "d"), "--temperature", "0"): "--temperature",
+        ("distill", "-o", str(tmp_path / "d"), "--data", missing): "no such file",
+        ("distill", "-o", str(tmp_path / "no" / "d")): "no such folder",
+        ("distill", "-o", str(text)): "already exists",
+        ("serve", "--port", str(busy_port)): "--port",
+        ("serve", "--host", "no-such-host.invalid"): "--host",
     }
     cases = [["--help"]] + [[cmd, "--help"] for cmd in commands] + [list(a) for a in refused]
     script = f"HEAVY = {HEAVY!r}\nCASES = {cases!r}\n" + NO_HEAVY_IMPORTS
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "COLUMNS": "200"})
+    with busy:
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     assert seen.pop("app built") == []

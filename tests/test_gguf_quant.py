@@ -121,17 +121,18 @@ def test_interleaved_weights_get_memory_that_can_take_huge_pages():
     import gc
     import sys
 
-    from brisk.core.checkpoint import _huge_page_empty
+    from brisk.core.anonymous_memory import anonymous_bytes
 
-    t = _huge_page_empty((1000, 4200))
+    t = anonymous_bytes(1000 * 4200, huge_pages=True).view(1000, 4200)
     assert t.shape == (1000, 4200) and t.dtype == torch.uint8 and t.is_contiguous()
     if sys.platform == "linux":
         assert t.data_ptr() % (2 << 20) == 0
     gc.collect()
+    assert not t.any()  # zero-filled, as the KV cache's views rely on
     t.fill_(3)
     assert int(t.sum()) == 3 * 1000 * 4200
-    small = _huge_page_empty((4, 8))
-    assert small.shape == (4, 8)
+    small = anonymous_bytes(4 * 8, huge_pages=True).view(4, 8)
+    assert small.shape == (4, 8) and not small.any()
 
 
 def test_type_table_agrees_with_the_gguf_package():

@@ -274,7 +274,7 @@ def test_serve_refuses_a_busy_port_before_loading(tiny_llama_dir):
         port = s.getsockname()[1]
         r = subprocess.run([sys.executable, "-c", "from brisk.cli.main import run; run()", "serve", "no/such-model",
                             "--port", str(port)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr  # not a model error
+    assert r.returncode == 1 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in r.stderr  # not a model error
 
 
 @pytest.mark.parametrize("path, body, code, param", [

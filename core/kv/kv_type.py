@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidValue
-from ..load_options import KV_TYPE_CHOICES, check_kv_type  # noqa: F401  (check_kv_type: also imported from here)
+from ..load_options import KV_TYPE_NAMES, check_kv_type  # noqa: F401  (check_kv_type: also imported from here)
 
 Q8_BLOCK, Q8_BYTES = 32, 34  # values per block, bytes per block (an fp16 scale + 32 int8)
 
@@ -56,10 +56,9 @@ class KVType:
         return dequantize_q8_0(s).to(dtype)
 
 
-TYPES = {t.name: t for t in (KVType("f32", torch.float32, 0), KVType("f16", torch.float16, 1),
-                             KVType("bf16", torch.bfloat16, 2), KVType("q8_0", torch.uint8, 3))}
-CHOICES = ("auto", *TYPES)
-assert CHOICES == KV_TYPE_CHOICES  # the names load_options checks without torch
+_STORAGE = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)  # each of KV_TYPE_NAMES' tensors
+# a type's position in the names is its bk_cache.type id
+TYPES = {name: KVType(name, storage, i) for i, (name, storage) in enumerate(zip(KV_TYPE_NAMES, _STORAGE, strict=True))}
 _OF_DTYPE = {t.storage: t for t in TYPES.values() if not t.quantized}
 
 

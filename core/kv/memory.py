@@ -8,11 +8,11 @@ NaN garbage would poison it). Elsewhere (CUDA) they are plain zero-filled tensor
 """
 from __future__ import annotations
 
-import mmap
+import math
 
 import torch
 
-PAGE = mmap.PAGESIZE
+from ..anonymous_memory import PAGE, anonymous_bytes
 
 
 def zeroed_views(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
@@ -21,18 +21,11 @@ def zeroed_views(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torc
     if torch.device(device).type != "cpu":
         return [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
     item = torch.empty((), dtype=dtype).element_size()
-    sizes = [item * _numel(s) for s in shapes]
+    sizes = [item * math.prod(s) for s in shapes]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // PAGE) * PAGE
-    # frombuffer keeps the mapping alive as long as any view of it
-    raw = torch.frombuffer(mmap.mmap(-1, max(total, PAGE)), dtype=torch.uint8)
+    raw = anonymous_bytes(total)
     return [raw[o:o + n].view(dtype).view(s) for o, n, s in zip(offsets, sizes, shapes)]
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
