@@ -235,14 +235,17 @@ def test_whole_file_q4_k_m(f32_gguf, tmp_path, request):
 
 def test_refusals(tiny_llama_dir, smollm2_path, tmp_path):
     """One line naming the flag or file, exit 1: a Hugging Face folder, a quantized source, a bad --type,
-    a flag of the Hugging Face formats, gptq (not yet)."""
+    a flag of the Hugging Face formats, a method gguf has not, a calibration flag without gptq."""
     out = str(tmp_path / "o.gguf")
     cases = [([str(tiny_llama_dir), "--type", "Q4_K_M"], "Hugging Face folder"),
              ([str(smollm2_path), "--type", "Q4_K_M"], "Q4_1"),
              ([str(smollm2_path), "--type", "Q4_K_S"], "--type"),
              ([str(smollm2_path)], "--type"),
              ([str(smollm2_path), "--type", "Q8_0", "--bits", "4"], "--bits"),
-             ([str(smollm2_path), "--type", "Q8_0", "--method", "gptq"], "--method")]
+             ([str(smollm2_path), "--type", "Q8_0", "--method", "awq"], "--method"),
+             ([str(smollm2_path), "--type", "Q8_0", "--samples", "4"], "--samples"),
+             ([str(smollm2_path), "--type", "Q8_0", "--method", "gptq", "--group-size", "32"], "--group-size"),
+             ([str(smollm2_path), "--type", "Q8_0", "--method", "gptq", "--samples", "0"], "--samples")]
     for args, word in cases:
         r = runner.invoke(app, ["quantize", *args, "-o", out, "--format", "gguf"])
         assert r.exit_code == 1, (args, r.output)
