@@ -25,8 +25,8 @@ def quantize(
     fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face folder (default); gguf: one GGUF file that "
                             "llama.cpp, ollama and brisk run (from a GGUF model of F32, F16, BF16 or Q8_0 tensors)."),
     qtype: Optional[str] = typer.Option(None, "--type", help="--format gguf: llama.cpp's mix, Q4_K_M, Q5_K_M, Q6_K, "
-                                        "Q8_0, Q4_0, Q3_K_M or Q2_K: the same tensor types and blocks as "
-                                        "llama-quantize without an imatrix."),
+                                        "Q8_0, Q4_0, Q3_K_M or Q2_K: the same tensor types as llama-quantize "
+                                        "(--method rtn: its blocks too, without an imatrix)."),
     bits: Optional[int] = typer.Option(None, "--bits", help="gptq: 2, 3, 4 (default) or 8. awq/nf4/fp4: 4; int8: 8."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="gptq: -1, 32, 64, 128; awq: 32, 64, 128. "
                                              "Default: 128, or the largest that divides every layer."),
@@ -64,7 +64,7 @@ def quantize(
     Interrupted (Ctrl-C, crash), the same command resumes from the last finished layer.
     Examples:  brisk quantize -o smol-gptq --method gptq  ·  brisk quantize org/name -o out --method awq
     ·  brisk quantize model.gguf -o out-nf4 --method nf4 --double-quant
-    ·  brisk quantize model-f16.gguf -o model-Q4_K_M.gguf --format gguf --type Q4_K_M
+    ·  brisk quantize model-f16.gguf -o model-Q4_K_M.gguf --format gguf --type Q4_K_M [--method gptq]
     """
     from ..core.errors import InvalidValue
 
