@@ -20,8 +20,9 @@ def quantize(
                                           help="HF folder, hub id, .gguf file (default: embedded SmolLM2)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (a Hugging Face checkpoint), or the .gguf file "
                              "(--format gguf)."),
-    method: Optional[str] = typer.Option(None, "--method", help="gptq | awq | nf4 | fp4 | int8; --format gguf: rtn "
-                                         "(the default there) or gptq (calibrated, on the same grids)."),
+    method: Optional[str] = typer.Option(None, "--method", help="gptq | awq | nf4 | fp4 | int8; --format gguf: gptq "
+                                         "(the default there: calibrated, on llama.cpp's grids) or rtn (llama-quantize's "
+                                         "own blocks, in seconds)."),
     fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face folder (default); gguf: one GGUF file that "
                             "llama.cpp, ollama and brisk run (from a GGUF model of F32, F16, BF16 or Q8_0 tensors)."),
     qtype: Optional[str] = typer.Option(None, "--type", help="--format gguf: llama.cpp's mix, Q4_K_M, Q5_K_M, Q6_K, "
@@ -64,7 +65,7 @@ def quantize(
     Interrupted (Ctrl-C, crash), the same command resumes from the last finished layer.
     Examples:  brisk quantize -o smol-gptq --method gptq  ·  brisk quantize org/name -o out --method awq
     ·  brisk quantize model.gguf -o out-nf4 --method nf4 --double-quant
-    ·  brisk quantize model-f16.gguf -o model-Q4_K_M.gguf --format gguf --type Q4_K_M [--method gptq]
+    ·  brisk quantize model-f16.gguf -o model-Q4_K_M.gguf --format gguf --type Q4_K_M [--method rtn]
     """
     from ..core.errors import InvalidValue
 
@@ -109,9 +110,9 @@ def _quantize_gguf(model, out, qtype, method, hf_only, threads, force, as_json) 
     with c.user_errors():
         calib = {n: (str(v) if n == "calib" else v) for n, v in hf_only.items() if n in GGUF_CALIBRATION and v is not None}
         for name, value in hf_only.items():
-            if value is not None and (name not in GGUF_CALIBRATION or method != "gptq"):
+            if value is not None and (name not in GGUF_CALIBRATION or method not in (None, "gptq")):
                 raise InvalidValue(name, value, "", template="{option} does not apply to --format gguf" + (
-                    " without --method gptq" if name in GGUF_CALIBRATION else ""))
+                    f" with --method {method}" if name in GGUF_CALIBRATION else ""))
         from ..core.device import set_cpu_threads
 
         set_cpu_threads(threads)

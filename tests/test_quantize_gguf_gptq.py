@@ -121,3 +121,23 @@ def test_whole_file_gptq(f32_gguf, tmp_path, mix):  # noqa: F811
     kl_gptq, kl_rtn = _kl(gptq_out, f32_gguf), _kl(rtn_out, f32_gguf)
     print(f"{mix}: KL to float on bench/heldout.txt, gptq {kl_gptq:.6f}, rtn {kl_rtn:.6f}")
     assert 0 < kl_gptq < kl_rtn, (kl_gptq, kl_rtn)
+
+
+def test_gptq_is_the_default_and_an_interrupted_run_leaves_nothing(f32_gguf, tmp_path, monkeypatch):  # noqa: F811
+    """Without --method, --format gguf runs gptq (it calibrates); Ctrl-C in the middle: exit 130, a line
+    saying so, neither OUT nor its .partial left behind."""
+    calls = []
+    real = gguf_grid.GGUFGrid.fit
+
+    def interrupt(self, *args):
+        calls.append(self.qtype)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(gguf_grid.GGUFGrid, "fit", interrupt)
+    out = tmp_path / "m.gguf"
+    r = runner.invoke(app, ["quantize", str(f32_gguf), "-o", str(out), "--format", "gguf", "--type", "Q4_K_M",
+                            "--samples", "2", "--seq-len", "32"])
+    assert r.exit_code == 130 and "interrupted" in r.output and len(calls) == 3, r.output
+    assert list(tmp_path.iterdir()) == []

@@ -42,8 +42,8 @@ def commands(files: list[Path] = DOCS) -> list[str]:
 
 def briefer(line: str) -> str:
     for prefix, flag, extra in SMALL:
-        # --format gguf calibrates with --method gptq only
-        if prefix in line and f" {flag} " not in f" {line} " and ("--format gguf" not in line or "--method gptq" in line):
+        # --format gguf calibrates unless --method rtn
+        if prefix in line and f" {flag} " not in f" {line} " and ("--format gguf" not in line or "--method rtn" not in line):
             line += " " + extra
     return line
 

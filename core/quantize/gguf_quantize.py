@@ -50,7 +50,8 @@ def check_options(type_name: str | None, method: str | None) -> tuple[object, st
     mix = MIXES.get(type_name.upper())
     if mix is None:
         raise InvalidValue("type", type_name, "", template=f"unknown {{option}} {type_name!r}; use one of {', '.join(MIXES)}")
-    method = method or "rtn"
+    # gptq by default: its KL to the float model is below rtn's at the same size (docs/quantization.md)
+    method = method or "gptq"
     if method not in GGUF_METHODS:
         raise InvalidValue("method", method, "", template=f"--format gguf takes {{option}} {' or '.join(GGUF_METHODS)}, "
                            f"not {method!r}")
