@@ -20,13 +20,14 @@ def quantize(
                                           help="HF folder, hub id, .gguf file (default: embedded SmolLM2)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (a Hugging Face checkpoint), or the .gguf file "
                              "(--format gguf)."),
-    method: Optional[str] = typer.Option(None, "--method", help="gptq | awq | nf4 | fp4 | int8; --format gguf: rtn "
-                                         "(the default there)."),
+    method: Optional[str] = typer.Option(None, "--method", help="gptq | awq | nf4 | fp4 | int8; --format gguf: gptq "
+                                         "(the default there: calibrated, on llama.cpp's grids) or rtn (llama-quantize's "
+                                         "own blocks, in seconds)."),
     fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face folder (default); gguf: one GGUF file that "
                             "llama.cpp, ollama and brisk run (from a GGUF model of F32, F16, BF16 or Q8_0 tensors)."),
     qtype: Optional[str] = typer.Option(None, "--type", help="--format gguf: llama.cpp's mix, Q4_K_M, Q5_K_M, Q6_K, "
-                                        "Q8_0, Q4_0, Q3_K_M or Q2_K: the same tensor types and blocks as "
-                                        "llama-quantize without an imatrix."),
+                                        "Q8_0, Q4_0, Q3_K_M or Q2_K: the same tensor types as llama-quantize "
+                                        "(--method rtn: its blocks too, without an imatrix)."),
     bits: Optional[int] = typer.Option(None, "--bits", help="gptq: 2, 3, 4 (default) or 8. awq/nf4/fp4: 4; int8: 8."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="gptq: -1, 32, 64, 128; awq: 32, 64, 128. "
                                              "Default: 128, or the largest that divides every layer."),
@@ -64,7 +65,7 @@ def quantize(
     Interrupted (Ctrl-C, crash), the same command resumes from the last finished layer.
     Examples:  brisk quantize -o smol-gptq --method gptq  ·  brisk quantize org/name -o out --method awq
     ·  brisk quantize model.gguf -o out-nf4 --method nf4 --double-quant
-    ·  brisk quantize model-f16.gguf -o model-Q4_K_M.gguf --format gguf --type Q4_K_M
+    ·  brisk quantize model-f16.gguf -o model-Q4_K_M.gguf --format gguf --type Q4_K_M [--method rtn]
     """
     from ..core.errors import InvalidValue
 
@@ -100,36 +101,39 @@ def quantize(
                             progress, out, as_json, _print_summary)
 
 
-def _quantize_gguf(model, out, qtype, method, hf_only, threads, force, as_json) -> None:
-    import json
-    import sys
+# the calibration flags --format gguf --method gptq takes (the others are the Hugging Face formats')
+GGUF_CALIBRATION = ("calib", "samples", "seq_len", "damp")
 
+
+def _quantize_gguf(model, out, qtype, method, hf_only, threads, force, as_json) -> None:
     from ..core.errors import InvalidValue
-    from ..core.quantize.gguf_rtn import quantize_gguf
+    from ..core.quantize.gguf_quantize import quantize_gguf
 
     progress = _GGUFProgress(enabled=not as_json)
     with c.user_errors():
+        calib = {n: (str(v) if n == "calib" else v) for n, v in hf_only.items() if n in GGUF_CALIBRATION and v is not None}
         for name, value in hf_only.items():
-            if value is not None:
-                raise InvalidValue(name, value, "", template="{option} does not apply to --format gguf")
+            if value is not None and (name not in GGUF_CALIBRATION or method not in (None, "gptq")):
+                raise InvalidValue(name, value, "", template="{option} does not apply to --format gguf" + (
+                    f" with --method {method}" if name in GGUF_CALIBRATION else ""))
         from ..core.device import set_cpu_threads
 
         set_cpu_threads(threads)
-        try:
-            summary = quantize_gguf(model, out, qtype, method, force=force, report=progress)
-        except KeyboardInterrupt:  # the partial file is already gone; nothing to resume (rtn starts over)
-            progress.stop()
-            print(f"interrupted: {out} not written", file=sys.stderr)
-            raise typer.Exit(130)
-        finally:
-            progress.stop()
-    if as_json:
-        sys.stdout.write(json.dumps(summary.to_dict()) + "\n")
-        return
+        # the partial file is gone by then: nothing to resume, the job starts over
+        run_resumable_job(lambda: quantize_gguf(model, out, qtype, method, force=force, report=progress, calib=calib),
+                          progress, out, as_json, _print_gguf_summary, interrupted=f"interrupted: {out} not written")
+
+
+def _print_gguf_summary(summary) -> None:
     console = Console(highlight=False)
     mb = lambda n: f"{n / 2**20:,.1f} MB"  # noqa: E731
     types = ", ".join(f"{n} {t}" for t, n in sorted(summary.tensors.items(), key=lambda kv: -kv[1]))
     console.print(f"GGUF {summary.type} ({summary.method}): {summary.quantized} tensors rounded; tensors by type: {types}")
+    if summary.errors:
+        gptq = sum(e[0] for e in summary.errors.values()) / len(summary.errors)
+        rtn = sum(e[1] for e in summary.errors.values()) / len(summary.errors)
+        console.print(f"calibration: {summary.calibration_tokens:,} tokens; output error of the {len(summary.errors)} "
+                      f"linears (mean): gptq {gptq:.3e}, rtn {rtn:.3e}")
     console.print(f"size: {mb(summary.source_bytes)} source -> {mb(summary.out_bytes)}")
     console.print(f"time: {summary.seconds:.1f} s   ->  {summary.out}")
 
@@ -138,7 +142,14 @@ class _GGUFProgress(JobProgress):
     """--format gguf's events: one bar over the tensors."""
 
     def show(self, event: str, info: dict) -> None:
-        if event == "start":
+        if event == "calibration":
+            self.log(f"calibration: {info['samples']} sequences x {info['seq_len']} tokens")
+        elif event == "layers":  # gptq: a bar over the blocks first
+            self.start_bar()
+            self.layers = self.bar.add_task("gptq", total=info["total"], note="")
+        elif event == "layer":
+            self.bar.update(self.layers, advance=1, note=f"layer {info['index']}")
+        elif event == "start":
             self.start_bar()
             self.task = self.bar.add_task(f"quantizing ({info['type']})", total=info["total"], note="")
         elif event == "tensor":

@@ -61,14 +61,16 @@ class JobProgress:
         raise NotImplementedError
 
 
-def run_resumable_job(run, progress: JobProgress, out, as_json: bool, print_summary) -> None:
-    """run() a job that keeps its work in OUT.partial: Ctrl-C ends it with how to resume (exit 130);
-    then its summary as one line of JSON or as print_summary prints it."""
+def run_resumable_job(run, progress: JobProgress, out, as_json: bool, print_summary,
+                      interrupted: str | None = None) -> None:
+    """run() a job that keeps its work in OUT.partial: Ctrl-C ends it with how to resume (exit 130),
+    or with the line `interrupted` for a job that starts over; then its summary as one line of JSON
+    or as print_summary prints it."""
     try:
         summary = run()
     except KeyboardInterrupt:
         progress.stop()
-        print(f"interrupted: run the same command again to resume from {out}.partial", file=sys.stderr)
+        print(interrupted or f"interrupted: run the same command again to resume from {out}.partial", file=sys.stderr)
         raise typer.Exit(130)
     finally:
         progress.stop()

@@ -181,7 +181,8 @@ def _group_width(group_size: int, K: int) -> int:
 # A grid is what GPTQ rounds each column to: fit(w [N, n], importance [n], group) -> params (a
 # tuple of [N] tensors, one set per group, chosen when GPTQ reaches the group), and
 # round(w, params) -> (codes, values): the codes stored and the values the checkpoint decodes them
-# to, exactly (the error GPTQ spreads is the one the loaded model will have).
+# to, exactly (the error GPTQ spreads is the one the loaded model will have). A grid with
+# `positional = True` takes round(w, params, i), i the column's place in its group.
 
 class UniformGrid:
     """GPTQ's own: w = (q - zero) * scale, q in 0..2^bits-1, params (scale, zero) (see _grid)."""
@@ -305,6 +306,11 @@ class GPTQ:
         """GPTQ's column loop on `grid` (UniformGrid, CodebookGrid): the arguments as quantize's."""
         N, K = self.weight.shape
         gs = _group_width(group_size, K)
+        # a grid whose round() takes the column's place in its group (sub-block scales: gguf_grid.py)
+        # needs the columns in place and in order
+        positional = getattr(grid, "positional", False)
+        if positional and (act_order or group_order):
+            raise ValueError("a positional grid takes the columns in order (no act_order or group_order)")
         if self.n == 0:
             raise ValueError("GPTQ: no calibration inputs (call add_batch first)")
         W = self.weight.float().clone()
@@ -331,7 +337,7 @@ class GPTQ:
                     ahead = torch.cat((W1[:, i:], W[:, b1:]), dim=1)[:, :gs]
                     params[g] = grid.fit(ahead, H.diagonal()[col:col + gs], g)
                 w, d = W1[:, i], Hinv1[i, i]
-                q, v = grid.round(w, params[g])
+                q, v = grid.round(w, params[g], col % gs) if positional else grid.round(w, params[g])
                 Q[:, col], V[:, col] = q, v
                 err = (w - v) / d
                 W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]

@@ -187,7 +187,8 @@ def test_whole_file_q4_k_m(f32_gguf, tmp_path, request):
     from brisk.core.gguf_file import open_gguf
 
     out = tmp_path / "model-Q4_K_M.gguf"
-    r = runner.invoke(app, ["quantize", str(f32_gguf), "-o", str(out), "--format", "gguf", "--type", "Q4_K_M", "--json"])
+    r = runner.invoke(app, ["quantize", str(f32_gguf), "-o", str(out), "--format", "gguf", "--type", "Q4_K_M",
+                            "--method", "rtn", "--json"])
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["type"] == "Q4_K_M" and summary["method"] == "rtn" and summary["out_bytes"] == out.stat().st_size
@@ -235,14 +236,17 @@ def test_whole_file_q4_k_m(f32_gguf, tmp_path, request):
 
 def test_refusals(tiny_llama_dir, smollm2_path, tmp_path):
     """One line naming the flag or file, exit 1: a Hugging Face folder, a quantized source, a bad --type,
-    a flag of the Hugging Face formats, gptq (not yet)."""
+    a flag of the Hugging Face formats, a method gguf has not, a calibration flag without gptq."""
     out = str(tmp_path / "o.gguf")
     cases = [([str(tiny_llama_dir), "--type", "Q4_K_M"], "Hugging Face folder"),
              ([str(smollm2_path), "--type", "Q4_K_M"], "Q4_1"),
              ([str(smollm2_path), "--type", "Q4_K_S"], "--type"),
              ([str(smollm2_path)], "--type"),
              ([str(smollm2_path), "--type", "Q8_0", "--bits", "4"], "--bits"),
-             ([str(smollm2_path), "--type", "Q8_0", "--method", "gptq"], "--method")]
+             ([str(smollm2_path), "--type", "Q8_0", "--method", "awq"], "--method"),
+             ([str(smollm2_path), "--type", "Q8_0", "--method", "rtn", "--samples", "4"], "--samples"),
+             ([str(smollm2_path), "--type", "Q8_0", "--method", "gptq", "--group-size", "32"], "--group-size"),
+             ([str(smollm2_path), "--type", "Q8_0", "--method", "gptq", "--samples", "0"], "--samples")]
     for args, word in cases:
         r = runner.invoke(app, ["quantize", *args, "-o", out, "--format", "gguf"])
         assert r.exit_code == 1, (args, r.output)
@@ -264,6 +268,6 @@ def test_interrupted_run_leaves_nothing(f32_gguf, tmp_path, monkeypatch):
     real = native.quantize_rows
     monkeypatch.setattr(native, "quantize_rows", interrupt)
     out = tmp_path / "m.gguf"
-    r = runner.invoke(app, ["quantize", str(f32_gguf), "-o", str(out), "--format", "gguf", "--type", "Q6_K"])
+    r = runner.invoke(app, ["quantize", str(f32_gguf), "-o", str(out), "--format", "gguf", "--type", "Q6_K", "--method", "rtn"])
     assert r.exit_code == 130 and "interrupted" in r.output, r.output
     assert list(tmp_path.iterdir()) == []

@@ -42,7 +42,8 @@ def commands(files: list[Path] = DOCS) -> list[str]:
 
 def briefer(line: str) -> str:
     for prefix, flag, extra in SMALL:
-        if prefix in line and f" {flag} " not in f" {line} " and "--format gguf" not in line:  # gguf: no calibration
+        # --format gguf calibrates unless --method rtn
+        if prefix in line and f" {flag} " not in f" {line} " and ("--format gguf" not in line or "--method rtn" not in line):
             line += " " + extra
     return line
 

@@ -1,22 +1,22 @@
-"""`brisk quantize --format gguf --method rtn`: a float (or Q8_0) GGUF model requantized into one of
-llama.cpp's mixes, tensor for tensor what `llama-quantize` writes without an importance matrix: the
-same type per tensor (quant/gguf_mix.py) and the same blocks (quant/kernels/gguf_quantize.h). The
+"""`brisk quantize --format gguf`: a float (or Q8_0) GGUF model requantized into one of llama.cpp's
+mixes, the same type per tensor as `llama-quantize` (quant/gguf_mix.py). --method rtn: the blocks
+llama.cpp writes without an importance matrix (quant/kernels/gguf_quantize.h), byte for byte;
+--method gptq: the linears by GPTQ on those grids, calibrated (gguf_gptq.py), the rest as rtn. The
 metadata (tokenizer, chat template, architecture keys) is copied as the source holds it, with
 general.file_type and general.quantization_version set; the file is written atomically
-(core/gguf_writer.py). Round-to-nearest takes seconds per tensor, so the job is not resumable: an
-interrupted run starts over.
+(core/gguf_writer.py). The job is not resumable: an interrupted run starts over.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import BriskError, InvalidValue
 
-GGUF_METHODS = ("rtn",)  # gptq on the K-quant grids is the next installment (issue 36)
+GGUF_METHODS = ("rtn", "gptq")
 # the source types llama.cpp requantizes exactly (their values are float32 without loss)
 SOURCE_TYPES = ("F32", "F16", "BF16", "Q8_0")
 _REPLACED = ("general.file_type", "general.quantization_version", "split.no", "split.count", "split.tensors.count")
@@ -33,6 +33,9 @@ class GGUFSummary:
     seconds: float
     quantized: int  # tensors rounded here (the others copied as they were)
     format: str = "gguf"
+    calibration_tokens: int = 0
+    # gptq: per tensor it covered, [GPTQ's, round-to-nearest's] relative output error on its calibration inputs
+    errors: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,11 +50,11 @@ def check_options(type_name: str | None, method: str | None) -> tuple[object, st
     mix = MIXES.get(type_name.upper())
     if mix is None:
         raise InvalidValue("type", type_name, "", template=f"unknown {{option}} {type_name!r}; use one of {', '.join(MIXES)}")
-    method = method or "rtn"
+    # gptq by default: its KL to the float model is below rtn's at the same size (docs/quantization.md)
+    method = method or "gptq"
     if method not in GGUF_METHODS:
-        raise InvalidValue("method", method, "", template=f"--format gguf takes {{option}} {' or '.join(GGUF_METHODS)} "
-                           f"(llama.cpp's rounding), not {method!r}" + (
-                               "; gptq on the GGUF grids is not written yet" if method == "gptq" else ""))
+        raise InvalidValue("method", method, "", template=f"--format gguf takes {{option}} {' or '.join(GGUF_METHODS)}, "
+                           f"not {method!r}")
     return mix, method
 
 
@@ -77,8 +80,9 @@ def _model_shape(meta: dict, path: Path):
 
 
 def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: str | None = None,
-                  force: bool = False, report=lambda event, **info: None) -> GGUFSummary:
-    """Write `model` (a GGUF file) as OUT, a GGUF file of the mix `type_name` (Q4_K_M, Q8_0, ...)."""
+                  force: bool = False, report=lambda event, **info: None, calib: dict | None = None) -> GGUFSummary:
+    """Write `model` (a GGUF file) as OUT, a GGUF file of the mix `type_name` (Q4_K_M, Q8_0, ...).
+    calib: gptq's calibration options (calib, samples, seq_len, damp: QuantOptions' fields)."""
     from ...quant import gguf_types, native
     from ...quant.gguf_mix import QUANTIZATION_VERSION, file_order, tensor_types
     from .. import gguf_writer
@@ -86,6 +90,7 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
     from ..gguf_file import open_gguf
 
     mix, method = check_options(type_name, method)
+    opts = _gptq_options(calib or {}) if method == "gptq" else None
     out = Path(out)
     if out.is_dir():
         raise InvalidValue("out", str(out), "", template=f"{{option}} {out} is a folder; --format gguf writes one .gguf file")
@@ -121,6 +126,12 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
     records += [gguf_writer.u32_record("general.quantization_version", QUANTIZATION_VERSION),
                 gguf_writer.u32_record("general.file_type", mix.file_type)]
     align = src.metadata.get("general.alignment", gguf_writer.DEFAULT_ALIGNMENT)
+    done, errors = {}, {}
+    if opts is not None:
+        from .gguf_gptq import quantized_linears
+
+        wanted = {n: targets[n] for n in order if targets[n] != tensors[n].qtype}
+        done, errors = quantized_linears(path, wanted, opts, report)
     report("start", total=len(order), type=mix.name)
 
     def data():
@@ -128,6 +139,8 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
             t, target = tensors[n], targets[n]
             if target == t.qtype:
                 blob = src.raw(t)
+            elif n in done:
+                blob = done.pop(n)
             else:
                 rows = src.load(t).numpy().reshape(-1, t.shape[-1])
                 blob = rows.astype(np.float16) if target == gguf_types.F16 else \
@@ -142,7 +155,15 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
         counts[_type_name(e.qtype)] = counts.get(_type_name(e.qtype), 0) + 1
     return GGUFSummary(out=str(out), type=mix.name, method=method, source_bytes=path.stat().st_size, out_bytes=size,
                        tensors=counts, seconds=round(time.perf_counter() - t0, 2),
-                       quantized=sum(targets[n] != tensors[n].qtype for n in order))
+                       quantized=sum(targets[n] != tensors[n].qtype for n in order),
+                       calibration_tokens=opts.samples * opts.seq_len if opts else 0, errors=errors)
+
+
+def _gptq_options(calib: dict):
+    """--method gptq's calibration options, checked as `brisk quantize --method gptq` checks them."""
+    from .options import QuantOptions
+
+    return QuantOptions(method="gptq", **calib).checked()
 
 
 def _nbytes(shape: tuple[int, ...], qtype: int) -> int:
