@@ -89,6 +89,10 @@ def bench(
                 llm = c.load_llm(model or model_pos, dev, dt,
                                  max(depths) + max(pps + tgs + [16]) + 1 + (128 if draft else 0),
                                  quiet=as_json or as_csv, quantize=quant, kv_type=kv, tp=tp)  # --draft: room for its prompt
+                need = max(depths) + max(pps + tgs + [0]) + 1
+                if need > llm.ctx:  # the load caps the context at the model's positions
+                    raise BriskError(f"-d/--n-depth {max(depths)}: with {max(pps + tgs + [0])} tokens timed it needs "
+                                     f"{need} positions; {llm.name} holds {llm.ctx}")
                 for d in depths:
                     at = f" after {d} tokens" if d else ""
                     for p in ([] if batches else pps):

@@ -400,6 +400,9 @@ def test_bench_depth_rows_run_after_the_context(tiny_llama_dir):
     torch.testing.assert_close(after, whole, rtol=1e-4, atol=1e-4)
     r = runner.invoke(app, ["bench", str(tiny_llama_dir), "-d", "-1"])
     assert r.exit_code != 0 and "-d/--n-depth" in r.output
+    r = runner.invoke(app, ["bench", str(tiny_llama_dir), "-p", "8", "-n", "4", "-d", "250"])  # 256 positions
+    assert r.exit_code != 0 and "-d/--n-depth 250" in r.output and "holds 256" in r.output
+    assert "Traceback" not in r.output
 
 
 # ------------------------------------------------------------------ bad inputs
