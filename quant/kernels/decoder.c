@@ -26,7 +26,7 @@
 /* Attention over fewer keys (summed over rows and heads) runs on the calling thread: one decode
  * step's few thousand dot products take microseconds, and on a busy machine each split across
  * threads risks waiting for a worker the OS has descheduled. */
-#define ATTENTION_SPLIT 32768
+#define ATTENTION_SPLIT 8192
 
 int bk_matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level);
 void bk_parallel(void (*run)(const void *, int, int), const void *args, int n, int min_chunk);
