@@ -298,8 +298,9 @@ void bk_pack_groups(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t ro
     parallel_rows(pack_chunk, &j, (int)groups, 8);
 }
 
-/* Q6_K and Q8_0 written out by hand: their layouts move 6-bit codes and single bytes, one program
- * term each, which the generic packer runs slowly. The layouts are quant/gguf_interleave.py's
+/* Q4_K, Q6_K and Q8_0 written out by hand: Q6_K's and Q8_0's layouts move 6-bit codes and single
+ * bytes, one program term each, which the generic packer runs slowly; Q4_K, the most common, goes
+ * faster as whole 8-byte copies. The layouts are quant/gguf_interleave.py's
  * (_pack_q6_k, _small), the kernels' (q4k_x8.h, q8_x8.h). */
 BK_INLINE uint64_t bytes8(const uint8_t *p) {
     uint64_t v;
@@ -346,6 +347,32 @@ static void pack_q6k_chunk(const void *p, int g0, int g1) {
         }
 }
 
+/* a Q4_K super-block's 8 rows -> the layout's 1152 bytes: vector u, row r = the row's code bytes
+ * 8u.., then the 8 d's, the 8 -dmin's (the fp16 sign flipped: the kernel adds the minimum term) and
+ * the scale bytes 4 at a time */
+static void pack_q4k_block(const uint8_t *const *in, uint8_t *restrict out) {
+    for (int u = 0; u < 16; u++)
+        for (int r = 0; r < 8; r++) memcpy(out + u * 64 + r * 8, in[r] + 16 + 8 * u, 8);
+    for (int r = 0; r < 8; r++) {
+        memcpy(out + 1024 + 2 * r, in[r], 2);
+        out[1040 + 2 * r] = in[r][2];
+        out[1041 + 2 * r] = in[r][3] ^ 0x80;
+    }
+    for (int q = 0; q < 3; q++)
+        for (int r = 0; r < 8; r++) memcpy(out + 1056 + q * 32 + 4 * r, in[r] + 4 + 4 * q, 4);
+}
+
+static void pack_q4k_chunk(const void *p, int g0, int g1) {
+    const pack_job *j = p;
+    int64_t group_bytes = 8 * j->row_bytes;
+    for (int g = g0; g < g1; g++)
+        for (int s = 0; s < j->blocks; s++) {
+            const uint8_t *in[8];
+            for (int r = 0; r < 8; r++) in[r] = j->src + g * group_bytes + r * j->row_bytes + (int64_t)s * 144;
+            pack_q4k_block(in, j->dst + g * group_bytes + (int64_t)s * 8 * 144);
+        }
+}
+
 static void pack_q8_0_chunk(const void *p, int g0, int g1) {
     const pack_job *j = p;
     int64_t group_bytes = 8 * j->row_bytes, rb = j->row_bytes;
@@ -368,13 +395,13 @@ static void pack_q8_0_chunk(const void *p, int g0, int g1) {
         }
 }
 
-/* groups of 8 rows of GGUF type qtype (14: Q6_K, 8: Q8_0) from src into dst, interleaved; -1 for
- * another type (bk_pack_groups takes those) */
+/* groups of 8 rows of GGUF type qtype (12: Q4_K, 14: Q6_K, 8: Q8_0) from src into dst, interleaved;
+ * -1 for another type (bk_pack_groups takes those) */
 int bk_pack_x8(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t row_bytes, int qtype) {
-    int block_bytes = qtype == 14 ? 210 : qtype == 8 ? 34 : 0;
+    int block_bytes = qtype == 12 ? 144 : qtype == 14 ? 210 : qtype == 8 ? 34 : 0;
     if (!block_bytes) return -1;
     pack_job j = {src, dst, row_bytes, block_bytes, (int)(row_bytes / block_bytes), NULL, 0, NULL};
-    parallel_rows(qtype == 14 ? pack_q6k_chunk : pack_q8_0_chunk, &j, (int)groups, 8);
+    parallel_rows(qtype == 12 ? pack_q4k_chunk : qtype == 14 ? pack_q6k_chunk : pack_q8_0_chunk, &j, (int)groups, 8);
     return 0;
 }
 
