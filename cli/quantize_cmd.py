@@ -88,14 +88,19 @@ def quantize(
         check_load_options(model, threads=threads)  # before the stack that loads it is imported
         if calib is not None and samples != 0:  # with --samples 0, QuantOptions refuses --calib itself
             regular_file(calib)
-        from ..core.quantize import QuantOptions, quantize_model
-        from ..core.device import set_cpu_threads
+        from ..core.errors import FileError
+        from ..core.quantize.options import QuantOptions
 
-        set_cpu_threads(threads)
         opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                             damp=damp, double_quant=double_quant, calib=str(calib) if calib else None,
                             samples=samples, seq_len=seq_len, embedding=embedding,
-                            dynamic=tuple(dynamic) if dynamic else None, compensate=compensate)
+                            dynamic=tuple(dynamic) if dynamic else None, compensate=compensate).checked()
+        if Path(out).expanduser().exists() and not force:  # as quantize_model says it, before torch loads
+            raise FileError("already exists (use --force to replace it)", Path(out).expanduser())
+        from ..core.quantize import quantize_model
+        from ..core.device import set_cpu_threads
+
+        set_cpu_threads(threads)
         progress = _Progress(enabled=not as_json)
         run_resumable_job(lambda: quantize_model(model, out, opts, force=force, report=progress),
                             progress, out, as_json, _print_summary)

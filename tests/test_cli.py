@@ -101,6 +101,9 @@ def test_help_and_refusals_import_no_model_stack(tmp_path):
         ("distill", "-o", str(tmp_path / "d"), "--data", missing): "no such file",
         ("distill", "-o", str(tmp_path / "no" / "d")): "no such folder",
         ("distill", "-o", str(text)): "already exists",
+        ("quantize", "-o", str(tmp_path / "q"), "--method", "gptq", "--bits", "5"): "not 5",
+        ("quantize", "-o", str(tmp_path / "q"), "--method", "awq", "--group-size", "7"): "--group-size",
+        ("quantize", "-o", str(text), "--method", "int8", "--samples", "0"): "already exists",
         ("serve", "--port", str(busy_port)): "--port",
         ("serve", "--host", "no-such-host.invalid"): "--host",
     }

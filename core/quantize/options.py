@@ -8,8 +8,6 @@ import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import torch
-
 from ..errors import BriskError, InvalidValue
 
 METHODS = ("gptq", "awq", "nf4", "fp4", "int8")
@@ -212,9 +210,11 @@ def check_shapes(opts: QuantOptions, cfg) -> QuantOptions:
     return opts
 
 
-def float_dtype(ckpt) -> torch.dtype:
+def float_dtype(ckpt) -> "torch.dtype":
     """The checkpoint's float tensors keep the source's 16-bit dtype; from float32 or GGUF: float16,
     bfloat16 for Gemma 3 (trained in bf16; its activations overflow float16)."""
+    import torch  # here: the options are checked before the CLI imports torch
+
     if ckpt.kind == "hf":
         cfg = json.loads((ckpt.path / "config.json").read_text())
         src = cfg.get("torch_dtype") or cfg.get("dtype") or (cfg.get("text_config") or {}).get("torch_dtype")
