@@ -65,6 +65,9 @@ def distill(
         checked_out(out, force)
         if data is not None:
             regular_file(data)
+            from ..core.distill_options import load_prompts
+
+            load_prompts(data)  # a malformed file is refused before torch loads
         from ..core.distill import distill as run_distill
         from ..core.device import set_cpu_threads
 

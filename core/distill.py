@@ -35,19 +35,17 @@ import os
 import shutil
 import time
 from dataclasses import asdict
-from importlib import resources
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .distill_options import DistillOptions, DistillSummary, checked_out
+from .distill_options import DistillOptions, DistillSummary, checked_out, load_prompts  # noqa: F401 (load_prompts: also from here)
 from .errors import BriskError, FileError
-from .files import read_user_text, write_text_atomic
+from .files import write_text_atomic
 from .spec import heads_file, heads_net, heads_tree
 from .spec.heads import HeadsDrafter
 
-PROMPTS_NAME = "distill_prompts.txt"  # package data: prompts separated by blank lines
 _VERSION = 1  # bump when the same arguments would give other output: partial runs then restart
 CHUNK_SAMPLES = 32  # generated answers saved together (what an interruption can lose)
 PASS_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree sizes (incl. the pending token) whose pass is timed
@@ -58,46 +56,6 @@ Report = Callable[..., None]
 
 
 # ---------------------------------------------------------------- prompts
-
-def load_prompts(path: str | Path | None) -> list:
-    """Prompts: strings (sent through the chat template) or message lists. `path` None: the built-in
-    set. A .jsonl file has one object a line with "prompt" (or "text") or "messages"; any other
-    file is plain text, prompts separated by blank lines."""
-    if path is None:
-        text = resources.files(__package__).joinpath(PROMPTS_NAME).read_text(encoding="utf-8")
-        return _paragraphs(text)
-    path = Path(path).expanduser()
-    raw = read_user_text(path)
-    if path.suffix != ".jsonl":
-        prompts = _paragraphs(raw)
-    else:
-        prompts = []
-        for n, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise FileError(f"invalid JSON ({e.msg})", path, n) from None
-            messages = obj.get("messages") if isinstance(obj, dict) else None
-            if isinstance(messages, list) and messages:
-                if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                           for m in messages):
-                    raise FileError('each message needs a "role" and a "content" string', path, n)
-                prompts.append(messages)
-            elif isinstance(obj, dict) and isinstance(obj.get("prompt", obj.get("text")), str):
-                prompts.append(obj.get("prompt", obj.get("text")))
-            else:
-                raise FileError('expected an object with "prompt", "text" or "messages"', path, n)
-        prompts = [p for p in prompts if not isinstance(p, str) or p.strip()]
-    if len(prompts) < 2:
-        raise FileError("needs at least 2 prompts (some are held out to measure the heads)", path)
-    return prompts
-
-
-def _paragraphs(text: str) -> list[str]:
-    return [p.strip() for p in text.replace("\r\n", "\n").split("\n\n") if p.strip()]
-
 
 def prompt_ids(llm, prompt) -> list[int]:
     tok = llm.tokenizer

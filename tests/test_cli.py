@@ -71,6 +71,8 @@ def test_help_and_refusals_import_no_model_stack(tmp_path):
     wrong (test_errors.py checks the one-line form through the console script)."""
     missing, text = str(tmp_path / "missing.gguf"), tmp_path / "t.txt"
     text.write_text("some text")
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"prompt": "a"}\n{oops\n')
     busy = socket.socket()  # held while the refusals run: serve must refuse its port before loading
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -99,6 +101,7 @@ def test_help_and_refusals_import_no_model_stack(tmp_path):
         ("distill", "-o", str(tmp_path / "d"), "--lr", "-1"): "--lr",
         ("distill", "-o", str(tmp_path / "d"), "--temperature", "0"): "--temperature",
         ("distill", "-o", str(tmp_path / "d"), "--data", missing): "no such file",
+        ("distill", "-o", str(tmp_path / "d"), "--data", str(bad_jsonl)): "invalid json",
         ("distill", "-o", str(tmp_path / "no" / "d")): "no such folder",
         ("distill", "-o", str(text)): "already exists",
         ("quantize", "-o", str(tmp_path / "q"), "--method", "gptq", "--bits", "5"): "not 5",
