@@ -265,6 +265,7 @@ typedef struct {
     const bk_pack_term *terms;
     int n_terms;
     const uint8_t *flips; /* 8 * block_bytes */
+    void (*block)(const uint8_t *const *in, uint8_t *out); /* bk_pack_x8: one group's block, by hand */
 } pack_job;
 
 static void pack_chunk(const void *p, int g0, int g1) {
@@ -294,7 +295,7 @@ static void pack_chunk(const void *p, int g0, int g1) {
 /* groups of 8 rows (row_bytes each, `blocks` blocks of block_bytes) from src into dst, interleaved */
 void bk_pack_groups(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t row_bytes, int block_bytes,
                     const bk_pack_term *terms, int n_terms, const uint8_t *flips) {
-    pack_job j = {src, dst, row_bytes, block_bytes, (int)(row_bytes / block_bytes), terms, n_terms, flips};
+    pack_job j = {src, dst, row_bytes, block_bytes, (int)(row_bytes / block_bytes), terms, n_terms, flips, NULL};
     parallel_rows(pack_chunk, &j, (int)groups, 8);
 }
 
@@ -336,17 +337,6 @@ static void pack_q6k_block(const uint8_t *const *in, uint8_t *restrict out) {
     for (int r = 0; r < 8; r++) memcpy(out + 1664 + 2 * r, in[r] + 208, 2);
 }
 
-static void pack_q6k_chunk(const void *p, int g0, int g1) {
-    const pack_job *j = p;
-    int64_t group_bytes = 8 * j->row_bytes;
-    for (int g = g0; g < g1; g++)
-        for (int s = 0; s < j->blocks; s++) {
-            const uint8_t *in[8];
-            for (int r = 0; r < 8; r++) in[r] = j->src + g * group_bytes + r * j->row_bytes + (int64_t)s * 210;
-            pack_q6k_block(in, j->dst + g * group_bytes + (int64_t)s * 8 * 210);
-        }
-}
-
 /* a Q4_K super-block's 8 rows -> the layout's 1152 bytes: vector u, row r = the row's code bytes
  * 8u.., then the 8 d's, the 8 -dmin's (the fp16 sign flipped: the kernel adds the minimum term) and
  * the scale bytes 4 at a time */
@@ -362,36 +352,30 @@ static void pack_q4k_block(const uint8_t *const *in, uint8_t *restrict out) {
         for (int r = 0; r < 8; r++) memcpy(out + 1056 + q * 32 + 4 * r, in[r] + 4 + 4 * q, 4);
 }
 
-static void pack_q4k_chunk(const void *p, int g0, int g1) {
+/* a Q8_0 block's 8 rows -> vector c, lane 8r + i: weight 8c + i of rows r (low byte) and 4 + r (high
+ * byte); then the 8 d's */
+static void pack_q8_0_block(const uint8_t *const *in, uint8_t *restrict out) {
+    for (int c = 0; c < 4; c++)
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *lo = in[r] + 2 + 8 * c, *hi = in[4 + r] + 2 + 8 * c;
+#if defined(__SSE2__)
+            __m128i a = _mm_loadl_epi64((const __m128i *)lo), b = _mm_loadl_epi64((const __m128i *)hi);
+            _mm_storeu_si128((__m128i *)(out + c * 64 + r * 16), _mm_unpacklo_epi8(a, b));
+#else
+            for (int i = 0; i < 8; i++) out[c * 64 + r * 16 + 2 * i] = lo[i], out[c * 64 + r * 16 + 2 * i + 1] = hi[i];
+#endif
+        }
+    for (int r = 0; r < 8; r++) memcpy(out + 256 + 2 * r, in[r], 2);
+}
+
+static void pack_x8_chunk(const void *p, int g0, int g1) {
     const pack_job *j = p;
     int64_t group_bytes = 8 * j->row_bytes;
     for (int g = g0; g < g1; g++)
         for (int s = 0; s < j->blocks; s++) {
             const uint8_t *in[8];
-            for (int r = 0; r < 8; r++) in[r] = j->src + g * group_bytes + r * j->row_bytes + (int64_t)s * 144;
-            pack_q4k_block(in, j->dst + g * group_bytes + (int64_t)s * 8 * 144);
-        }
-}
-
-static void pack_q8_0_chunk(const void *p, int g0, int g1) {
-    const pack_job *j = p;
-    int64_t group_bytes = 8 * j->row_bytes, rb = j->row_bytes;
-    for (int g = g0; g < g1; g++)
-        for (int s = 0; s < j->blocks; s++) {
-            const uint8_t *in = j->src + g * group_bytes + (int64_t)s * 34;
-            uint8_t *restrict out = j->dst + g * group_bytes + (int64_t)s * 8 * 34;
-            /* vector c, lane 8r + i: weight 8c + i of rows r (low byte) and 4 + r (high byte) */
-            for (int c = 0; c < 4; c++)
-                for (int r = 0; r < 4; r++) {
-                    const uint8_t *lo = in + r * rb + 2 + 8 * c, *hi = in + (4 + r) * rb + 2 + 8 * c;
-#if defined(__SSE2__)
-                    __m128i a = _mm_loadl_epi64((const __m128i *)lo), b = _mm_loadl_epi64((const __m128i *)hi);
-                    _mm_storeu_si128((__m128i *)(out + c * 64 + r * 16), _mm_unpacklo_epi8(a, b));
-#else
-                    for (int i = 0; i < 8; i++) out[c * 64 + r * 16 + 2 * i] = lo[i], out[c * 64 + r * 16 + 2 * i + 1] = hi[i];
-#endif
-                }
-            for (int r = 0; r < 8; r++) memcpy(out + 256 + 2 * r, in + r * rb, 2);
+            for (int r = 0; r < 8; r++) in[r] = j->src + g * group_bytes + r * j->row_bytes + (int64_t)s * j->block_bytes;
+            j->block(in, j->dst + g * group_bytes + (int64_t)s * 8 * j->block_bytes);
         }
 }
 
@@ -400,8 +384,9 @@ static void pack_q8_0_chunk(const void *p, int g0, int g1) {
 int bk_pack_x8(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t row_bytes, int qtype) {
     int block_bytes = qtype == 12 ? 144 : qtype == 14 ? 210 : qtype == 8 ? 34 : 0;
     if (!block_bytes) return -1;
-    pack_job j = {src, dst, row_bytes, block_bytes, (int)(row_bytes / block_bytes), NULL, 0, NULL};
-    parallel_rows(qtype == 12 ? pack_q4k_chunk : qtype == 14 ? pack_q6k_chunk : pack_q8_0_chunk, &j, (int)groups, 8);
+    pack_job j = {src, dst, row_bytes, block_bytes, (int)(row_bytes / block_bytes), NULL, 0, NULL,
+                  qtype == 12 ? pack_q4k_block : qtype == 14 ? pack_q6k_block : pack_q8_0_block};
+    parallel_rows(pack_x8_chunk, &j, (int)groups, 8);
     return 0;
 }
 
