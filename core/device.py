@@ -43,11 +43,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return " amx_bf16" in flags or " avx512_bf16" in flags
+    from ..quant.native import cpu_flags
+
+    return bool({"amx_bf16", "avx512_bf16"} & (cpu_flags() or set()))
 
 
 # The CPU threads brisk computes with (--threads; default torch's, the physical cores).

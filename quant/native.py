@@ -115,9 +115,38 @@ def _avx2_compiler(cc: list[str]) -> list[str]:
     return [sys.executable, "-m", "ziglang", "cc", "-target", "x86_64-linux-gnu", "-mcpu=x86_64"]
 
 
-def _compile_commands(cc: list[str], out_dir: Path, x86: bool, avx2_cc: list[str] | None = None
-                      ) -> tuple[list[list[str]], list[Path]]:
-    levels = X86_LEVELS if x86 else {"plain": []}
+# the CPU flags each level's copy needs (Linux's /proc/cpuinfo names; bk_cpu_level checks the same)
+LEVEL_FLAGS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}}
+
+
+def _runnable_levels(flags: set[str] | None) -> tuple[str, ...]:
+    """The x86 levels worth compiling for a CPU with these flags: a copy it cannot run is only build
+    time (a third of it on a CPU without AVX-512, the one GCC takes longest over). Unknown flags: all."""
+    if flags is None:
+        return tuple(X86_LEVELS)
+    levels = ["plain"]
+    for name in ("avx2", "avx512"):
+        if not LEVEL_FLAGS[name] <= flags:
+            break
+        levels.append(name)
+    return tuple(levels)
+
+
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags from /proc/cpuinfo (None where there is none to read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def _compile_commands(cc: list[str], out_dir: Path, x86: bool, avx2_cc: list[str] | None = None,
+                      levels: tuple[str, ...] | None = None) -> tuple[list[list[str]], list[Path]]:
+    levels = {n: X86_LEVELS[n] for n in (levels or X86_LEVELS)} if x86 else {"plain": []}
     cmds, objs = [], []
     for name, flags in levels.items():
         for src in PER_LEVEL:
@@ -141,8 +170,10 @@ def build(out_dir: Path | None = None) -> Path:
     cc = _compiler()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     avx2_cc = _avx2_compiler(cc) if x86 else cc
+    levels = _runnable_levels(cpu_flags()) if x86 else ("plain",)
     src = b"".join(f.read_bytes() for f in sorted(KERNELS.glob("*.[ch]")))
-    tag = hashlib.sha256(src + repr([cc, avx2_cc, FLAGS, X86_LEVELS if x86 else None]).encode()).hexdigest()[:16]
+    built = [cc, avx2_cc, FLAGS, {n: X86_LEVELS[n] for n in levels} if x86 else None]
+    tag = hashlib.sha256(src + repr(built).encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     lib = out_dir / f"libbrisk_kernels-{tag}.so"
     if lib.exists():
@@ -154,7 +185,7 @@ def build(out_dir: Path | None = None) -> Path:
         _remove_stale_builds(out_dir)
         warnings.warn(BuildNotice(f"compiling brisk's CPU kernels for this machine (first run only; a minute or "
                                   f"more on a small or busy CPU) into {out_dir}"))
-        _compile(cc, avx2_cc, x86, lib, out_dir)
+        _compile(cc, avx2_cc, x86, levels, lib, out_dir)
     return lib
 
 
@@ -185,15 +216,16 @@ def _remove_stale_builds(out_dir: Path) -> None:
 BUILD_PREFIX = "building-"
 
 
-def _compile(cc: list[str], avx2_cc: list[str], x86: bool, lib: Path, out_dir: Path) -> None:
+def _compile(cc: list[str], avx2_cc: list[str], x86: bool, levels: tuple[str, ...], lib: Path, out_dir: Path
+             ) -> None:
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=BUILD_PREFIX) as tmp:  # built aside, then moved in whole
         tmp_lib = Path(tmp) / lib.name
-        cmds, objs = _compile_commands(cc, Path(tmp), x86, avx2_cc)
+        cmds, objs = _compile_commands(cc, Path(tmp), x86, avx2_cc, levels)
         try:
             done = _run_all(cmds)
             if avx2_cc != cc and any(p.returncode != 0 for p, _ in done if p.args[:len(avx2_cc)] == avx2_cc):
                 avx2_cc = cc  # zig could not (e.g. no cache directory it can write): the platform's compiler then
-                cmds = _compile_commands(cc, Path(tmp), x86)[0]
+                cmds = _compile_commands(cc, Path(tmp), x86, levels=levels)[0]
                 done = _run_all(cmds)
             for p, err in done:
                 if p.returncode != 0:

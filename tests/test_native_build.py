@@ -59,9 +59,24 @@ def test_avx2_copy_goes_to_clang_where_the_compiler_is_gcc(monkeypatch):
     assert {c[0] for c in cmds if "-DBK_SUFFIX=_avx2" not in c} == {"cc"}
 
 
+def test_only_the_levels_the_cpu_runs_are_compiled():
+    """A copy the CPU cannot run is only build time: an AVX2 CPU gets plain + AVX2, a CPU without
+    AVX2 (or with AVX-512 but no AVX2+FMA) plain only; flags that cannot be read build all three."""
+    avx2 = {"sse2", "avx", "avx2", "fma", "f16c"}
+    full = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    assert native._runnable_levels(full) == ("plain", "avx2", "avx512")
+    assert native._runnable_levels(avx2 | {"avx512f", "avx512bw"}) == ("plain", "avx2")  # no VNNI: bk_cpu_level's rule
+    assert native._runnable_levels({"sse2", "avx", "avx512f"}) == ("plain",)
+    assert native._runnable_levels(None) == ("plain", "avx2", "avx512")
+    cmds, objs = native._compile_commands(["cc"], Path("/tmp"), x86=True, levels=("plain", "avx2"))
+    assert not any("avx512" in str(o) for o in objs) and len(objs) == 2 * len(native.PER_LEVEL) + 1
+    assert "-DBK_LEVELS=2" in cmds[-1]
+
+
 def test_a_failing_avx2_compiler_falls_back_to_the_platform_one(tmp_path, monkeypatch):
     """If zig cannot compile (no writable cache, a broken wheel), the build still succeeds with the
-    platform's compiler for every copy, and says which compiler built the AVX2 copy."""
+    platform's compiler for every copy, and says which compiler built the AVX2 copy. Built as for an
+    AVX2 CPU without AVX-512 (plain and AVX2 copies only), whose library never picks AVX-512."""
     try:
         cc = native._compiler()
     except RuntimeError:
@@ -70,8 +85,14 @@ def test_a_failing_avx2_compiler_falls_back_to_the_platform_one(tmp_path, monkey
         pytest.skip("the AVX2 copy exists on x86-64 only")
     broken = [sys.executable, "-c", "import sys; sys.exit('zig: cannot write its cache')", "--"]
     monkeypatch.setattr(native, "_avx2_compiler", lambda cc: broken)
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx", "avx2", "fma", "f16c"})
     lib = native.build(tmp_path)
     assert lib.exists()
+    import ctypes
+
+    level = ctypes.CDLL(str(lib)).bk_cpu_level()
+    real = native.library().bk_cpu_level() if native.library() is not None else level
+    assert level == min(real, 1)
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     assert lib.with_suffix(".compiler").read_text() == version
 

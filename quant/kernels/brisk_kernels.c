@@ -42,7 +42,8 @@
 
 /* ------------------------------------------------------------------ one copy per instruction set
  * tiles.c, compiled per level (BK_LEVELS: 1 builds the plain copy only, e.g. on ARM, where the
- * plain copy is NEON through the compiler; 3 adds AVX2+FMA and AVX-512 on x86-64). */
+ * plain copy is NEON through the compiler; 2 adds AVX2+FMA on x86-64, 3 AVX-512 too: the build
+ * compiles only the levels the CPU it runs on has). */
 typedef void (*tile_fn)(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);
 typedef void (*rows_fn)(const bk_weight *, const int64_t *, int, float *);
 typedef void (*slab_fn)(const bk_weight *, int, int, int, int, float *);
@@ -72,6 +73,8 @@ typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache
 LEVEL_FUNCTIONS(plain)
 #if BK_LEVELS > 1
 LEVEL_FUNCTIONS(avx2)
+#endif
+#if BK_LEVELS > 2
 LEVEL_FUNCTIONS(avx512)
 #endif
 
@@ -83,7 +86,7 @@ int bk_cpu_level(void) {
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     /* VNNI too (every AVX-512 CPU since Cascade Lake / Zen 4): its multiply-add-accumulate is 5-12% of
      * the integer products; Skylake-X-era CPUs without it take the AVX2 copy */
-    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    if (BK_LEVELS > 2 && avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
         return LEVEL_AVX512;
     if (avx2) return LEVEL_AVX2;
@@ -114,6 +117,8 @@ static const struct {
     LEVEL(plain),
 #if BK_LEVELS > 1
     LEVEL(avx2),
+#endif
+#if BK_LEVELS > 2
     LEVEL(avx512),
 #endif
 #undef LEVEL
