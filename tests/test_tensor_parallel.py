@@ -1,13 +1,19 @@
 """Tensor parallelism (core/tensor_parallel.py) on the CPU over gloo: N ranks give the
-single-process model's float32 logits and tokens; a rank that dies ends the run with one error
-and no process left; `brisk generate --tp 2` prints what it prints without.
+single-process model's float32 logits and tokens, the batching engine's (paged cache) and a chat's
+over several turns too; a rank that dies, or rank 0 failing mid-pass, ends the run with one error
+and no process left; `brisk generate --tp 2` (one prompt, and --batch) prints what it prints
+without, and `brisk serve --tp 2` answers as serve does.
 
 Rank 0 runs in a subprocess (it owns a process group and starts the other ranks), the reference
-in this one."""
+in this one; each launch runs every workload (run_workloads) on its model."""
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,14 +32,38 @@ IDS = list(range(3, 43))
 
 RANK0 = """
 import sys, torch
+sys.path.insert(0, sys.argv[4])
 from brisk.core import LLM
-from brisk.core.sampling_params import SamplingParams
-llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[6])
-out = {"logits": llm.logits(eval(sys.argv[4]))}
-for name, p in [("greedy", SamplingParams(temperature=0.0)), ("sampled", SamplingParams(temperature=0.8, seed=7))]:
-    out[name] = llm.generate(sys.argv[5], p, max_tokens=12, raw=True).tokens
-torch.save(out, sys.argv[3])
+from test_tensor_parallel import run_workloads
+llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[5])
+torch.save(run_workloads(llm), sys.argv[3])
 """
+
+# Requests of different lengths arriving together: more than the batch takes at once (one waits
+# for a slot), prompts split into chunks that share steps with decoding rows, two sharing a
+# cached prefix, small blocks (block tables of many entries), past Gemma's window of 8.
+ENGINE_PROMPTS = [IDS[:5], IDS[:13], IDS, IDS[:22], IDS[2:5]]
+CHAT_TURNS = ["hello there", "and again, the quick brown fox", "once more"]
+
+
+def run_workloads(llm) -> dict:
+    """What each launch compares with one process: logits, generate (greedy and sampled), the
+    batching engine over the paged cache, and a chat of several turns on one kept cache."""
+    from brisk.core.batching import Engine
+    from brisk.core.batching.scheduler import Request
+    from brisk.core.chat import Chat
+    from brisk.core.sampling import GREEDY
+
+    out = {"logits": llm.logits(IDS)}
+    for name, p in [("greedy", SamplingParams(temperature=0.0)), ("sampled", SamplingParams(temperature=0.8, seed=7))]:
+        out[name] = llm.generate(PROMPT, p, max_tokens=12, raw=True).tokens
+    engine = Engine(llm, max_batch=4, block_size=4, step_tokens=24)
+    out["engine"] = [s.result.tokens for s in engine.run([Request(p, GREEDY, 10) for p in ENGINE_PROMPTS])]
+    assert engine.stats.shared_tokens and engine.kv.k.shape[3] == llm.config.n_kv_heads
+    if llm.tokenizer.has_chat_template:
+        chat = Chat(llm, sampling=GREEDY, max_tokens=6)
+        out["chat"] = [("".join(chat.send(t)), chat.session.last.tokens) for t in CHAT_TURNS]
+    return out
 
 HOLD = """
 import signal, sys
@@ -45,6 +75,17 @@ child = tensor_parallel._group.children[0]
 print(child.pid, flush=True)
 if sys.argv[2] == "kill-follower":
     child.send_signal(signal.SIGKILL)
+    try:
+        llm.logits([3, 4, 5, 6])
+    except BriskError as e:
+        print(e, flush=True)
+        sys.exit(3)
+if sys.argv[2] == "rank0-fails":  # mid-pass, after the step went out: the follower waits in a collective
+    llm.model.model.norm.forward = lambda x: 1 / 0
+    try:
+        llm.logits([3, 4, 5, 6])
+    except ZeroDivisionError:
+        print(child.poll() is not None, flush=True)
     try:
         llm.logits([3, 4, 5, 6])
     except BriskError as e:
@@ -76,30 +117,38 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
     replicated over 4 ranks, sliding windows, a vocabulary split in 4. Quantized at load, the
     shards hold the single-process codes (int8: o/down cut from whole-row scales; qwen2's tied
     table read whole); the quantized kernels round their partial sums in another order, hence
-    the wider tolerance there."""
+    the wider tolerance there. The engine's pool on each rank holds that rank's KV heads; its
+    tokens equal the single-process engine's, as do a chat's answers turn by turn."""
     path = str(request.getfixturevalue(kind))
     out = tmp_path / "rank0.pt"
-    r = python(RANK0, path, str(ranks), str(out), repr(IDS), PROMPT, quantize)
+    r = python(RANK0, path, str(ranks), str(out), os.path.dirname(__file__), quantize)
     assert r.returncode == 0, r.stderr
     got = torch.load(out)
     ref = LLM.load(path, device="cpu", dtype="float32", quantize=quantize)
     assert ref.quantization == ("none" if quantize == "none" else quantize)
-    want = ref.logits(IDS)
-    assert got["logits"].shape == want.shape
-    torch.testing.assert_close(got["logits"], want, atol=1e-5 if quantize == "none" else 5e-5, rtol=0)
-    assert got["greedy"] == ref.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12, raw=True).tokens
-    assert got["sampled"] == ref.generate(PROMPT, SamplingParams(temperature=0.8, seed=7), max_tokens=12,
-                                          raw=True).tokens
+    want = run_workloads(ref)
+    assert got["logits"].shape == want["logits"].shape
+    torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5 if quantize == "none" else 5e-5, rtol=0)
+    assert got.keys() == want.keys()
+    for name in got.keys() - {"logits"}:
+        assert got[name] == want[name], name
 
 
 def test_a_killed_rank_ends_the_run(tiny_llama_dir):
     """A follower killed mid-run: rank 0 raises one error naming it; nothing is left running.
-    Rank 0 killed: its follower ends by itself."""
+    Rank 0 failing inside a pass ends its follower at once (it would wait in the pass's
+    collectives), and later passes say why. Rank 0 killed: its follower ends by itself."""
     r = python(HOLD, str(tiny_llama_dir), "kill-follower")
     assert r.returncode == 3, r.stderr
     pid, message = r.stdout.strip().splitlines()
     assert message == "--tp: rank 1 (killed by signal 9) ended, so the run stops"
     assert gone(int(pid))
+
+    r = python(HOLD, str(tiny_llama_dir), "rank0-fails", timeout=60)
+    assert r.returncode == 3, r.stderr
+    pid, ended, message = r.stdout.strip().splitlines()
+    assert ended == "True" and gone(int(pid))
+    assert message == "--tp: the ranks were stopped after an error on rank 0 (division by zero)"
 
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(tiny_llama_dir), "hold"], stdout=subprocess.PIPE,
                          stdin=subprocess.PIPE, text=True, preexec_fn=default_sigint)
@@ -120,20 +169,92 @@ def brisk(*args):
                           capture_output=True, stdin=subprocess.DEVNULL, timeout=120, preexec_fn=default_sigint)
 
 
-def test_generate_tp_2_prints_the_same(tiny_llama_dir):
+def test_generate_tp_2_prints_the_same(tiny_llama_dir, tmp_path):
+    """One prompt, and a --batch file through the batching engine."""
     common = ["generate", str(tiny_llama_dir), "hello there", "-n", "16", "--temperature", "0", "--device", "cpu",
               "--dtype", "float32"]
     one, two = brisk(*common), brisk(*common, "--tp", "2")
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert one.stdout and two.stdout == one.stdout
 
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps({"prompt": p, "max_tokens": n}) + "\n"
+                             for p, n in [("hi", 6), ("the quick brown fox jumps over", 12), (PROMPT, 9)]))
+    common = ["generate", str(tiny_llama_dir), "--batch", str(batch), "--temperature", "0", "--device", "cpu",
+              "--dtype", "float32"]
+    one, two = brisk(*common), brisk(*common, "--tp", "2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    answers = [[(o["text"], o["generated_tokens"], o["finish_reason"]) for o in map(json.loads, r.stdout.splitlines())] for r in (one, two)]
+    assert len(answers[0]) == 3 and answers[1] == answers[0]
+
+
+def follower_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_serve_tp_2_answers_as_serve(tiny_llama_dir, tmp_path):
+    """`brisk serve --tp 2` answers a chat request as serve does in one process; a client that
+    disconnects mid-answer leaves the ranks in step; Ctrl-C ends the server and its follower."""
+    pytest.importorskip("uvicorn")
+    from test_serve import Server, free_port
+
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-c", "from brisk.cli.main import run; run()", "serve",
+                              str(tiny_llama_dir), "--tp", "2", "--port", str(port), "--device", "cpu", "--dtype",
+                              "float32", "--temperature", "0", "--served-model-name", "tiny"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=err, preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # "serving ..." is printed before uvicorn listens
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.2)
+        follower, = follower_pids(p.pid)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12}
+
+        def ask(port, **fields):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", json.dumps({**body, **fields}),
+                         {"Content-Type": "application/json"})
+            return conn, conn.getresponse()
+
+        conn, r = ask(port, stream=True, max_tokens=400)  # a client that leaves after the first chunk
+        assert r.status == 200 and r.readline()
+        conn.close()
+        conn, r = ask(port)
+        assert r.status == 200, r.read()
+        got = json.loads(r.read())["choices"][0]["message"]["content"]
+        conn.close()
+
+        one = Server(LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32"), api_key=None)
+        try:
+            conn, r = ask(one.port)
+            want = json.loads(r.read())["choices"][0]["message"]["content"]
+            conn.close()
+        finally:
+            one.close()
+        assert want and got == want
+
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 0, log.read_text()
+        deadline = time.monotonic() + 10
+        while not gone(follower) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(follower), "the follower outlived the server"
+        assert "Traceback" not in log.read_text()
+    finally:
+        p.kill()
+
 
 @pytest.mark.parametrize("args,words", [
     (["generate", "--tp", "0", "hi"], "--tp must be a whole number"),
     (["generate", "--tp", "2", "-q", "nf4", "hi"], "--tp 2 with --quantize nf4"),
-    (["serve", "--tp", "2"], "--tp: brisk serve does not run tensor parallel yet"),
-    (["generate", "--tp", "2", "--draft", "ngram", "hi"], "--tp does not combine"),
-], ids=["zero", "nf4", "serve", "draft"])
+    (["serve", "--tp", "2", "--draft", "ngram"], "--tp does not combine with --draft"),
+    (["generate", "--tp", "2", "--draft", "ngram", "hi"], "--tp does not combine with --draft"),
+], ids=["zero", "nf4", "serve-draft", "draft"])
 def test_refusals_name_the_flag(args, words):
     r = brisk(*args)
     assert r.returncode == 1 and "Traceback" not in r.stderr
