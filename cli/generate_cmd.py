@@ -73,8 +73,8 @@ def generate(
         from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)  # before any model loads
-        if tp != 1 and (draft or lookahead):
-            raise BriskError("--tp does not combine with --draft or --lookahead yet")
+        if tp != 1 and draft:
+            raise BriskError("--tp does not combine with --draft yet")
         if batch is not None:
             if json_schema is not None or grammar_file is not None:
                 raise BriskError("--json-schema and --grammar go with a single prompt (not with --batch)")

@@ -66,10 +66,11 @@ def run_workloads(llm) -> dict:
     return out
 
 HOLD = """
-import signal, sys
+import os, signal, sys, torch
 from brisk.core import LLM, tensor_parallel
 from brisk.core.errors import BriskError
 llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=2)
+IDS = list(range(3, 43))
 llm.logits([3, 4, 5])
 child = tensor_parallel._group.children[0]
 print(child.pid, flush=True)
@@ -80,8 +81,20 @@ if sys.argv[2] == "kill-follower":
     except BriskError as e:
         print(e, flush=True)
         sys.exit(3)
-if sys.argv[2] == "rank0-fails":  # mid-pass, after the step went out: the follower waits in a collective
-    llm.model.model.norm.forward = lambda x: 1 / 0
+if sys.argv[2] == "rank0-fails":
+    norm = llm.model.model.norm
+    before, plain = llm.logits(IDS), norm.forward
+
+    def interrupted(x):  # Ctrl-C inside a pass, after the step went out to the follower
+        norm.forward = plain
+        os.kill(os.getpid(), signal.SIGINT)
+        return plain(x)
+    norm.forward = interrupted
+    try:
+        llm.logits(IDS)
+    except KeyboardInterrupt:
+        print(torch.equal(llm.logits(IDS), before), flush=True)  # the ranks are still in step
+    norm.forward = lambda x: 1 / 0  # a failure mid-pass: the follower waits in a collective
     try:
         llm.logits([3, 4, 5, 6])
     except ZeroDivisionError:
@@ -136,7 +149,8 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
 
 def test_a_killed_rank_ends_the_run(tiny_llama_dir):
     """A follower killed mid-run: rank 0 raises one error naming it; nothing is left running.
-    Rank 0 failing inside a pass ends its follower at once (it would wait in the pass's
+    Ctrl-C inside a pass on rank 0 lets the pass finish everywhere (the next one agrees). Rank 0
+    failing inside a pass ends its follower at once (it would wait in the pass's
     collectives), and later passes say why. Rank 0 killed: its follower ends by itself."""
     r = python(HOLD, str(tiny_llama_dir), "kill-follower")
     assert r.returncode == 3, r.stderr
@@ -146,8 +160,8 @@ def test_a_killed_rank_ends_the_run(tiny_llama_dir):
 
     r = python(HOLD, str(tiny_llama_dir), "rank0-fails", timeout=60)
     assert r.returncode == 3, r.stderr
-    pid, ended, message = r.stdout.strip().splitlines()
-    assert ended == "True" and gone(int(pid))
+    pid, in_step, ended, message = r.stdout.strip().splitlines()
+    assert in_step == "True" and ended == "True" and gone(int(pid))
     assert message == "--tp: the ranks were stopped after an error on rank 0 (division by zero)"
 
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(tiny_llama_dir), "hold"], stdout=subprocess.PIPE,
@@ -164,9 +178,10 @@ def test_a_killed_rank_ends_the_run(tiny_llama_dir):
         p.kill()
 
 
-def brisk(*args):
+def brisk(*args, input=None):
     return subprocess.run([sys.executable, "-c", "from brisk.cli.main import run; run()", *args], text=True,
-                          capture_output=True, stdin=subprocess.DEVNULL, timeout=120, preexec_fn=default_sigint)
+                          capture_output=True, input=input, stdin=None if input is not None else subprocess.DEVNULL,
+                          timeout=120, preexec_fn=default_sigint)
 
 
 def test_generate_tp_2_prints_the_same(tiny_llama_dir, tmp_path):
@@ -186,6 +201,15 @@ def test_generate_tp_2_prints_the_same(tiny_llama_dir, tmp_path):
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     answers = [[(o["text"], o["generated_tokens"], o["finish_reason"]) for o in map(json.loads, r.stdout.splitlines())] for r in (one, two)]
     assert len(answers[0]) == 3 and answers[1] == answers[0]
+
+
+def test_chat_tp_2_answers_the_same(tiny_llama_dir):
+    """Several turns on one kept cache, piped as lines."""
+    turns = "".join(t + "\n" for t in CHAT_TURNS)
+    common = ["chat", str(tiny_llama_dir), "--temperature", "0", "-n", "8", "--device", "cpu", "--dtype", "float32"]
+    one, two = brisk(*common, input=turns), brisk(*common, "--tp", "2", input=turns)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert one.stdout.count("\n") >= len(CHAT_TURNS) and two.stdout == one.stdout
 
 
 def follower_pids(pid: int) -> list[int]:
@@ -254,7 +278,8 @@ def test_serve_tp_2_answers_as_serve(tiny_llama_dir, tmp_path):
     (["generate", "--tp", "2", "-q", "nf4", "hi"], "--tp 2 with --quantize nf4"),
     (["serve", "--tp", "2", "--draft", "ngram"], "--tp does not combine with --draft"),
     (["generate", "--tp", "2", "--draft", "ngram", "hi"], "--tp does not combine with --draft"),
-], ids=["zero", "nf4", "serve-draft", "draft"])
+    (["chat", "--tp", "2", "--draft", "ngram"], "--tp does not combine with --draft"),
+], ids=["zero", "nf4", "serve-draft", "draft", "chat-draft"])
 def test_refusals_name_the_flag(args, words):
     r = brisk(*args)
     assert r.returncode == 1 and "Traceback" not in r.stderr
