@@ -56,10 +56,8 @@ def serve(
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
         name = model or model_pos
-        if tp != 1 and draft:  # --draft serves through a Session (contiguous cache, drafter)
-            raise BriskError("--tp does not combine with --draft yet")
         sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
-        draft_options = c.check_draft(draft, draft_k, lookahead)
+        draft_options = c.check_draft(draft, draft_k, lookahead, tp)
         from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)

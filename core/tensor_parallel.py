@@ -7,10 +7,11 @@ torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
   keep their kinds and the device passes still swap in their kernels per shard); the output
   head by vocabulary, its logits all-gathered. The embedding and norms are replicated.
 - The sharded model reports its local head counts in its config, so every cache sized from it
-  (LLM.new_cache, ContiguousKV.for_model) holds the rank's own KV heads.
-- Rank 0 is the caller: it tokenizes, samples and drives the model. Each of its forward passes
-  first sends the step (tokens, positions, which cache) to the other ranks, which run the same
-  pass on their shards and their own caches (`follow`), so code above the model does not know.
+  (LLM.new_cache, ContiguousKV.for_model, the batching engine's PagedKV) holds the rank's own KV heads.
+- Rank 0 is the caller: it tokenizes, samples, schedules and drives the model. Each of its forward
+  passes first sends the step (tokens, positions, which cache; for a paged step its slots and block
+  tables; tree paths kept since the last step) to the other ranks, which run the same pass on their
+  shards and their own caches (`follow`), so code above the model does not know.
 
 Ranks come from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) where it
 is set, else brisk starts ranks 1..N-1 itself (`start`, core/tp_follower.py) as children in
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import BriskError
+from .kv import ContiguousKV, PagedKV, PagedStep
 from .model import MLP, Transformer
 from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
 
@@ -344,6 +346,10 @@ class ShardedTransformer(Transformer):
     # each pass first sends its step to the other ranks: a captured CUDA graph cannot replay that
     graph_safe = False
 
+    @property
+    def ranks(self) -> int:
+        return self.__dict__["_tp"].world
+
     def forward(self, tokens, start, kv, tree=None, logit_rows=None, return_hidden=False):
         group: Group = self.__dict__["_tp"]
         if group.rank != 0:
@@ -353,8 +359,8 @@ class ShardedTransformer(Transformer):
         spec = _cache_spec(kv)  # before anything is sent: a refused cache leaves the followers waiting for a step
         try:
             with _interrupt_after_pass():
-                _send(("forward", spec, _dropped(), _cpu(tokens), _cpu(start), _cpu(tree), _cpu(logit_rows),
-                       return_hidden))
+                _send(("forward", spec, _dropped(), _moved_paths(), _cpu(tokens), _cpu(start), _cpu(tree),
+                       _cpu(logit_rows), return_hidden))
                 return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
         except RuntimeError as e:
             gone = _gone(group)
@@ -439,9 +445,9 @@ def _cache_spec(kv) -> tuple:
     """What a follower needs to make (once) and find its own cache matching rank 0's: a contiguous
     cache's shape; a paged pool's shape and this step's slots and block tables (rank 0's scheduler
     decides them, so every rank's pool holds the same blocks)."""
-    from .kv import ContiguousKV, PagedStep
-
     if isinstance(kv, ContiguousKV):
+        if type(kv) is ContiguousKV:
+            kv.__class__ = _MirroredKV
         k = kv.k[0]
         return "contiguous", _key(kv), len(kv.k), k.shape[1], k.shape[0], kv.max_len, kv.type
     if isinstance(kv, PagedStep):
@@ -450,6 +456,26 @@ def _cache_spec(kv) -> tuple:
                 [(s, t, p, _cpu(blocks)) for s, t, p, blocks in kv.prefills])
         return "paged", _key(pool), pool.k.shape[0], pool.k.shape[3], pool.n_blocks, pool.block_size, pool.type, step
     raise BriskError(f"--tp: the {type(kv).__name__} cache is not supported yet")
+
+
+_pending_paths: list[tuple[int, int, list[int]]] = []
+
+
+def _moved_paths() -> list[tuple[int, int, list[int]]]:
+    """The tree paths rank 0 has kept in its caches since its last step (ContiguousKV.keep_path):
+    each follower moves the same K/V in its own before the step runs."""
+    out = _pending_paths[:]
+    del _pending_paths[:]
+    return out
+
+
+class _MirroredKV(ContiguousKV):
+    """Rank 0's contiguous cache: a tree step's accepted path, moved here, is moved on the
+    followers too, sent with the next step (the first to read those slots)."""
+
+    def keep_path(self, start: int, slots: list[int]) -> None:
+        super().keep_path(start, slots)
+        _pending_paths.append((_key(self), start, list(slots)))
 
 
 def _key(cache) -> int:
@@ -491,7 +517,10 @@ def follow(net: ShardedTransformer, head_dim: int) -> None:
             step = box[0]
             if step[0] == "stop":
                 return
-            _, spec, drops, tokens, start, tree, rows, hidden = step
+            _, spec, drops, paths, tokens, start, tree, rows, hidden = step
+            for key, first, slots in paths:  # before the drops: a path kept just before its cache ended
+                if key in caches:
+                    caches[key].keep_path(first, slots)
             for d in drops:
                 caches.pop(d, None)
             tokens = tokens.to(w.device)
@@ -504,8 +533,6 @@ def follow(net: ShardedTransformer, head_dim: int) -> None:
 def _follower_cache(caches: dict, spec: tuple, head_dim: int, w: torch.Tensor, tokens, positions, rows):
     """The follower's cache for rank 0's `spec` (made on first sight): its contiguous cache, or a
     PagedStep over its pool with rank 0's slots and block tables."""
-    from .kv import ContiguousKV, PagedKV, PagedStep
-
     kind, key, layers, kv_heads = spec[:4]
     if kind == "contiguous":
         batch, max_len, kv_type = spec[4:]

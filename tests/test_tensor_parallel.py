@@ -1,6 +1,6 @@
 """Tensor parallelism (core/tensor_parallel.py) on the CPU over gloo: N ranks give the
-single-process model's float32 logits and tokens, the batching engine's (paged cache) and a chat's
-over several turns too; a rank that dies, or rank 0 failing mid-pass, ends the run with one error
+single-process model's float32 logits and tokens, the batching engine's (paged cache), a chat's
+over several turns and speculative decoding's (chain and tree drafts, a draft model) too; a rank that dies, or rank 0 failing mid-pass, ends the run with one error
 and no process left; `brisk generate --tp 2` (one prompt, and --batch) prints what it prints
 without, and `brisk serve --tp 2` answers as serve does.
 
@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ sys.path.insert(0, sys.argv[4])
 from brisk.core import LLM
 from test_tensor_parallel import run_workloads
 llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[5])
-torch.save(run_workloads(llm), sys.argv[3])
+torch.save(run_workloads(llm, sys.argv[1]), sys.argv[3])
 """
 
 # Requests of different lengths arriving together: more than the batch takes at once (one waits
@@ -46,17 +47,36 @@ ENGINE_PROMPTS = [IDS[:5], IDS[:13], IDS, IDS[:22], IDS[2:5]]
 CHAT_TURNS = ["hello there", "and again, the quick brown fox", "once more"]
 
 
-def run_workloads(llm) -> dict:
-    """What each launch compares with one process: logits, generate (greedy and sampled), the
-    batching engine over the paged cache, and a chat of several turns on one kept cache."""
+def run_workloads(llm, path: str) -> dict:
+    """What each launch compares with one process: logits, generate (greedy and sampled; with a
+    chain drafter, a tree drafter and a draft model, here the model at `path` whole on rank 0),
+    a tree pass, the batching engine over the paged cache, and a chat of several turns on one
+    kept cache."""
     from brisk.core.batching import Engine
     from brisk.core.batching.scheduler import Request
     from brisk.core.chat import Chat
+    from brisk.core.cuda_graph import verify_pass
+    from brisk.core.generate import Session
     from brisk.core.sampling import GREEDY
+    from brisk.core.spec.build import make_speculator
 
     out = {"logits": llm.logits(IDS)}
     for name, p in [("greedy", SamplingParams(temperature=0.0)), ("sampled", SamplingParams(temperature=0.8, seed=7))]:
         out[name] = llm.generate(PROMPT, p, max_tokens=12, raw=True).tokens
+    for name, lookahead in [("ngram", None), ("lookahead", "3,3,2"), (path, None)]:
+        with warnings.catch_warnings():  # the draft model is the target's own: not smaller, it warns
+            warnings.simplefilter("ignore")
+            session = Session(llm, make_speculator(llm, name, lookahead=lookahead))
+        list(session.stream(llm.prompt_ids(PROMPT, raw=True), GREEDY, 12))
+        out[name] = session.last.tokens
+        out[name + " accepted"] = session.last.spec["accepted"] > 0
+    # a tree pass whose second branch is kept: its K/V move to the slots after the pending token's
+    # (ContiguousKV.keep_path), on every rank, and the next pass reads them there
+    cache = llm.new_cache(64)
+    llm.model(torch.tensor([IDS[:10]]), 0, cache)
+    tree, _ = verify_pass(llm.model, cache, fixed=False)([IDS[10], 7, 8, 9, 11], 10, [-1, 0, -1, 2], False)
+    cache.keep_path(10, [13, 14])
+    out["tree"] = torch.cat([tree, llm.model(torch.tensor([[12]]), 13, cache)[0]])
     engine = Engine(llm, max_batch=4, block_size=4, step_tokens=24)
     out["engine"] = [s.result.tokens for s in engine.run([Request(p, GREEDY, 10) for p in ENGINE_PROMPTS])]
     assert engine.stats.shared_tokens and engine.kv.k.shape[3] == llm.config.n_kv_heads
@@ -139,12 +159,17 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
     got = torch.load(out)
     ref = LLM.load(path, device="cpu", dtype="float32", quantize=quantize)
     assert ref.quantization == ("none" if quantize == "none" else quantize)
-    want = run_workloads(ref)
-    assert got["logits"].shape == want["logits"].shape
-    torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5 if quantize == "none" else 5e-5, rtol=0)
+    want = run_workloads(ref, path)
     assert got.keys() == want.keys()
-    for name in got.keys() - {"logits"}:
-        assert got[name] == want[name], name
+    for name in got:
+        if torch.is_tensor(got[name]):
+            assert got[name].shape == want[name].shape
+            torch.testing.assert_close(got[name], want[name], atol=1e-5 if quantize == "none" else 5e-5, rtol=0)
+        else:
+            assert got[name] == want[name], name
+    # speculation under --tp: greedy with drafts is plain greedy, and drafts were taken
+    assert got["ngram"] == got["lookahead"] == got[path] == got["greedy"]
+    assert got["ngram accepted"] and got["lookahead accepted"] and got[path + " accepted"]
 
 
 def test_a_killed_rank_ends_the_run(tiny_llama_dir):
@@ -185,10 +210,11 @@ def brisk(*args, input=None):
 
 
 def test_generate_tp_2_prints_the_same(tiny_llama_dir, tmp_path):
-    """One prompt, and a --batch file through the batching engine."""
+    """One prompt (with drafts, whose greedy output is plain greedy's: run_workloads checks both
+    under --tp), and a --batch file through the batching engine."""
     common = ["generate", str(tiny_llama_dir), "hello there", "-n", "16", "--temperature", "0", "--device", "cpu",
               "--dtype", "float32"]
-    one, two = brisk(*common), brisk(*common, "--tp", "2")
+    one, two = brisk(*common), brisk(*common, "--tp", "2", "--draft", "lookahead", "--lookahead", "3,3,2")
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert one.stdout and two.stdout == one.stdout
 
@@ -276,10 +302,10 @@ def test_serve_tp_2_answers_as_serve(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize("args,words", [
     (["generate", "--tp", "0", "hi"], "--tp must be a whole number"),
     (["generate", "--tp", "2", "-q", "nf4", "hi"], "--tp 2 with --quantize nf4"),
-    (["serve", "--tp", "2", "--draft", "ngram"], "--tp does not combine with --draft"),
-    (["generate", "--tp", "2", "--draft", "ngram", "hi"], "--tp does not combine with --draft"),
-    (["chat", "--tp", "2", "--draft", "ngram"], "--tp does not combine with --draft"),
-], ids=["zero", "nf4", "serve-draft", "draft", "chat-draft"])
+    (["serve", "--tp", "2", "--draft", "self:int4"], "--tp 2 does not combine with --draft self:int4"),
+    (["generate", "--tp", "2", "--draft", "self:int8", "hi"], "--tp 2 does not combine with --draft self:int8"),
+    (["chat", "--tp", "2", "--draft", "heads:nowhere"], "--tp 2 does not combine with --draft heads:nowhere"),
+], ids=["zero", "nf4", "serve-self-draft", "self-draft", "chat-heads"])
 def test_refusals_name_the_flag(args, words):
     r = brisk(*args)
     assert r.returncode == 1 and "Traceback" not in r.stderr
