@@ -1,11 +1,12 @@
 """Tensor parallelism (core/tensor_parallel.py) on the CPU over gloo: N ranks give the
 single-process model's float32 logits and tokens, the batching engine's (paged cache), a chat's
-over several turns and speculative decoding's (chain and tree drafts, a draft model) too; a rank that dies, or rank 0 failing mid-pass, ends the run with one error
-and no process left; `brisk generate --tp 2` (one prompt, and --batch) prints what it prints
-without, and `brisk serve --tp 2` answers as serve does.
+over several turns and speculative decoding's (chain and tree drafts, a draft model) too; a rank
+that dies, or rank 0 failing mid-pass, ends the run with one error and no process left; Ctrl-C
+inside a pass leaves the ranks in step; `brisk generate --tp 2` (one prompt, and --batch) and
+`brisk chat --tp 2` print what they print without, and `brisk serve --tp 2` answers as serve does.
 
 Rank 0 runs in a subprocess (it owns a process group and starts the other ranks), the reference
-in this one; each launch runs every workload (run_workloads) on its model."""
+in this one; each launch runs every workload (run_workloads), then end_of_run, on its model."""
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,10 @@ RANK0 = """
 import sys, torch
 sys.path.insert(0, sys.argv[4])
 from brisk.core import LLM
-from test_tensor_parallel import run_workloads
+from test_tensor_parallel import end_of_run, run_workloads
 llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[5])
-torch.save(run_workloads(llm, sys.argv[1]), sys.argv[3])
+out = run_workloads(llm, sys.argv[1])
+torch.save({**out, **end_of_run(llm)}, sys.argv[3])
 """
 
 # Requests of different lengths arriving together: more than the batch takes at once (one waits
@@ -86,11 +88,10 @@ def run_workloads(llm, path: str) -> dict:
     return out
 
 HOLD = """
-import os, signal, sys, torch
+import signal, sys
 from brisk.core import LLM, tensor_parallel
 from brisk.core.errors import BriskError
 llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=2)
-IDS = list(range(3, 43))
 llm.logits([3, 4, 5])
 child = tensor_parallel._group.children[0]
 print(child.pid, flush=True)
@@ -101,11 +102,21 @@ if sys.argv[2] == "kill-follower":
     except BriskError as e:
         print(e, flush=True)
         sys.exit(3)
-if sys.argv[2] == "rank0-fails":
-    norm = llm.model.model.norm
-    before, plain = llm.logits(IDS), norm.forward
+sys.stdin.read()  # held until the test kills this rank 0
+"""
 
-    def interrupted(x):  # Ctrl-C inside a pass, after the step went out to the follower
+
+def end_of_run(llm) -> dict:
+    """Rank 0's last checks, on the group its workloads used: Ctrl-C inside a pass (after the step
+    went out) lets the pass finish on every rank, so the next pass agrees; an error inside a pass
+    ends the followers at once (they would wait in its collectives), and later passes say why."""
+    from brisk.core import tensor_parallel
+    from brisk.core.errors import BriskError
+
+    norm, children = llm.model.model.norm, tensor_parallel._group.children
+    before, plain, out = llm.logits(IDS), norm.forward, {}
+
+    def interrupted(x):
         norm.forward = plain
         os.kill(os.getpid(), signal.SIGINT)
         return plain(x)
@@ -113,19 +124,17 @@ if sys.argv[2] == "rank0-fails":
     try:
         llm.logits(IDS)
     except KeyboardInterrupt:
-        print(torch.equal(llm.logits(IDS), before), flush=True)  # the ranks are still in step
-    norm.forward = lambda x: 1 / 0  # a failure mid-pass: the follower waits in a collective
+        out["in step"] = torch.equal(llm.logits(IDS), before)
+    norm.forward = lambda x: 1 / 0
     try:
-        llm.logits([3, 4, 5, 6])
+        llm.logits(IDS)
     except ZeroDivisionError:
-        print(child.poll() is not None, flush=True)
+        out["followers ended"] = all(p.poll() is not None for p in children)
     try:
-        llm.logits([3, 4, 5, 6])
+        llm.logits(IDS)
     except BriskError as e:
-        print(e, flush=True)
-        sys.exit(3)
-sys.stdin.read()  # held until the test kills this rank 0
-"""
+        out["refused"] = str(e)
+    return out
 
 
 def python(*args, timeout=120, **kw):
@@ -160,6 +169,8 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
     ref = LLM.load(path, device="cpu", dtype="float32", quantize=quantize)
     assert ref.quantization == ("none" if quantize == "none" else quantize)
     want = run_workloads(ref, path)
+    assert got.pop("in step") and got.pop("followers ended")
+    assert got.pop("refused") == "--tp: the ranks were stopped after an error on rank 0 (division by zero)"
     assert got.keys() == want.keys()
     for name in got:
         if torch.is_tensor(got[name]):
@@ -174,20 +185,12 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
 
 def test_a_killed_rank_ends_the_run(tiny_llama_dir):
     """A follower killed mid-run: rank 0 raises one error naming it; nothing is left running.
-    Ctrl-C inside a pass on rank 0 lets the pass finish everywhere (the next one agrees). Rank 0
-    failing inside a pass ends its follower at once (it would wait in the pass's
-    collectives), and later passes say why. Rank 0 killed: its follower ends by itself."""
+    Rank 0 killed: its follower ends by itself. (Rank 0 failing inside a pass: end_of_run.)"""
     r = python(HOLD, str(tiny_llama_dir), "kill-follower")
     assert r.returncode == 3, r.stderr
     pid, message = r.stdout.strip().splitlines()
     assert message == "--tp: rank 1 (killed by signal 9) ended, so the run stops"
     assert gone(int(pid))
-
-    r = python(HOLD, str(tiny_llama_dir), "rank0-fails", timeout=60)
-    assert r.returncode == 3, r.stderr
-    pid, in_step, ended, message = r.stdout.strip().splitlines()
-    assert in_step == "True" and ended == "True" and gone(int(pid))
-    assert message == "--tp: the ranks were stopped after an error on rank 0 (division by zero)"
 
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(tiny_llama_dir), "hold"], stdout=subprocess.PIPE,
                          stdin=subprocess.PIPE, text=True, preexec_fn=default_sigint)
@@ -209,12 +212,22 @@ def brisk(*args, input=None):
                           timeout=120, preexec_fn=default_sigint)
 
 
+def in_process(*args, input=None):
+    """The command without --tp, in this process (the reference: no interpreter to start)."""
+    from typer.testing import CliRunner
+
+    from brisk.cli.main import app
+
+    r = CliRunner().invoke(app, list(args), input=input)
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+
+
 def test_generate_tp_2_prints_the_same(tiny_llama_dir, tmp_path):
     """One prompt (with drafts, whose greedy output is plain greedy's: run_workloads checks both
     under --tp), and a --batch file through the batching engine."""
     common = ["generate", str(tiny_llama_dir), "hello there", "-n", "16", "--temperature", "0", "--device", "cpu",
               "--dtype", "float32"]
-    one, two = brisk(*common), brisk(*common, "--tp", "2", "--draft", "lookahead", "--lookahead", "3,3,2")
+    one, two = in_process(*common), brisk(*common, "--tp", "2", "--draft", "lookahead", "--lookahead", "3,3,2")
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert one.stdout and two.stdout == one.stdout
 
@@ -223,7 +236,7 @@ def test_generate_tp_2_prints_the_same(tiny_llama_dir, tmp_path):
                              for p, n in [("hi", 6), ("the quick brown fox jumps over", 12), (PROMPT, 9)]))
     common = ["generate", str(tiny_llama_dir), "--batch", str(batch), "--temperature", "0", "--device", "cpu",
               "--dtype", "float32"]
-    one, two = brisk(*common), brisk(*common, "--tp", "2")
+    one, two = in_process(*common), brisk(*common, "--tp", "2")
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     answers = [[(o["text"], o["generated_tokens"], o["finish_reason"]) for o in map(json.loads, r.stdout.splitlines())] for r in (one, two)]
     assert len(answers[0]) == 3 and answers[1] == answers[0]
@@ -233,7 +246,7 @@ def test_chat_tp_2_answers_the_same(tiny_llama_dir):
     """Several turns on one kept cache, piped as lines."""
     turns = "".join(t + "\n" for t in CHAT_TURNS)
     common = ["chat", str(tiny_llama_dir), "--temperature", "0", "-n", "8", "--device", "cpu", "--dtype", "float32"]
-    one, two = brisk(*common, input=turns), brisk(*common, "--tp", "2", input=turns)
+    one, two = in_process(*common, input=turns), brisk(*common, "--tp", "2", input=turns)
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert one.stdout.count("\n") >= len(CHAT_TURNS) and two.stdout == one.stdout
 
