@@ -251,6 +251,15 @@ def test_chat_tp_2_answers_the_same(tiny_llama_dir):
     assert one.stdout.count("\n") >= len(CHAT_TURNS) and two.stdout == one.stdout
 
 
+def test_bench_tp_2_batch(tiny_llama_dir):
+    """bench --batch under --tp: the batching engine's rows (its tokens are run_workloads' check)."""
+    r = brisk("bench", str(tiny_llama_dir), "--tp", "2", "--batch", "1,3", "-n", "8", "-r", "1", "--json",
+              "--device", "cpu", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["test"] for row in rows] == ["tg8 x1", "tg8 x3"] and all(row["tok_s"] > 0 for row in rows)
+
+
 def follower_pids(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
