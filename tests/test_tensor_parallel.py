@@ -36,16 +36,18 @@ RANK0 = """
 import sys, torch
 sys.path.insert(0, sys.argv[4])
 from brisk.core import LLM
-from test_tensor_parallel import end_of_run, run_workloads
-llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[5])
+from test_tensor_parallel import CTX, end_of_run, run_workloads
+llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[5], ctx=CTX)
 out = run_workloads(llm, sys.argv[1])
 torch.save({**out, **end_of_run(llm)}, sys.argv[3])
 """
 
 # Requests of different lengths arriving together: more than the batch takes at once (one waits
 # for a slot), prompts split into chunks that share steps with decoding rows, two sharing a
-# cached prefix, small blocks (block tables of many entries), past Gemma's window of 8.
+# cached prefix, small blocks (block tables of many entries), past Gemma's window of 8, in the
+# smallest pool (one context's blocks: sequences are preempted, their blocks reused by others).
 ENGINE_PROMPTS = [IDS[:5], IDS[:13], IDS, IDS[:22], IDS[2:5]]
+CTX = 64
 CHAT_TURNS = ["hello there", "and again, the quick brown fox", "once more"]
 
 
@@ -79,9 +81,10 @@ def run_workloads(llm, path: str) -> dict:
     tree, _ = verify_pass(llm.model, cache, fixed=False)([IDS[10], 7, 8, 9, 11], 10, [-1, 0, -1, 2], False)
     cache.keep_path(10, [13, 14])
     out["tree"] = torch.cat([tree, llm.model(torch.tensor([[12]]), 13, cache)[0]])
-    engine = Engine(llm, max_batch=4, block_size=4, step_tokens=24)
+    engine = Engine(llm, max_batch=4, kv_tokens=1, block_size=4, step_tokens=24)
     out["engine"] = [s.result.tokens for s in engine.run([Request(p, GREEDY, 10) for p in ENGINE_PROMPTS])]
-    assert engine.stats.shared_tokens and engine.kv.k.shape[3] == llm.config.n_kv_heads
+    assert engine.stats.shared_tokens and engine.stats.preemptions
+    assert engine.kv.k.shape[3] == llm.config.n_kv_heads
     if llm.tokenizer.has_chat_template:
         chat = Chat(llm, sampling=GREEDY, max_tokens=6)
         out["chat"] = [("".join(chat.send(t)), chat.session.last.tokens) for t in CHAT_TURNS]
@@ -166,7 +169,7 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
     r = python(RANK0, path, str(ranks), str(out), os.path.dirname(__file__), quantize)
     assert r.returncode == 0, r.stderr
     got = torch.load(out)
-    ref = LLM.load(path, device="cpu", dtype="float32", quantize=quantize)
+    ref = LLM.load(path, device="cpu", dtype="float32", quantize=quantize, ctx=CTX)
     assert ref.quantization == ("none" if quantize == "none" else quantize)
     want = run_workloads(ref, path)
     assert got.pop("in step") and got.pop("followers ended")
