@@ -65,7 +65,7 @@ def bench(
         from ..core.device import cpu_threads, set_cpu_threads
 
         set_cpu_threads(threads)
-        draft_options = c.check_draft(draft, draft_k, lookahead)
+        draft_options = c.check_draft(draft, draft_k, lookahead, tp)
         out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads(), tp)
         pps, tgs, depths = _list(n_prompt, int), _list(n_gen, int), _list(n_depth, int)
         from ..core.load_options import check_kv_type
@@ -74,10 +74,9 @@ def bench(
         batches = _list(batch, int) if batch else []
         if batch and (draft or not batches or min(batches) < 1):
             raise BriskError("--batch takes concurrencies >= 1 (e.g. 1,4,16) and does not combine with --draft")
-        if tp != 1 and (batches or draft or len(_list(device)) * len(_list(dtype)) * len(_list(quantize))
-                        * len(kv_types) > 1):
-            raise BriskError("--tp runs one model (one --device, --dtype, --quantize, --kv-type), without --batch "
-                             "or --draft")
+        if tp != 1 and len(_list(device)) * len(_list(dtype)) * len(_list(quantize)) * len(kv_types) > 1:
+            # the followers load the model once, at the start
+            raise BriskError("--tp runs one model (one --device, --dtype, --quantize, --kv-type)")
         if not depths or min(depths) < 0:
             raise BriskError(f"-d/--n-depth {n_depth!r}: use depths >= 0, e.g. 0,2048")
         if max(depths) and (batches or draft):

@@ -41,6 +41,7 @@ def chat(
     quantize: str = c.QuantizeOpt,
     ctx: Optional[int] = c.CtxOpt,
     kv_type: str = c.KvTypeOpt,
+    tp: int = c.TpOpt,
 ):
     """Chat with a model in the terminal, using its own chat template.
 
@@ -56,7 +57,7 @@ def chat(
             raise BriskError("model given twice (positional and --model)")
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)
-        draft_options = c.check_draft(draft, draft_k, lookahead)
+        draft_options = c.check_draft(draft, draft_k, lookahead, tp)
         from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)
@@ -65,7 +66,8 @@ def chat(
         if has_chat_template(model or model_pos) is False:  # known from the header: before a long load
             raise BriskError(f"{model or model_pos or 'the model'} has no chat template (a base model?); "
                              "use `brisk generate --raw`")
-        llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads, kv_type=kv_type)
+        llm = c.load_llm(model or model_pos, device, dtype, ctx, quantize=quantize, threads=threads, kv_type=kv_type,
+                         tp=tp)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                      presence_penalty, frequency_penalty)
         from ..core.chat import Chat

@@ -73,8 +73,6 @@ def generate(
         from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)  # before any model loads
-        if tp != 1 and (batch is not None or draft or lookahead):
-            raise BriskError("--tp does not combine with --batch or --draft yet (one sequence, plain decoding)")
         if batch is not None:
             if json_schema is not None or grammar_file is not None:
                 raise BriskError("--json-schema and --grammar go with a single prompt (not with --batch)")
@@ -85,7 +83,7 @@ def generate(
             return _generate_batch(args or [], model, batch, output, max_concurrency, file, draft or lookahead,
                                    as_json, raw,
                                    system, max_tokens, tuple(stop or ()), device, dtype, ctx, kv_type, threads,
-                                   (temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
+                                   quantize, tp, (temperature, top_k, top_p, min_p, repetition_penalty, seed, loop_stop,
                                     presence_penalty, frequency_penalty))
         if output is not None:
             raise BriskError("-o/--output goes with --batch (a single answer streams to stdout)")
@@ -101,7 +99,7 @@ def generate(
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)  # fail fast
-        draft_options = c.check_draft(draft, draft_k, lookahead)
+        draft_options = c.check_draft(draft, draft_k, lookahead, tp)
         if json_schema is not None and grammar_file is not None:
             raise BriskError("give --json-schema or --grammar, not both")
         source = read_user_text(json_schema or grammar_file) if json_schema or grammar_file else None
@@ -170,7 +168,7 @@ def _logprobs_json(entries, texts) -> list[dict]:
 
 
 def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as_json, raw, system, max_tokens,
-                    stop, device, dtype, ctx, kv_type, threads, flags):
+                    stop, device, dtype, ctx, kv_type, threads, quantize, tp, flags):
     """Every request of the file through one continuous-batching engine; results in input order."""
     import time
 
@@ -186,7 +184,8 @@ def _generate_batch(args, model, batch, output, max_concurrency, file, draft, as
     for obj in objs:
         for key in unknown_keys(obj):
             print(f"warning: {batch}:{obj['_line']}: unknown key {key!r} (ignored)", file=sys.stderr)
-    llm = c.load_llm(model or (args[0] if args else None), device, dtype, ctx, threads=threads, kv_type=kv_type)
+    llm = c.load_llm(model or (args[0] if args else None), device, dtype, ctx, quantize=quantize, threads=threads,
+                     kv_type=kv_type, tp=tp)
     from ..core.batching import Engine
 
     defaults = c.sampling_params(llm, *flags)

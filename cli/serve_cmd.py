@@ -42,7 +42,7 @@ def serve(
                                         "batching fill the same pass."),
     draft_k: str = c.DraftKOpt,
     lookahead: Optional[str] = c.LookaheadOpt,
-    tp: int = typer.Option(1, "--tp", help="Tensor parallelism: not for serve yet (generate, bench)."),
+    tp: int = c.TpOpt,
 ):
     """Serve /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API), streamed or not.
 
@@ -56,10 +56,8 @@ def serve(
         if model and model_pos:
             raise BriskError("model given twice (positional and --model)")
         name = model or model_pos
-        if tp != 1:  # the batching engine's paged cache is not sharded yet
-            raise BriskError("--tp: brisk serve does not run tensor parallel yet (generate and bench do)")
         sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
-        draft_options = c.check_draft(draft, draft_k, lookahead)
+        draft_options = c.check_draft(draft, draft_k, lookahead, tp)
         from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)
@@ -68,14 +66,14 @@ def serve(
         _check_port(host, port)  # before the model load, which takes a while
         from ..core.load_options import check_load_options
 
-        check_load_options(name, device, dtype, quantize, threads)  # before the server's stack is imported
+        check_load_options(name, device, dtype, quantize, threads, tp)  # before the server's stack is imported
         import uvicorn
 
         from ..core.batching import Engine, EngineThread, SerialEngine
         from .openai_api import create_app
         from .http_limits import server_options
 
-        llm = c.load_llm(name, device, dtype, ctx, quantize=quantize, threads=threads, kv_type=kv_type)
+        llm = c.load_llm(name, device, dtype, ctx, quantize=quantize, threads=threads, kv_type=kv_type, tp=tp)
         sampling = c.sampling_params(llm, temperature, top_k, top_p, min_p, 1.0, None)
         served = served_name or name or llm.name.removesuffix(" (default)")
         speculator = c.load_speculator(llm, draft_options)

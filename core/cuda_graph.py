@@ -29,8 +29,9 @@ FIRST_BUCKET = 256
 def graphs_enabled(device, model=None) -> bool:
     """Whether steps on `device` (of `model`) replay as CUDA graphs. A model with mixture-of-experts
     layers runs eagerly: its routing reads the chosen experts back to the host, which a capture
-    cannot hold."""
-    if torch.device(device).type != "cuda" or not settings.CUDA_GRAPHS.get():
+    cannot hold; so does a tensor-parallel shard, whose passes start by sending their step to the
+    other ranks (graph_safe False)."""
+    if torch.device(device).type != "cuda" or not settings.CUDA_GRAPHS.get() or not getattr(model, "graph_safe", True):
         return False
     cfg = getattr(model, "cfg", None)
     return cfg is None or not any(cfg.is_moe_layer(i) for i in range(cfg.n_layers))

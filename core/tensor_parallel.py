@@ -7,10 +7,11 @@ torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
   keep their kinds and the device passes still swap in their kernels per shard); the output
   head by vocabulary, its logits all-gathered. The embedding and norms are replicated.
 - The sharded model reports its local head counts in its config, so every cache sized from it
-  (LLM.new_cache, ContiguousKV.for_model) holds the rank's own KV heads.
-- Rank 0 is the caller: it tokenizes, samples and drives the model. Each of its forward passes
-  first sends the step (tokens, positions, which cache) to the other ranks, which run the same
-  pass on their shards and their own caches (`follow`), so code above the model does not know.
+  (LLM.new_cache, ContiguousKV.for_model, the batching engine's PagedKV) holds the rank's own KV heads.
+- Rank 0 is the caller: it tokenizes, samples, schedules and drives the model. Each of its forward
+  passes first sends the step (tokens, positions, which cache; for a paged step its slots and block
+  tables; tree paths kept since the last step) to the other ranks, which run the same pass on their
+  shards and their own caches (`follow`), so code above the model does not know.
 
 Ranks come from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) where it
 is set, else brisk starts ranks 1..N-1 itself (`start`, core/tp_follower.py) as children in
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import BriskError
+from .kv import ContiguousKV, PagedKV, PagedStep
 from .model import MLP, Transformer
 from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
 
@@ -341,21 +343,69 @@ class ShardedTransformer(Transformer):
     (which run it through Transformer.forward on their own caches); a rank that fails mid-pass
     ends the run with one error naming it."""
 
+    # each pass first sends its step to the other ranks: a captured CUDA graph cannot replay that
+    graph_safe = False
+
+    @property
+    def ranks(self) -> int:
+        return self.__dict__["_tp"].world
+
     def forward(self, tokens, start, kv, tree=None, logit_rows=None, return_hidden=False):
         group: Group = self.__dict__["_tp"]
         if group.rank != 0:
             return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
+        if _broken:
+            raise BriskError(f"--tp: the ranks were stopped after an error on rank 0 ({_broken[0]})")
+        spec = _cache_spec(kv)  # before anything is sent: a refused cache leaves the followers waiting for a step
         try:
-            cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731  (the steps go over gloo)
-            _send(("forward", _cache_spec(kv), _dropped(), cpu(tokens), cpu(start), cpu(tree), cpu(logit_rows),
-                   return_hidden))
-            return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
+            with _interrupt_after_pass():
+                _send(("forward", spec, _dropped(), _moved_paths(), _cpu(tokens), _cpu(start), _cpu(tree),
+                       _cpu(logit_rows), return_hidden))
+                return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
         except RuntimeError as e:
             gone = _gone(group)
             if not gone and not _peer_failure(e):
+                _stop_followers(group, e)
                 raise  # not the ranks' failure: a bug shows as one
             raise BriskError(f"--tp: {gone} ended, so the run stops" if gone else
                              f"--tp: a rank stopped answering ({_reason(e)})") from None
+        except Exception as e:
+            _stop_followers(group, e)
+            raise
+
+
+def _cpu(t):
+    return t.cpu() if torch.is_tensor(t) else t  # the steps go over gloo
+
+
+_broken: list[str] = []  # rank 0's error that stopped the followers mid-pass
+
+
+def _stop_followers(group: Group, e: BaseException) -> None:
+    """Rank 0 failed inside a pass: the followers wait in its collectives and would hang until
+    the step timeout, so they are ended now, and later passes refused with the cause."""
+    _broken.append(first_line(e))
+    _shutdown(group.children)
+    with contextlib.suppress(Exception):  # under torchrun: the followers' collectives then fail at once
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _interrupt_after_pass():
+    """Ctrl-C during a pass takes effect once the pass is done on every rank: cut short on rank 0
+    alone, it would leave the followers inside the pass (chat goes on after an interrupted answer)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    hit = []
+    signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hit:
+        raise KeyboardInterrupt
 
 
 def _peer_failure(e: RuntimeError) -> bool:
@@ -391,18 +441,50 @@ def _dropped() -> list[int]:
     return out
 
 
-def _cache_spec(kv) -> tuple | None:
-    """What a follower needs to make (once) and find its own cache matching rank 0's."""
-    from .kv import ContiguousKV
+def _cache_spec(kv) -> tuple:
+    """What a follower needs to make (once) and find its own cache matching rank 0's: a contiguous
+    cache's shape; a paged pool's shape and this step's slots and block tables (rank 0's scheduler
+    decides them, so every rank's pool holds the same blocks)."""
+    if isinstance(kv, ContiguousKV):
+        if type(kv) is ContiguousKV:
+            kv.__class__ = _MirroredKV
+        k = kv.k[0]
+        return "contiguous", _key(kv), len(kv.k), k.shape[1], k.shape[0], kv.max_len, kv.type
+    if isinstance(kv, PagedStep):
+        pool = kv.kv
+        step = (_cpu(kv.slots), kv.n_decode, _cpu(kv.decode_blocks), _cpu(kv.decode_lens),
+                [(s, t, p, _cpu(blocks)) for s, t, p, blocks in kv.prefills])
+        return "paged", _key(pool), pool.k.shape[0], pool.k.shape[3], pool.n_blocks, pool.block_size, pool.type, step
+    raise BriskError(f"--tp: the {type(kv).__name__} cache is not supported yet")
 
-    if not isinstance(kv, ContiguousKV):
-        raise BriskError(f"--tp: the {type(kv).__name__} cache is not supported yet (generation and bench only)")
-    key = kv.__dict__.get("_tp_key")
+
+_pending_paths: list[tuple[int, int, list[int]]] = []
+
+
+def _moved_paths() -> list[tuple[int, int, list[int]]]:
+    """The tree paths rank 0 has kept in its caches since its last step (ContiguousKV.keep_path):
+    each follower moves the same K/V in its own before the step runs."""
+    out = _pending_paths[:]
+    del _pending_paths[:]
+    return out
+
+
+class _MirroredKV(ContiguousKV):
+    """Rank 0's contiguous cache: a tree step's accepted path, moved here, is moved on the
+    followers too, sent with the next step (the first to read those slots)."""
+
+    def keep_path(self, start: int, slots: list[int]) -> None:
+        super().keep_path(start, slots)
+        _pending_paths.append((_key(self), start, list(slots)))
+
+
+def _key(cache) -> int:
+    """The number rank 0's cache goes by on every rank; its end frees the followers' copies."""
+    key = cache.__dict__.get("_tp_key")
     if key is None:
-        key = kv.__dict__["_tp_key"] = next(_cache_keys)
-        weakref.finalize(kv, _pending_drops.append, key)  # sent with the next step, never from a finalizer
-    k = kv.k[0]
-    return key, len(kv.k), k.shape[1], k.shape[0], kv.max_len, kv.type
+        key = cache.__dict__["_tp_key"] = next(_cache_keys)
+        weakref.finalize(cache, _pending_drops.append, key)  # sent with the next step, never from a finalizer
+    return key
 
 
 def _send(step: tuple) -> None:
@@ -425,11 +507,9 @@ def follow_and_exit(net: ShardedTransformer, head_dim: int) -> None:
 
 def follow(net: ShardedTransformer, head_dim: int) -> None:
     """A follower rank's life after loading: run rank 0's passes until it says stop."""
-    from .kv import ContiguousKV
-
     group: Group = net.__dict__["_tp"]
     w = net.model.norm.weight
-    caches: dict[int, ContiguousKV] = {}
+    caches: dict = {}
     with torch.inference_mode():
         while True:
             box = [None]
@@ -437,10 +517,37 @@ def follow(net: ShardedTransformer, head_dim: int) -> None:
             step = box[0]
             if step[0] == "stop":
                 return
-            _, (key, layers, kv_heads, batch, max_len, kv_type), drops, tokens, start, tree, rows, hidden = step
+            _, spec, drops, paths, tokens, start, tree, rows, hidden = step
+            for key, first, slots in paths:  # before the drops: a path kept just before its cache ended
+                if key in caches:
+                    caches[key].keep_path(first, slots)
             for d in drops:
                 caches.pop(d, None)
-            if key not in caches:
-                caches[key] = ContiguousKV(layers, kv_heads, head_dim, max_len, w.dtype, w.device, batch, kv_type)
-            net(tokens.to(w.device), start if not torch.is_tensor(start) else start.to(w.device), caches[key],
-                None if tree is None else tree.to(w.device), rows, hidden)
+            tokens = tokens.to(w.device)
+            start = start.to(w.device) if torch.is_tensor(start) else start
+            rows = rows.to(w.device) if torch.is_tensor(rows) else rows
+            kv = _follower_cache(caches, spec, head_dim, w, tokens, start, rows)
+            net(tokens, start, kv, None if tree is None else tree.to(w.device), rows, hidden)
+
+
+def _follower_cache(caches: dict, spec: tuple, head_dim: int, w: torch.Tensor, tokens, positions, rows):
+    """The follower's cache for rank 0's `spec` (made on first sight): its contiguous cache, or a
+    PagedStep over its pool with rank 0's slots and block tables."""
+    kind, key, layers, kv_heads = spec[:4]
+    if kind == "contiguous":
+        batch, max_len, kv_type = spec[4:]
+        if key not in caches:
+            caches[key] = ContiguousKV(layers, kv_heads, head_dim, max_len, w.dtype, w.device, batch, kv_type)
+        return caches[key]
+    n_blocks, block_size, kv_type, (slots, n_decode, dec_blocks, dec_lens, prefills) = spec[4:]
+    if key not in caches:
+        caches[key] = PagedKV(layers, kv_heads, head_dim, n_blocks, block_size, w.dtype, w.device, kv_type)
+    pool = caches[key]
+    # rank 0 zeroes a block when its pool hands it out; here, when a step first reads or writes it
+    used = set() if dec_blocks is None else set(dec_blocks.unique().tolist())
+    for _, _, _, blocks in prefills:
+        used.update(blocks.tolist())
+    pool.first_use(sorted(used))
+    to = lambda t: None if t is None else t.to(w.device)  # noqa: E731
+    return PagedStep(pool, tokens[0], positions, to(slots), n_decode, to(dec_blocks), to(dec_lens),
+                     [(s, t, p, blocks.to(w.device)) for s, t, p, blocks in prefills], rows)

@@ -1,16 +1,24 @@
 """Tensor parallelism (core/tensor_parallel.py) on the CPU over gloo: N ranks give the
-single-process model's float32 logits and tokens; a rank that dies ends the run with one error
-and no process left; `brisk generate --tp 2` prints what it prints without.
+single-process model's float32 logits and tokens, the batching engine's (paged cache), a chat's
+over several turns and speculative decoding's (chain and tree drafts, a draft model) too; a rank
+that dies, or rank 0 failing mid-pass, ends the run with one error and no process left; Ctrl-C
+inside a pass leaves the ranks in step; `brisk generate --tp 2` (one prompt, and --batch) and
+`brisk chat --tp 2` print what they print without, and `brisk serve --tp 2` answers as serve does.
 
 Rank 0 runs in a subprocess (it owns a process group and starts the other ranks), the reference
-in this one."""
+in this one; each launch runs every workload (run_workloads), then end_of_run, on its model."""
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -26,14 +34,61 @@ IDS = list(range(3, 43))
 
 RANK0 = """
 import sys, torch
+sys.path.insert(0, sys.argv[4])
 from brisk.core import LLM
-from brisk.core.sampling_params import SamplingParams
-llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[6])
-out = {"logits": llm.logits(eval(sys.argv[4]))}
-for name, p in [("greedy", SamplingParams(temperature=0.0)), ("sampled", SamplingParams(temperature=0.8, seed=7))]:
-    out[name] = llm.generate(sys.argv[5], p, max_tokens=12, raw=True).tokens
-torch.save(out, sys.argv[3])
+from test_tensor_parallel import CTX, end_of_run, run_workloads
+llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[5], ctx=CTX)
+out = run_workloads(llm, sys.argv[1])
+torch.save({**out, **end_of_run(llm)}, sys.argv[3])
 """
+
+# Requests of different lengths arriving together: more than the batch takes at once (one waits
+# for a slot), prompts split into chunks that share steps with decoding rows, two sharing a
+# cached prefix, small blocks (block tables of many entries), past Gemma's window of 8, in the
+# smallest pool (one context's blocks: sequences are preempted, their blocks reused by others).
+ENGINE_PROMPTS = [IDS[:5], IDS[:13], IDS, IDS[:22], IDS[2:5]]
+CTX = 64
+CHAT_TURNS = ["hello there", "and again, the quick brown fox", "once more"]
+
+
+def run_workloads(llm, path: str) -> dict:
+    """What each launch compares with one process: logits, generate (greedy and sampled; with a
+    chain drafter, a tree drafter and a draft model, here the model at `path` whole on rank 0),
+    a tree pass, the batching engine over the paged cache, and a chat of several turns on one
+    kept cache."""
+    from brisk.core.batching import Engine
+    from brisk.core.batching.scheduler import Request
+    from brisk.core.chat import Chat
+    from brisk.core.cuda_graph import verify_pass
+    from brisk.core.generate import Session
+    from brisk.core.sampling import GREEDY
+    from brisk.core.spec.build import make_speculator
+
+    out = {"logits": llm.logits(IDS)}
+    for name, p in [("greedy", SamplingParams(temperature=0.0)), ("sampled", SamplingParams(temperature=0.8, seed=7))]:
+        out[name] = llm.generate(PROMPT, p, max_tokens=12, raw=True).tokens
+    for name, lookahead in [("ngram", None), ("lookahead", "3,3,2"), (path, None)]:
+        with warnings.catch_warnings():  # the draft model is the target's own: not smaller, it warns
+            warnings.simplefilter("ignore")
+            session = Session(llm, make_speculator(llm, name, lookahead=lookahead))
+        list(session.stream(llm.prompt_ids(PROMPT, raw=True), GREEDY, 12))
+        out[name] = session.last.tokens
+        out[name + " accepted"] = session.last.spec["accepted"] > 0
+    # a tree pass whose second branch is kept: its K/V move to the slots after the pending token's
+    # (ContiguousKV.keep_path), on every rank, and the next pass reads them there
+    cache = llm.new_cache(64)
+    llm.model(torch.tensor([IDS[:10]]), 0, cache)
+    tree, _ = verify_pass(llm.model, cache, fixed=False)([IDS[10], 7, 8, 9, 11], 10, [-1, 0, -1, 2], False)
+    cache.keep_path(10, [13, 14])
+    out["tree"] = torch.cat([tree, llm.model(torch.tensor([[12]]), 13, cache)[0]])
+    engine = Engine(llm, max_batch=4, kv_tokens=1, block_size=4, step_tokens=24)
+    out["engine"] = [s.result.tokens for s in engine.run([Request(p, GREEDY, 10) for p in ENGINE_PROMPTS])]
+    assert engine.stats.shared_tokens and engine.stats.preemptions
+    assert engine.kv.k.shape[3] == llm.config.n_kv_heads
+    if llm.tokenizer.has_chat_template:
+        chat = Chat(llm, sampling=GREEDY, max_tokens=6)
+        out["chat"] = [("".join(chat.send(t)), chat.session.last.tokens) for t in CHAT_TURNS]
+    return out
 
 HOLD = """
 import signal, sys
@@ -52,6 +107,37 @@ if sys.argv[2] == "kill-follower":
         sys.exit(3)
 sys.stdin.read()  # held until the test kills this rank 0
 """
+
+
+def end_of_run(llm) -> dict:
+    """Rank 0's last checks, on the group its workloads used: Ctrl-C inside a pass (after the step
+    went out) lets the pass finish on every rank, so the next pass agrees; an error inside a pass
+    ends the followers at once (they would wait in its collectives), and later passes say why."""
+    from brisk.core import tensor_parallel
+    from brisk.core.errors import BriskError
+
+    norm, children = llm.model.model.norm, tensor_parallel._group.children
+    before, plain, out = llm.logits(IDS), norm.forward, {}
+
+    def interrupted(x):
+        norm.forward = plain
+        os.kill(os.getpid(), signal.SIGINT)
+        return plain(x)
+    norm.forward = interrupted
+    try:
+        llm.logits(IDS)
+    except KeyboardInterrupt:
+        out["in step"] = torch.equal(llm.logits(IDS), before)
+    norm.forward = lambda x: 1 / 0
+    try:
+        llm.logits(IDS)
+    except ZeroDivisionError:
+        out["followers ended"] = all(p.poll() is not None for p in children)
+    try:
+        llm.logits(IDS)
+    except BriskError as e:
+        out["refused"] = str(e)
+    return out
 
 
 def python(*args, timeout=120, **kw):
@@ -76,25 +162,33 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
     replicated over 4 ranks, sliding windows, a vocabulary split in 4. Quantized at load, the
     shards hold the single-process codes (int8: o/down cut from whole-row scales; qwen2's tied
     table read whole); the quantized kernels round their partial sums in another order, hence
-    the wider tolerance there."""
+    the wider tolerance there. The engine's pool on each rank holds that rank's KV heads; its
+    tokens equal the single-process engine's, as do a chat's answers turn by turn."""
     path = str(request.getfixturevalue(kind))
     out = tmp_path / "rank0.pt"
-    r = python(RANK0, path, str(ranks), str(out), repr(IDS), PROMPT, quantize)
+    r = python(RANK0, path, str(ranks), str(out), os.path.dirname(__file__), quantize)
     assert r.returncode == 0, r.stderr
     got = torch.load(out)
-    ref = LLM.load(path, device="cpu", dtype="float32", quantize=quantize)
+    ref = LLM.load(path, device="cpu", dtype="float32", quantize=quantize, ctx=CTX)
     assert ref.quantization == ("none" if quantize == "none" else quantize)
-    want = ref.logits(IDS)
-    assert got["logits"].shape == want.shape
-    torch.testing.assert_close(got["logits"], want, atol=1e-5 if quantize == "none" else 5e-5, rtol=0)
-    assert got["greedy"] == ref.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12, raw=True).tokens
-    assert got["sampled"] == ref.generate(PROMPT, SamplingParams(temperature=0.8, seed=7), max_tokens=12,
-                                          raw=True).tokens
+    want = run_workloads(ref, path)
+    assert got.pop("in step") and got.pop("followers ended")
+    assert got.pop("refused") == "--tp: the ranks were stopped after an error on rank 0 (division by zero)"
+    assert got.keys() == want.keys()
+    for name in got:
+        if torch.is_tensor(got[name]):
+            assert got[name].shape == want[name].shape
+            torch.testing.assert_close(got[name], want[name], atol=1e-5 if quantize == "none" else 5e-5, rtol=0)
+        else:
+            assert got[name] == want[name], name
+    # speculation under --tp: greedy with drafts is plain greedy, and drafts were taken
+    assert got["ngram"] == got["lookahead"] == got[path] == got["greedy"]
+    assert got["ngram accepted"] and got["lookahead accepted"] and got[path + " accepted"]
 
 
 def test_a_killed_rank_ends_the_run(tiny_llama_dir):
     """A follower killed mid-run: rank 0 raises one error naming it; nothing is left running.
-    Rank 0 killed: its follower ends by itself."""
+    Rank 0 killed: its follower ends by itself. (Rank 0 failing inside a pass: end_of_run.)"""
     r = python(HOLD, str(tiny_llama_dir), "kill-follower")
     assert r.returncode == 3, r.stderr
     pid, message = r.stdout.strip().splitlines()
@@ -115,25 +209,128 @@ def test_a_killed_rank_ends_the_run(tiny_llama_dir):
         p.kill()
 
 
-def brisk(*args):
+def brisk(*args, input=None):
     return subprocess.run([sys.executable, "-c", "from brisk.cli.main import run; run()", *args], text=True,
-                          capture_output=True, stdin=subprocess.DEVNULL, timeout=120, preexec_fn=default_sigint)
+                          capture_output=True, input=input, stdin=None if input is not None else subprocess.DEVNULL,
+                          timeout=120, preexec_fn=default_sigint)
 
 
-def test_generate_tp_2_prints_the_same(tiny_llama_dir):
+def in_process(*args, input=None):
+    """The command without --tp, in this process (the reference: no interpreter to start)."""
+    from typer.testing import CliRunner
+
+    from brisk.cli.main import app
+
+    r = CliRunner().invoke(app, list(args), input=input)
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+
+
+def test_generate_tp_2_prints_the_same(tiny_llama_dir, tmp_path):
+    """One prompt (with drafts, whose greedy output is plain greedy's: run_workloads checks both
+    under --tp), and a --batch file through the batching engine."""
     common = ["generate", str(tiny_llama_dir), "hello there", "-n", "16", "--temperature", "0", "--device", "cpu",
               "--dtype", "float32"]
-    one, two = brisk(*common), brisk(*common, "--tp", "2")
+    one, two = in_process(*common), brisk(*common, "--tp", "2", "--draft", "lookahead", "--lookahead", "3,3,2")
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert one.stdout and two.stdout == one.stdout
+
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps({"prompt": p, "max_tokens": n}) + "\n"
+                             for p, n in [("hi", 6), ("the quick brown fox jumps over", 12), (PROMPT, 9)]))
+    common = ["generate", str(tiny_llama_dir), "--batch", str(batch), "--temperature", "0", "--device", "cpu",
+              "--dtype", "float32"]
+    one, two = in_process(*common), brisk(*common, "--tp", "2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    answers = [[(o["text"], o["generated_tokens"], o["finish_reason"]) for o in map(json.loads, r.stdout.splitlines())] for r in (one, two)]
+    assert len(answers[0]) == 3 and answers[1] == answers[0]
+
+
+def test_chat_tp_2_answers_the_same(tiny_llama_dir):
+    """Several turns on one kept cache, piped as lines."""
+    turns = "".join(t + "\n" for t in CHAT_TURNS)
+    common = ["chat", str(tiny_llama_dir), "--temperature", "0", "-n", "8", "--device", "cpu", "--dtype", "float32"]
+    one, two = in_process(*common, input=turns), brisk(*common, "--tp", "2", input=turns)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert one.stdout.count("\n") >= len(CHAT_TURNS) and two.stdout == one.stdout
+
+
+def test_bench_tp_2_batch(tiny_llama_dir):
+    """bench --batch under --tp: the batching engine's rows (its tokens are run_workloads' check)."""
+    r = brisk("bench", str(tiny_llama_dir), "--tp", "2", "--batch", "1,3", "-n", "8", "-r", "1", "--json",
+              "--device", "cpu", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["test"] for row in rows] == ["tg8 x1", "tg8 x3"] and all(row["tok_s"] > 0 for row in rows)
+
+
+def follower_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_serve_tp_2_answers_as_serve(tiny_llama_dir, tmp_path):
+    """`brisk serve --tp 2` answers a chat request as serve does in one process; a client that
+    disconnects mid-answer leaves the ranks in step; Ctrl-C ends the server and its follower."""
+    pytest.importorskip("uvicorn")
+    from test_serve import Server, free_port
+
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-c", "from brisk.cli.main import run; run()", "serve",
+                              str(tiny_llama_dir), "--tp", "2", "--port", str(port), "--device", "cpu", "--dtype",
+                              "float32", "--temperature", "0", "--served-model-name", "tiny"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=err, preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # "serving ..." is printed before uvicorn listens
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.2)
+        follower, = follower_pids(p.pid)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12}
+
+        def ask(port, **fields):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", json.dumps({**body, **fields}),
+                         {"Content-Type": "application/json"})
+            return conn, conn.getresponse()
+
+        conn, r = ask(port, stream=True, max_tokens=400)  # a client that leaves after the first chunk
+        assert r.status == 200 and r.readline()
+        conn.close()
+        conn, r = ask(port)
+        assert r.status == 200, r.read()
+        got = json.loads(r.read())["choices"][0]["message"]["content"]
+        conn.close()
+
+        one = Server(LLM.load(str(tiny_llama_dir), device="cpu", dtype="float32"), api_key=None)
+        try:
+            conn, r = ask(one.port)
+            want = json.loads(r.read())["choices"][0]["message"]["content"]
+            conn.close()
+        finally:
+            one.close()
+        assert want and got == want
+
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 0, log.read_text()
+        deadline = time.monotonic() + 10
+        while not gone(follower) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(follower), "the follower outlived the server"
+        assert "Traceback" not in log.read_text()
+    finally:
+        p.kill()
 
 
 @pytest.mark.parametrize("args,words", [
     (["generate", "--tp", "0", "hi"], "--tp must be a whole number"),
     (["generate", "--tp", "2", "-q", "nf4", "hi"], "--tp 2 with --quantize nf4"),
-    (["serve", "--tp", "2"], "--tp: brisk serve does not run tensor parallel yet"),
-    (["generate", "--tp", "2", "--draft", "ngram", "hi"], "--tp does not combine"),
-], ids=["zero", "nf4", "serve", "draft"])
+    (["serve", "--tp", "2", "--draft", "self:int4"], "--tp 2 does not combine with --draft self:int4"),
+    (["generate", "--tp", "2", "--draft", "self:int8", "hi"], "--tp 2 does not combine with --draft self:int8"),
+    (["chat", "--tp", "2", "--draft", "heads:nowhere"], "--tp 2 does not combine with --draft heads:nowhere"),
+], ids=["zero", "nf4", "serve-self-draft", "self-draft", "chat-heads"])
 def test_refusals_name_the_flag(args, words):
     r = brisk(*args)
     assert r.returncode == 1 and "Traceback" not in r.stderr
