@@ -144,14 +144,27 @@ def cpu_flags() -> set[str] | None:
     return None
 
 
+def _level_flags(name: str, level_cc: list[str], top: str) -> list[str]:
+    """A level's flags. GCC spends most of a build optimising tiles.c (clang a fraction of that), so
+    under GCC a copy the CPU only runs when BRISK_NATIVE_LEVEL caps it compiles at -O1, and the AVX2
+    copy at -O2: GCC's -O3 takes several times as long there for no faster code (bench/RESULTS.md)."""
+    flags = X86_LEVELS[name]
+    if _is_clang(level_cc):
+        return flags
+    if name != top:
+        return [*flags, "-O1"]
+    return [*flags, "-O2"] if name == "avx2" else flags
+
+
 def _compile_commands(cc: list[str], out_dir: Path, x86: bool, avx2_cc: list[str] | None = None,
                       levels: tuple[str, ...] | None = None) -> tuple[list[list[str]], list[Path]]:
-    levels = {n: X86_LEVELS[n] for n in (levels or X86_LEVELS)} if x86 else {"plain": []}
+    levels = (levels or tuple(X86_LEVELS)) if x86 else ("plain",)
     cmds, objs = [], []
-    for name, flags in levels.items():
+    for name in levels:
+        level_cc = avx2_cc if name == "avx2" and avx2_cc else cc
+        flags = _level_flags(name, level_cc, levels[-1]) if x86 else []
         for src in PER_LEVEL:
             obj = out_dir / f"{src}_{name}.o"
-            level_cc = avx2_cc if name == "avx2" and avx2_cc else cc
             cmds.append([*level_cc, *FLAGS, *flags, f"-DBK_SUFFIX=_{name}", "-c", str(KERNELS / f"{src}.c"), "-o", str(obj)])
             objs.append(obj)
     obj = out_dir / "brisk_kernels.o"
@@ -172,8 +185,8 @@ def build(out_dir: Path | None = None) -> Path:
     avx2_cc = _avx2_compiler(cc) if x86 else cc
     levels = _runnable_levels(cpu_flags()) if x86 else ("plain",)
     src = b"".join(f.read_bytes() for f in sorted(KERNELS.glob("*.[ch]")))
-    built = [cc, avx2_cc, FLAGS, {n: X86_LEVELS[n] for n in levels} if x86 else None]
-    tag = hashlib.sha256(src + repr(built).encode()).hexdigest()[:16]
+    commands = _compile_commands(cc, Path(), x86, avx2_cc, levels)[0]  # every compiler and flag
+    tag = hashlib.sha256(src + repr(commands).encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     lib = out_dir / f"libbrisk_kernels-{tag}.so"
     if lib.exists():

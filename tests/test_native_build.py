@@ -73,6 +73,27 @@ def test_only_the_levels_the_cpu_runs_are_compiled():
     assert "-DBK_LEVELS=2" in cmds[-1]
 
 
+def test_gcc_spends_its_time_on_the_copy_the_cpu_runs():
+    """GCC's -O3 on tiles.c takes minutes: a copy only BRISK_NATIVE_LEVEL selects compiles at -O1,
+    GCC's AVX2 copy at -O2; clang's copies keep -O3 (it compiles them quickly)."""
+    def opt(cmd):  # the last -O flag wins
+        return [a for a in cmd if a.startswith("-O")][-1]
+
+    def opts(cc, avx2_cc, levels):
+        cmds = native._compile_commands(cc, Path("/tmp"), x86=True, avx2_cc=avx2_cc, levels=levels)[0]
+        return {c[c.index("-c") + 1].split("/")[-1] + a.split("=")[1]: opt(c)
+                for c in cmds[:-1] for a in c if a.startswith("-DBK_SUFFIX")}
+
+    gcc_avx512 = opts(["gcc"], ["gcc"], ("plain", "avx2", "avx512"))
+    assert gcc_avx512["tiles.c_plain"] == gcc_avx512["tiles.c_avx2"] == "-O1" and gcc_avx512["tiles.c_avx512"] == "-O3"
+    gcc_avx2 = opts(["gcc"], ["gcc"], ("plain", "avx2"))
+    assert gcc_avx2["tiles.c_plain"] == "-O1" and gcc_avx2["tiles.c_avx2"] == "-O2"
+    zig = [sys.executable, "-m", "ziglang", "cc"]
+    assert opts(["gcc"], zig, ("plain", "avx2"))["tiles.c_avx2"] == "-O3"  # zig's clang: full optimisation
+    assert opts(["gcc"], ["gcc"], ("plain",))["tiles.c_plain"] == "-O2"  # the copy that runs
+    assert set(opts(["clang"], ["clang"], ("plain", "avx2", "avx512")).values()) == {"-O2", "-O3"}
+
+
 def test_a_failing_avx2_compiler_falls_back_to_the_platform_one(tmp_path, monkeypatch):
     """If zig cannot compile (no writable cache, a broken wheel), the build still succeeds with the
     platform's compiler for every copy, and says which compiler built the AVX2 copy. Built as for an
