@@ -1,0 +1,274 @@
+"""`brisk quantize HF_FOLDER --format gguf`: the file llama.cpp's own converter writes (tensors byte for
+byte, its metadata keys and values, read back by gguf-py), the logits transformers computes on the
+folder (brisk running the file), llama.cpp running it (greedy tokens equal brisk's), the q/k rows in
+llama.cpp's rotary order, SmolLM2's tokenizer, and the mixes the same as from a float GGUF."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from brisk.cli.main import app
+from brisk.quant import gguf_types, native
+
+import llama_cpp
+from conftest import write_hf_checkpoint
+from test_model import _brisk_greedy, _hf_greedy, _hf_model
+
+runner = CliRunner()
+IDS = list(range(3, 43))  # past the tiny models' sliding windows
+KINDS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
+pytestmark = [pytest.mark.skipif(not native.available(), reason="no native kernels here (GGUF quantization needs them)"),
+              pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """kind -> a tiny random HF folder (a tokenizer of 296 ids: llama.cpp's converter wants ids < 300)."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            # not named phi3: llama.cpp then expects Phi-3's own <unk>, <s> and <|endoftext|> in the vocabulary
+            # (general.name is the folder's name), which the tiny tokenizer has not
+            made[kind] = write_hf_checkpoint(tmp_path_factory.mktemp(f"hf_{kind.replace('phi3', 'p3')}"), kind,
+                                             seed=4, tokens=296)
+        return made[kind]
+    return get
+
+
+def convert(folder: Path, out: Path, qtype: str, *extra: str) -> dict:
+    r = runner.invoke(app, ["quantize", str(folder), "-o", str(out), "--format", "gguf", "--type", qtype, *extra, "--json"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".") or p.suffix == ".partial") == []
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def fields(path: Path) -> dict:
+    """gguf-py's reading of the metadata: {key: (value types, value)}."""
+    r = gguf.GGUFReader(str(path))
+    return {k: ([t.name for t in f.types], f.contents()) for k, f in r.fields.items() if not k.startswith("GGUF.")}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_same_file_as_llama_cpp_converter(kind, folders, tmp_path):
+    """--type F32 against convert_hf_to_gguf.py --outtype f32: every tensor's name, type, shape and bytes
+    (q/k rows permuted, Gemma's norms + 1, llama3's rope_freqs), every metadata key it writes with the
+    same value type and value (but the name it makes up and its size label)."""
+    hf = folders(kind)
+    ref = llama_cpp.convert(hf, tmp_path / "ref.gguf", "f32")
+    summary = convert(hf, tmp_path / "mine.gguf", "F32")
+    assert summary["type"] == "F32" and summary["method"] == "convert"
+    a, b = gguf.GGUFReader(str(ref)), gguf.GGUFReader(str(tmp_path / "mine.gguf"))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert sorted(ta) == sorted(tb)
+    for n, t in ta.items():
+        assert (t.tensor_type, list(t.shape)) == (tb[n].tensor_type, list(tb[n].shape)), n
+        assert np.array_equal(t.data, tb[n].data), n
+    fa, fb = fields(ref), fields(tmp_path / "mine.gguf")
+    for key in ("general.name", "general.size_label"):
+        fa.pop(key)
+    if kind == "qwen2":  # llama.cpp's Qwen2 tokenizer class adds <|endoftext|>, which this folder lacks
+        assert fa.pop("tokenizer.ggml.tokens")[1][296] == "<|endoftext|>"
+        assert fb.pop("tokenizer.ggml.tokens")[1][296] == "[PAD296]"
+        fa.pop("tokenizer.ggml.token_type"), fb.pop("tokenizer.ggml.token_type")
+    for key, value in fa.items():
+        assert fb.get(key) == value, key
+    assert fb[f"{kind}.context_length"] == (["UINT32"], 256) and fb["tokenizer.ggml.add_bos_token"] == (["BOOL"], False)
+    assert fb["general.file_type"] == (["UINT32"], 0)
+
+
+def test_qk_rows_in_llama_cpps_rotary_order(folders, tmp_path):
+    """Llama's q/k rows as llama.cpp keeps them: per head, the two halves of HF's rotate-half pairs
+    interleaved (GGUF row 2i is HF row i, row 2i+1 is HF row d/2 + i); Qwen2 keeps HF's order."""
+    from safetensors.torch import load_file
+
+    for kind, permuted in (("llama", True), ("qwen2", False)):
+        hf = folders(kind)
+        convert(hf, tmp_path / f"{kind}.gguf", "F32")
+        r = gguf.GGUFReader(str(tmp_path / f"{kind}.gguf"))
+        got = {t.name: torch.from_numpy(np.array(t.data)) for t in r.tensors}
+        w = load_file(str(hf / "model.safetensors"))
+        cfg = json.loads((hf / "config.json").read_text())
+        for proj, heads in (("q", cfg["num_attention_heads"]), ("k", cfg["num_key_value_heads"])):
+            src = w[f"model.layers.1.self_attn.{proj}_proj.weight"]
+            d = src.shape[0] // heads
+            want = src.clone()
+            if permuted:
+                for h in range(heads):
+                    for i in range(d // 2):
+                        want[h * d + 2 * i] = src[h * d + i]
+                        want[h * d + 2 * i + 1] = src[h * d + d // 2 + i]
+            assert torch.equal(got[f"blk.1.attn_{proj}.weight"], want), (kind, proj)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers(kind, folders, tmp_path):
+    """brisk running the written file against transformers on the folder: F32 to round-off, F16 within
+    its rounding, Q8_0 (brisk's kernels on its blocks) within 5% of the logits' range, greedy equal for F32."""
+    from brisk.core import LLM
+
+    hf = folders(kind)
+    model = _hf_model(hf)
+    with torch.no_grad():
+        ref = model(torch.tensor([IDS])).logits[0].float()
+    scale = float(ref.abs().max())
+    for qtype, tol in (("F32", 1e-4), ("F16", 5e-3), ("Q8_0", 5e-2)):
+        out = tmp_path / f"{qtype}.gguf"
+        convert(hf, out, qtype, *(["--method", "rtn"] if qtype == "Q8_0" else []))
+        # Phi-3's longrope: the short factors within the pretrained context (64), as transformers takes them here
+        llm = LLM.load(str(out), device="cpu", dtype="float32", quantize="none" if qtype != "Q8_0" else "auto",
+                       ctx=64 if kind == "phi3" else None)
+        diff = float((llm.logits(IDS) - ref).abs().max())
+        assert diff < tol * max(scale, 1.0), (qtype, diff, scale)
+        if qtype == "F32":
+            assert _brisk_greedy(llm, IDS, 16) == _hf_greedy(model, IDS, 16)
+        types = {gguf_types.BY_ID[t.tensor_type].name for t in gguf.GGUFReader(str(out)).tensors
+                 if t.name.endswith("norm.weight")}
+        assert types == {"F32"}, (qtype, types)  # norms stay float32 whatever the type
+
+
+def test_mixes_as_from_a_float_gguf(folders, tmp_path):
+    """HF folder -> Q4_K_M (rtn) is the file llama.cpp's F32 conversion requantized by brisk gives: the
+    same tensors, types and bytes (the tied token table Q6_K, as llama.cpp puts it); gptq runs too."""
+    hf = folders("qwen2")  # tied embeddings: no output.weight
+    ref = llama_cpp.convert(hf, tmp_path / "ref.gguf", "f32")
+    convert(ref, tmp_path / "from-gguf.gguf", "Q4_K_M", "--method", "rtn")
+    summary = convert(hf, tmp_path / "from-hf.gguf", "Q4_K_M", "--method", "rtn")
+    assert summary["type"] == "Q4_K_M" and summary["quantized"] > 0
+    a, b = gguf.GGUFReader(str(tmp_path / "from-gguf.gguf")), gguf.GGUFReader(str(tmp_path / "from-hf.gguf"))
+    ta = {t.name: (t.tensor_type, np.array(t.data).tobytes()) for t in a.tensors}
+    tb = {t.name: (t.tensor_type, np.array(t.data).tobytes()) for t in b.tensors}
+    assert ta == tb and "output.weight" not in tb
+    # the tied table is the output: Q6_K in llama.cpp's mix, Q8_0 where rows of 64 fit no 256-weight block
+    assert gguf_types.BY_ID[tb["token_embd.weight"][0]].name == "Q8_0"
+    g = convert(hf, tmp_path / "gptq.gguf", "Q4_K_M", "--samples", "4", "--seq-len", "32")
+    assert g["method"] == "gptq" and g["errors"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _llama_greedy(server: Path, model: Path, ids: list[int], steps: int, ctx: int) -> list[int]:
+    port = _free_port()
+    proc = subprocess.Popen([str(server), "-m", str(model), "--port", str(port), "-c", str(ctx), "-t", "1", "-np", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(120):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None:
+                    pytest.fail(f"llama-server failed on {model.name}: {proc.stderr.read()[-2000:]}")
+                time.sleep(0.5)
+        body = json.dumps({"prompt": ids, "n_predict": steps, "temperature": 0, "return_tokens": True,
+                           "cache_prompt": False}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())["tokens"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def llama_server() -> Path:
+    path = Path(os.environ.get("BRISK_LLAMA_SERVER", llama_cpp.ROOT / ".cache" / "llama.cpp-build" / "bin" / "llama-server"))
+    if not path.is_file():
+        pytest.skip(f"no llama-server at {path} (make bench-llama builds it)")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_llama_cpp_runs_it(kind, folders, tmp_path):
+    """llama.cpp's llama-server loads the file and continues the prompt with brisk's greedy tokens."""
+    from brisk.core import LLM
+
+    server = llama_server()
+    out = tmp_path / "m.gguf"
+    convert(folders(kind), out, "F32")
+    # Phi-3: 8 + 8 tokens, within its window of 16 (llama.cpp's phi3 switches sliding windows off), and a
+    # context within its pretrained 64 (both then take the short rope factors)
+    n = 8 if kind == "phi3" else 12
+    ctx = 64 if kind == "phi3" else 256
+    llm = LLM.load(str(out), device="cpu", dtype="float32", quantize="none", ctx=ctx)
+    assert _llama_greedy(server, out, IDS[:n], n, ctx) == _brisk_greedy(llm, IDS[:n], n)
+
+
+def test_smollm2_tokenizer(smollm2_path, tmp_path):
+    """A tiny Llama carrying SmolLM2's tokenizer (rebuilt from its GGUF): the written file holds SmolLM2's
+    vocabulary, types, merges and pre-tokenizer name as its GGUF does, and tokenizes text as it does."""
+    import transformers as tf
+
+    from brisk.core.gguf_file import open_gguf
+    from brisk.core.tokenizer import Tokenizer
+
+    meta = open_gguf(smollm2_path).metadata
+    tok = Tokenizer.from_gguf_metadata(meta)
+    n = len(meta["tokenizer.ggml.tokens"])
+    hf = tmp_path / "hf"
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=n, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, bos_token_id=meta["tokenizer.ggml.bos_token_id"],
+                         eos_token_id=meta["tokenizer.ggml.eos_token_id"], tie_word_embeddings=True)
+    tf.LlamaForCausalLM(cfg).save_pretrained(hf)
+    tok.save(hf)
+    out = tmp_path / "m.gguf"
+    convert(hf, out, "Q8_0", "--method", "rtn")
+    got = open_gguf(out).metadata
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                "tokenizer.chat_template"):
+        assert got.get(key) == meta.get(key), key
+    text = "SmolLM2 counts 12345 apples, naïvely: <|im_start|>user\nhi<|im_end|>"
+    assert Tokenizer.from_gguf_metadata(got).encode(text) == tok.encode(text)
+
+
+def test_refusals(folders, tmp_path):
+    """One line naming what is wrong, exit 1, nothing written: an architecture llama.cpp's layout here does
+    not cover (Mixtral), a float --type for a GGUF input, --method gptq with a float --type."""
+    out = tmp_path / "o.gguf"
+    mixtral = write_hf_checkpoint(tmp_path / "mixtral", "mixtral", seed=4)
+    f32 = tmp_path / "f.gguf"
+    convert(folders("llama"), f32, "F32")
+    cases = [([str(mixtral), "--type", "Q8_0"], "covers"), ([str(f32), "--type", "F16"], "--type"),
+             ([str(folders("llama")), "--type", "F16", "--method", "gptq"], "--method")]
+    for args, word in cases:
+        r = runner.invoke(app, ["quantize", *args, "-o", str(out), "--format", "gguf"])
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error:") and word in lines[0], r.output
+        assert not out.exists()
+
+
+def test_interrupted_conversion_leaves_nothing(folders, tmp_path, monkeypatch):
+    """Ctrl-C while the requantization runs: neither OUT, its .partial nor the converted source is left."""
+    calls = []
+    real = native.quantize_rows
+
+    def interrupt(qtype, rows):
+        calls.append(qtype)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(qtype, rows)
+
+    monkeypatch.setattr(native, "quantize_rows", interrupt)
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    r = runner.invoke(app, ["quantize", str(folders("llama")), "-o", str(out), "--format", "gguf", "--type", "Q8_0",
+                            "--method", "rtn"])
+    assert r.exit_code == 130 and "interrupted" in r.output, r.output
+    assert list(out.parent.iterdir()) == []
