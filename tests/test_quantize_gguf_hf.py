@@ -4,6 +4,7 @@ folder (brisk running the file), llama.cpp running it (greedy tokens equal brisk
 llama.cpp's rotary order, SmolLM2's tokenizer, and the mixes the same as from a float GGUF."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -162,28 +163,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _llama_greedy(server: Path, model: Path, ids: list[int], steps: int, ctx: int) -> list[int]:
+@contextlib.contextmanager
+def _serving(server: Path, model: Path, ctx: int = 256):
+    """llama-server on the file, one slot, one thread: its address while the block runs."""
     port = _free_port()
     proc = subprocess.Popen([str(server), "-m", str(model), "--port", str(port), "-c", str(ctx), "-t", "1", "-np", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
                     if r.status == 200:
                         break
             except OSError:
                 if proc.poll() is not None:
                     pytest.fail(f"llama-server failed on {model.name}: {proc.stderr.read()[-2000:]}")
                 time.sleep(0.5)
-        body = json.dumps({"prompt": ids, "n_predict": steps, "temperature": 0, "return_tokens": True,
-                           "cache_prompt": False}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())["tokens"]
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _llama_greedy(server: Path, model: Path, ids: list[int], steps: int, ctx: int) -> list[int]:
+    with _serving(server, model, ctx) as url:
+        return _post(f"{url}/completion", {"prompt": ids, "n_predict": steps, "temperature": 0, "return_tokens": True,
+                                           "cache_prompt": False})["tokens"]
+
+
+def _llama_tokenize(server: Path, model: Path, texts: list[str]) -> list[list[int]]:
+    with _serving(server, model) as url:
+        return [_post(f"{url}/tokenize", {"content": t, "add_special": False})["tokens"] for t in texts]
 
 
 def llama_server() -> Path:
@@ -234,8 +251,7 @@ def test_smollm2_tokenizer(smollm2_path, tmp_path):
                 "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
                 "tokenizer.chat_template"):
         assert got.get(key) == meta.get(key), key
-    text = "SmolLM2 counts 12345 apples, naïvely: <|im_start|>user\nhi<|im_end|>"
-    assert Tokenizer.from_gguf_metadata(got).encode(text) == tok.encode(text)
+    same_tokens(out, tok, ["SmolLM2 counts 12345 apples, naïvely: <|im_start|>user\nhi<|im_end|>", "  a\tb\n\nc 🙂"])
 
 
 def test_refusals(folders, tmp_path):
@@ -272,3 +288,131 @@ def test_interrupted_conversion_leaves_nothing(folders, tmp_path, monkeypatch):
                             "--method", "rtn"])
     assert r.exit_code == 130 and "interrupted" in r.output, r.output
     assert list(out.parent.iterdir()) == []
+
+
+def _sentencepiece_folder(folder: Path) -> Path:
+    """A tiny Llama with a SentencePiece-style BPE as Llama 2's tokenizer.json holds one: spaces as U+2581,
+    a dummy prefix, byte fallback to <0x00>..<0xFF> in the vocabulary, <unk>/<s>/</s> added."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    trainer_tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    text = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
+            "def add(a, b):\n    return a + b"] * 20
+    trainer_tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    trained = json.loads(trainer_tok.to_str())
+    pieces = [t for t, _ in sorted(trained["model"]["vocab"].items(), key=lambda kv: kv[1]) if t != "<unk>"]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces])}
+    tj = {**trained, "pre_tokenizer": None,
+          "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": False, "special": True} for i, t in enumerate(["<unk>", "<s>", "</s>"])],
+          "decoder": {"type": "Sequence", "decoders": [
+              {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+              {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+          "model": {**trained["model"], "vocab": vocab, "byte_fallback": True, "fuse_unk": True}}
+    Tokenizer.from_str(json.dumps(tj))  # a tokenizer.json the library takes
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                              "unk_token": "<unk>", "add_bos_token": True}))
+    return folder
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    """A SentencePiece BPE becomes llama.cpp's "llama" tokenizer: <unk> UNKNOWN, <s>/</s> CONTROL, the byte
+    tokens BYTE, scores ranking tokens as the merges do, BOS added; brisk's GGUF tokenizer and llama.cpp's
+    (llama-server's /tokenize, where it is here) split text as the folder's tokenizer does, bytes outside
+    the vocabulary included."""
+    from brisk.core.gguf_file import open_gguf
+    from brisk.core.tokenizer import Tokenizer
+
+    hf = _sentencepiece_folder(tmp_path / "hf")
+    out = tmp_path / "m.gguf"
+    convert(hf, out, "F32")
+    meta = open_gguf(out).metadata
+    types = meta["tokenizer.ggml.token_type"]
+    assert meta["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.merges" not in meta
+    assert types[:3] == [2, 3, 3] and set(types[3:259]) == {6} and set(types[259:]) == {1}
+    assert meta["tokenizer.ggml.add_bos_token"] is True and meta["tokenizer.ggml.add_space_prefix"] is True
+    assert (meta["tokenizer.ggml.unknown_token_id"], meta["tokenizer.ggml.bos_token_id"]) == (0, 1)
+    texts = ["The quick brown fox", "Paris is the capital", "  two  spaces, a tab\tand ñ, 東京 and 🙂",
+             "def add(a, b):\n    return a + b"]
+    same_tokens(out, Tokenizer.from_hf_folder(hf), texts)
+
+
+def same_tokens(path: Path, want, texts: list[str]) -> None:
+    """The file's tokenizer, as brisk builds it and as llama.cpp runs it (where llama-server is here),
+    splits each text as `want` does."""
+    from brisk.core.gguf_file import open_gguf
+    from brisk.core.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)
+    for text in texts:
+        assert ours.encode(text) == want.encode(text), text
+    try:
+        server = llama_server()
+    except pytest.skip.Exception:
+        return
+    assert _llama_tokenize(server, path, texts) == [want.encode(t, add_special=False) for t in texts]
+
+
+def test_bfloat16_checkpoint(folders, tmp_path):
+    """A bfloat16 checkpoint: --type BF16 keeps its bits (general.file_type 32, norms F32), and a mix
+    requantizes from them without a rounding to float16 between (Q8_0 as from the float32 values)."""
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    hf = tmp_path / "bf16"
+    src = folders("qwen3")
+    tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(hf)
+    for f in src.glob("*"):
+        if f.name.startswith(("tokenizer", "chat_template")):
+            (hf / f.name).write_bytes(f.read_bytes())
+    convert(hf, tmp_path / "bf16.gguf", "BF16")
+    r = gguf.GGUFReader(str(tmp_path / "bf16.gguf"))
+    assert r.fields["general.file_type"].contents() == 32
+    t = {t.name: t for t in r.tensors}
+    w = load_file(str(hf / "model.safetensors"))
+    assert t["blk.0.ffn_down.weight"].tensor_type.name == "BF16" and t["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+    assert np.array_equal(np.array(t["blk.0.ffn_down.weight"].data).view(np.int16).reshape(-1),
+                          w["model.layers.0.mlp.down_proj.weight"].view(torch.int16).reshape(-1).numpy())
+    convert(hf, tmp_path / "q8.gguf", "Q8_0", "--method", "rtn")
+    q = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "q8.gguf")).tensors}
+    rows = w["model.layers.0.mlp.down_proj.weight"].float().numpy()
+    assert np.array_equal(np.array(q["blk.0.ffn_down.weight"].data).reshape(-1),
+                          native.quantize_rows(gguf_types.Q8_0, rows).reshape(-1))
+
+
+@pytest.mark.slow
+def test_gemma3_tokenizer(gemma_path, tmp_path):
+    """A tiny Gemma 3 carrying Gemma 3's own SentencePiece vocabulary (rebuilt from its GGUF as a
+    tokenizer.json): the written file holds Gemma's tokens, BOS/EOS, no space prefix, and tokenizes text
+    (chat turns, bytes outside the vocabulary) as Gemma's GGUF does, in brisk and in llama.cpp."""
+    import transformers as tf
+
+    from brisk.core.gguf_file import open_gguf
+    from brisk.core.tokenizer import Tokenizer
+
+    meta = open_gguf(gemma_path).metadata
+    tok = Tokenizer.from_gguf_metadata(meta)
+    hf = tmp_path / "hf"
+    cfg = tf.Gemma3TextConfig(vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                              bos_token_id=meta["tokenizer.ggml.bos_token_id"],
+                              eos_token_id=meta["tokenizer.ggml.eos_token_id"], query_pre_attn_scalar=32)
+    tf.Gemma3ForCausalLM(cfg).save_pretrained(hf)
+    tok.save(hf)
+    out = tmp_path / "m.gguf"
+    convert(hf, out, "BF16")
+    got = open_gguf(out).metadata
+    assert got["tokenizer.ggml.model"] == "llama" and got["tokenizer.ggml.add_space_prefix"] is False
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                "tokenizer.chat_template"):
+        assert got.get(key) == meta.get(key), key
+    same_tokens(out, tok, ["The history of the printing press begins", "<start_of_turn>user\nHi there!<end_of_turn>\n",
+                           "  two  spaces, a tab\tand ñ, 東京 and 🙂 \U0001fae8", "def add(a, b):\n    return a + b"])
