@@ -256,12 +256,20 @@ def test_smollm2_tokenizer(smollm2_path, tmp_path):
 
 def test_refusals(folders, tmp_path):
     """One line naming what is wrong, exit 1, nothing written: an architecture llama.cpp's layout here does
-    not cover (Mixtral), a float --type for a GGUF input, --method gptq with a float --type."""
+    not cover (Mixtral), a sliding window llama.cpp's llama would not apply (Mistral's of 16), a
+    pre-tokenizer llama.cpp has no name for, a float --type for a GGUF input, --method gptq with a float --type."""
+    import shutil
+
     out = tmp_path / "o.gguf"
     mixtral = write_hf_checkpoint(tmp_path / "mixtral", "mixtral", seed=4)
+    mistral = write_hf_checkpoint(tmp_path / "mistral", "mistral", seed=4)
+    odd = shutil.copytree(folders("llama"), tmp_path / "odd")
+    tj = json.loads((odd / "tokenizer.json").read_text())
+    (odd / "tokenizer.json").write_text(json.dumps({**tj, "pre_tokenizer": {"type": "Whitespace"}}))
     f32 = tmp_path / "f.gguf"
     convert(folders("llama"), f32, "F32")
-    cases = [([str(mixtral), "--type", "Q8_0"], "covers"), ([str(f32), "--type", "F16"], "--type"),
+    cases = [([str(mixtral), "--type", "Q8_0"], "covers"), ([str(mistral), "--type", "Q8_0"], "sliding window"),
+             ([str(odd), "--type", "Q8_0"], "pre-tokenizer"), ([str(f32), "--type", "F16"], "--type"),
              ([str(folders("llama")), "--type", "F16", "--method", "gptq"], "--method")]
     for args, word in cases:
         r = runner.invoke(app, ["quantize", *args, "-o", str(out), "--format", "gguf"])
