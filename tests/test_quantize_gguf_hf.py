@@ -257,7 +257,7 @@ def test_smollm2_tokenizer(smollm2_path, tmp_path):
 def test_refusals(folders, tmp_path):
     """One line naming what is wrong, exit 1, nothing written: an architecture llama.cpp's layout here does
     not cover (Mixtral), a sliding window llama.cpp's llama would not apply (Mistral's of 16), a
-    pre-tokenizer llama.cpp has no name for, a float --type for a GGUF input, --method gptq with a float --type."""
+    pre-tokenizer llama.cpp has no name for, a float --type for a GGUF input, --method gptq or a calibration flag with a float --type."""
     import shutil
 
     out = tmp_path / "o.gguf"
@@ -270,7 +270,8 @@ def test_refusals(folders, tmp_path):
     convert(folders("llama"), f32, "F32")
     cases = [([str(mixtral), "--type", "Q8_0"], "covers"), ([str(mistral), "--type", "Q8_0"], "sliding window"),
              ([str(odd), "--type", "Q8_0"], "pre-tokenizer"), ([str(f32), "--type", "F16"], "--type"),
-             ([str(folders("llama")), "--type", "F16", "--method", "gptq"], "--method")]
+             ([str(folders("llama")), "--type", "F16", "--method", "gptq"], "--method"),
+             ([str(folders("llama")), "--type", "F16", "--samples", "4"], "--samples")]
     for args, word in cases:
         r = runner.invoke(app, ["quantize", *args, "-o", str(out), "--format", "gguf"])
         lines = r.output.strip().splitlines()
@@ -424,3 +425,13 @@ def test_gemma3_tokenizer(gemma_path, tmp_path):
         assert got.get(key) == meta.get(key), key
     same_tokens(out, tok, ["The history of the printing press begins", "<start_of_turn>user\nHi there!<end_of_turn>\n",
                            "  two  spaces, a tab\tand ñ, 東京 and 🙂 \U0001fae8", "def add(a, b):\n    return a + b"])
+
+
+def test_sharded_folder(folders, tmp_path):
+    """A checkpoint in shards (model.safetensors.index.json) gives the file its single-file form gives."""
+    sharded = write_hf_checkpoint(tmp_path / "sharded", "llama", seed=4, shards=True, tokens=296)
+    assert (sharded / "model.safetensors.index.json").exists()
+    convert(sharded, tmp_path / "a.gguf", "F32")
+    convert(folders("llama"), tmp_path / "b.gguf", "F32")
+    a, b = gguf.GGUFReader(str(tmp_path / "a.gguf")), gguf.GGUFReader(str(tmp_path / "b.gguf"))
+    assert [(t.name, np.array(t.data).tobytes()) for t in a.tensors] == [(t.name, np.array(t.data).tobytes()) for t in b.tensors]

@@ -95,6 +95,9 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
     from ..checkpoint import resolve
 
     mix, method = check_options(type_name, method)
+    if isinstance(mix, str) and calib:  # nothing calibrates a conversion
+        flag = next(iter(calib))
+        raise InvalidValue(flag, calib[flag], "", template=f"{{option}} does not apply to --type {mix} (nothing is quantized)")
     opts = _gptq_options(calib or {}) if method == "gptq" else None
     out = Path(out)
     if out.is_dir():
@@ -123,13 +126,14 @@ def _from_hf_folder(name: str, folder: Path, out: Path, mix, method: str, opts, 
 
     t0 = time.perf_counter()
     source_bytes = sum(f.stat().st_size for f in safetensors_files(folder))
+    title = Path(name).name  # general.name: a hub id's model name, not its cache snapshot's hash
     if isinstance(mix, str):
         report("loading", model=name)
-        gguf_from_hf.write(folder, out, mix, report=report)
+        gguf_from_hf.write(folder, out, mix, name=title, report=report)
         return _float_summary(out, mix, source_bytes, t0)
     source = out.with_name(f".{out.name}.source.gguf")  # hidden, and written atomically itself
     try:
-        gguf_from_hf.write(folder, source, None, name=folder.name, report=report)
+        gguf_from_hf.write(folder, source, None, name=title, report=report)
         summary = _requantize(name, source, out, mix, method, opts, report)
     finally:
         if source.exists():  # gptq loaded it: its header cache goes with it
