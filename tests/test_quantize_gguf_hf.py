@@ -257,7 +257,7 @@ def test_smollm2_tokenizer(smollm2_path, tmp_path):
 def test_refusals(folders, tmp_path):
     """One line naming what is wrong, exit 1, nothing written: an architecture llama.cpp's layout here does
     not cover (Mixtral), a sliding window llama.cpp's llama would not apply (Mistral's of 16), a
-    pre-tokenizer llama.cpp has no name for, a float --type for a GGUF input, --method gptq or a calibration flag with a float --type."""
+    pre-tokenizer llama.cpp has no name for, a tensor of another shape than config.json's, a float --type for a GGUF input, --method gptq or a calibration flag with a float --type."""
     import shutil
 
     out = tmp_path / "o.gguf"
@@ -266,10 +266,13 @@ def test_refusals(folders, tmp_path):
     odd = shutil.copytree(folders("llama"), tmp_path / "odd")
     tj = json.loads((odd / "tokenizer.json").read_text())
     (odd / "tokenizer.json").write_text(json.dumps({**tj, "pre_tokenizer": {"type": "Whitespace"}}))
+    narrow = shutil.copytree(folders("llama"), tmp_path / "narrow")
+    cfg = json.loads((narrow / "config.json").read_text())
+    (narrow / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))  # the tensors have 128
     f32 = tmp_path / "f.gguf"
     convert(folders("llama"), f32, "F32")
     cases = [([str(mixtral), "--type", "Q8_0"], "covers"), ([str(mistral), "--type", "Q8_0"], "sliding window"),
-             ([str(odd), "--type", "Q8_0"], "pre-tokenizer"), ([str(f32), "--type", "F16"], "--type"),
+             ([str(odd), "--type", "Q8_0"], "pre-tokenizer"), ([str(narrow), "--type", "F32"], "shape [64, 128]"), ([str(f32), "--type", "F16"], "--type"),
              ([str(folders("llama")), "--type", "F16", "--method", "gptq"], "--method"),
              ([str(folders("llama")), "--type", "F16", "--samples", "4"], "--samples")]
     for args, word in cases:

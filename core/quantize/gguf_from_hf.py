@@ -199,14 +199,13 @@ def _tensor_sources(tensors: dict, cfg, layout: Layout, arch, folder: Path) -> d
     used: set[str] = set()
     out: dict = {}
 
-    def take(gname: str, hf: str, required: bool) -> bool:
+    def take(gname: str, hf: str, required: bool) -> None:
         if hf not in tensors:
             if required:
                 raise FileError(f"no tensor {hf} (llama.cpp's {gname})", folder)
-            return False
+            return
         used.add(hf)
         out[gname] = ([hf], lambda ws, hf=hf: _to_gguf(ws[0], hf, arch, cfg))
-        return True
 
     take("token_embd.weight", "model.embed_tokens.weight", True)
     take("output_norm.weight", "model.norm.weight", True)
@@ -236,11 +235,25 @@ def _tensor_sources(tensors: dict, cfg, layout: Layout, arch, folder: Path) -> d
     if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "longrope":
         for gname, key in (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor")):
             out[gname] = ([], lambda ws, f=cfg.rope_scaling[key]: torch.tensor(f, dtype=torch.float32))
+    _check_shapes(tensors, used, cfg, folder)
     left = sorted(k for k in tensors if k not in used and not any(p in k for p in _IGNORED))
     if left:
         raise UnsupportedFormat(f"tensor {left[0]} has no place in llama.cpp's {layout.gguf} layout"
                                 + (f" ({len(left) - 1} more)" if len(left) > 1 else ""), folder)
     return out
+
+
+def _check_shapes(tensors: dict, used: set[str], cfg, folder: Path) -> None:
+    """Each tensor the shape brisk's model of this config has: a file llama.cpp would refuse at load is
+    not written."""
+    from ..model import Transformer
+
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
+    for k in sorted(used):
+        if k in tensors and k in want and tuple(tensors[k].shape) != want[k]:
+            raise FileError(f"tensor {k} has shape {list(tensors[k].shape)}; config.json makes it {list(want[k])}",
+                            folder)
 
 
 def _to_gguf(w: torch.Tensor, hf: str, arch, cfg) -> torch.Tensor:

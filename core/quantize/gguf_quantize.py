@@ -4,7 +4,9 @@ llama.cpp writes without an importance matrix (quant/kernels/gguf_quantize.h), b
 --method gptq: the linears by GPTQ on those grids, calibrated (gguf_gptq.py), the rest as rtn. The
 metadata (tokenizer, chat template, architecture keys) is copied as the source holds it, with
 general.file_type and general.quantization_version set; the file is written atomically
-(core/gguf_writer.py). The job is not resumable: an interrupted run starts over.
+(core/gguf_writer.py). The job is not resumable: an interrupted run starts over. A Hugging Face
+folder is first written as llama.cpp's float GGUF (gguf_from_hf.py): the output itself for --type
+F32/F16/BF16, else a hidden file beside OUT that is requantized as above and removed.
 """
 from __future__ import annotations
 
