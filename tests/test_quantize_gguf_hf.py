@@ -438,3 +438,19 @@ def test_sharded_folder(folders, tmp_path):
     convert(folders("llama"), tmp_path / "b.gguf", "F32")
     a, b = gguf.GGUFReader(str(tmp_path / "a.gguf")), gguf.GGUFReader(str(tmp_path / "b.gguf"))
     assert [(t.name, np.array(t.data).tobytes()) for t in a.tensors] == [(t.name, np.array(t.data).tobytes()) for t in b.tensors]
+
+
+def test_pre_tokenizer_names():
+    """tokenizer.json's pre-tokenizers as the released checkpoints write them, named as llama.cpp names
+    them: SmolLM2's digits-then-GPT-2, Llama 3's and Qwen2's regex splits, GPT-2's plain byte level."""
+    from brisk.core.gguf_tokenizer import _LLAMA3_SPLIT, _QWEN2_SPLIT
+    from brisk.core.quantize.gguf_from_hf import _pre_name
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    split = lambda r: {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}  # noqa: E731
+    cases = {"smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]},
+             "llama-bpe": {"type": "Sequence", "pretokenizers": [split(_LLAMA3_SPLIT), {**byte_level, "use_regex": False}]},
+             "qwen2": {"type": "Sequence", "pretokenizers": [split(_QWEN2_SPLIT), {**byte_level, "use_regex": False}]},
+             "gpt-2": byte_level}
+    for name, pre in cases.items():
+        assert _pre_name(pre, Path("tokenizer.json")) == name
