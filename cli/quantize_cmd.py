@@ -24,10 +24,12 @@ def quantize(
                                          "(the default there: calibrated, on llama.cpp's grids) or rtn (llama-quantize's "
                                          "own blocks, in seconds)."),
     fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face folder (default); gguf: one GGUF file that "
-                            "llama.cpp, ollama and brisk run (from a GGUF model of F32, F16, BF16 or Q8_0 tensors)."),
+                            "llama.cpp, ollama and brisk run (from a Hugging Face folder of llama, qwen2, qwen3, "
+                            "gemma3 or phi3, or a GGUF model of F32, F16, BF16 or Q8_0 tensors)."),
     qtype: Optional[str] = typer.Option(None, "--type", help="--format gguf: llama.cpp's mix, Q4_K_M, Q5_K_M, Q6_K, "
                                         "Q8_0, Q4_0, Q3_K_M or Q2_K: the same tensor types as llama-quantize "
-                                        "(--method rtn: its blocks too, without an imatrix)."),
+                                        "(--method rtn: its blocks too, without an imatrix); or F32, F16, BF16: "
+                                        "a Hugging Face folder converted, nothing quantized."),
     bits: Optional[int] = typer.Option(None, "--bits", help="gptq: 2, 3, 4 (default) or 8. awq/nf4/fp4: 4; int8: 8."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="gptq: -1, 32, 64, 128; awq: 32, 64, 128. "
                                              "Default: 128, or the largest that divides every layer."),
@@ -66,6 +68,7 @@ def quantize(
     Examples:  brisk quantize -o smol-gptq --method gptq  ·  brisk quantize org/name -o out --method awq
     ·  brisk quantize model.gguf -o out-nf4 --method nf4 --double-quant
     ·  brisk quantize model-f16.gguf -o model-Q4_K_M.gguf --format gguf --type Q4_K_M [--method rtn]
+    ·  brisk quantize ./hf-folder -o model-Q4_K_M.gguf --format gguf --type Q4_K_M
     """
     from ..core.errors import InvalidValue
 
@@ -133,7 +136,11 @@ def _print_gguf_summary(summary) -> None:
     console = Console(highlight=False)
     mb = lambda n: f"{n / 2**20:,.1f} MB"  # noqa: E731
     types = ", ".join(f"{n} {t}" for t, n in sorted(summary.tensors.items(), key=lambda kv: -kv[1]))
-    console.print(f"GGUF {summary.type} ({summary.method}): {summary.quantized} tensors rounded; tensors by type: {types}")
+    if summary.method == "convert":  # a float --type: nothing rounded to a grid
+        console.print(f"GGUF {summary.type}: converted; tensors by type: {types}")
+    else:
+        console.print(f"GGUF {summary.type} ({summary.method}): {summary.quantized} tensors rounded; "
+                      f"tensors by type: {types}")
     if summary.errors:
         gptq = sum(e[0] for e in summary.errors.values()) / len(summary.errors)
         rtn = sum(e[1] for e in summary.errors.values()) / len(summary.errors)
@@ -144,11 +151,17 @@ def _print_gguf_summary(summary) -> None:
 
 
 class _GGUFProgress(JobProgress):
-    """--format gguf's events: one bar over the tensors."""
+    """--format gguf's events: one bar over the tensors (after one over a Hugging Face folder's conversion,
+    and one over GPTQ's blocks)."""
 
     def show(self, event: str, info: dict) -> None:
         if event == "calibration":
             self.log(f"calibration: {info['samples']} sequences x {info['seq_len']} tokens")
+        elif event == "converting":  # a Hugging Face folder: a bar over its tensors first
+            self.start_bar()
+            self.converting = self.bar.add_task(f"converting ({info['type']})", total=info["total"], note="")
+        elif event == "converted":
+            self.bar.update(self.converting, advance=1, note=f"{info['name']}: {info['type']}")
         elif event == "layers":  # gptq: a bar over the blocks first
             self.start_bar()
             self.layers = self.bar.add_task("gptq", total=info["total"], note="")

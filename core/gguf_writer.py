@@ -16,7 +16,8 @@ from typing import Iterable
 
 import numpy as np
 
-_U32, _F32, _STRING = 4, 6, 8  # GGUF value types
+_U32, _I32, _F32, _BOOL, _STRING, _ARRAY = 4, 5, 6, 7, 8, 9  # GGUF value types
+_SCALAR = {_U32: "<I", _I32: "<i", _F32: "<f"}
 DEFAULT_ALIGNMENT = 32
 
 
@@ -46,6 +47,20 @@ def f32_record(key: str, value: float) -> bytes:
 def string_record(key: str, value: str) -> bytes:
     """One metadata record holding a string."""
     return _string(key) + struct.pack("<I", _STRING) + _string(value)
+
+
+def bool_record(key: str, value: bool) -> bytes:
+    """One metadata record holding a bool."""
+    return _string(key) + struct.pack("<I?", _BOOL, value)
+
+
+def array_record(key: str, item: str, values: list) -> bytes:
+    """One metadata record holding an array; item: "u32", "i32", "f32" or "str"."""
+    kind = {"u32": _U32, "i32": _I32, "f32": _F32, "str": _STRING}[item]
+    head = _string(key) + struct.pack("<IIQ", _ARRAY, kind, len(values))
+    if kind == _STRING:
+        return head + b"".join(_string(v) for v in values)
+    return head + np.asarray(values, dtype=_SCALAR[kind]).tobytes()
 
 
 def _padding(n: int, align: int) -> bytes:

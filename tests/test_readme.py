@@ -1,6 +1,6 @@
 """Every `brisk` example in the README and in docs/ runs as written, in a shell, from a scratch
 folder: the placeholder files it names are made there (model.gguf is the embedded default model's
-file, MODEL the same, model-f16.gguf tinycoder's float one), and only small settings are added where
+file, MODEL the same, model-f16.gguf tinycoder's float one, hf-folder a tiny random Llama), and only small settings are added where
 a command would take minutes (fewer tokens, fewer calibration samples). Lines that cannot run here
 are listed in NOT_HERE with the reason. The files are read README first, then docs/ by name, and
 each distinct line runs once, in that order (a later example may use what an earlier one wrote).
@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import write_hf_checkpoint
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 DOCS = [README, *sorted((README.parent / "docs").glob("*.md"))]
@@ -53,6 +55,7 @@ def scratch(tmp_path_factory, smollm2_path, tiny_gguf_path):
     d = tmp_path_factory.mktemp("readme")
     os.symlink(smollm2_path, d / "model.gguf")
     os.symlink(tiny_gguf_path, d / "model-f16.gguf")  # a float GGUF (F16/F32 tensors): --format gguf's source
+    write_hf_checkpoint(d / "hf-folder", "llama")
     (d / "prompt.txt").write_text("Write one line about the sea.\n###\n")
     (d / "city.json").write_text('{"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, '
                                  '"required": ["name"]}')

@@ -4,7 +4,9 @@ llama.cpp writes without an importance matrix (quant/kernels/gguf_quantize.h), b
 --method gptq: the linears by GPTQ on those grids, calibrated (gguf_gptq.py), the rest as rtn. The
 metadata (tokenizer, chat template, architecture keys) is copied as the source holds it, with
 general.file_type and general.quantization_version set; the file is written atomically
-(core/gguf_writer.py). The job is not resumable: an interrupted run starts over.
+(core/gguf_writer.py). The job is not resumable: an interrupted run starts over. A Hugging Face
+folder is first written as llama.cpp's float GGUF (gguf_from_hf.py): the output itself for --type
+F32/F16/BF16, else a hidden file beside OUT that is requantized as above and removed.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from ..errors import BriskError, InvalidValue
 GGUF_METHODS = ("rtn", "gptq")
 # the source types llama.cpp requantizes exactly (their values are float32 without loss)
 SOURCE_TYPES = ("F32", "F16", "BF16", "Q8_0")
+# --type values that convert a Hugging Face folder without quantizing (gguf_from_hf.py)
+FLOAT_TYPES = ("F32", "F16", "BF16")
 _REPLACED = ("general.file_type", "general.quantization_version", "split.no", "split.count", "split.tensors.count")
 
 
@@ -42,14 +46,21 @@ class GGUFSummary:
 
 
 def check_options(type_name: str | None, method: str | None) -> tuple[object, str]:
-    """(the mix, the method) for --type/--method, or a BriskError naming the flag."""
+    """(the mix, or a float type's name, F32/F16/BF16; the method) for --type/--method, or a
+    BriskError naming the flag."""
     from ...quant.gguf_mix import MIXES
 
+    names = ", ".join([*MIXES, *FLOAT_TYPES])
     if type_name is None:
-        raise InvalidValue("type", None, "", template=f"--format gguf needs {{option}}: one of {', '.join(MIXES)}")
+        raise InvalidValue("type", None, "", template=f"--format gguf needs {{option}}: one of {names}")
+    if type_name.upper() in FLOAT_TYPES:  # a conversion: nothing is rounded to a grid
+        if method not in (None, "rtn"):
+            raise InvalidValue("method", method, "", template=f"{{option}} {method} does not apply to --type "
+                               f"{type_name.upper()} (a float file: nothing is quantized)")
+        return type_name.upper(), "rtn"
     mix = MIXES.get(type_name.upper())
     if mix is None:
-        raise InvalidValue("type", type_name, "", template=f"unknown {{option}} {type_name!r}; use one of {', '.join(MIXES)}")
+        raise InvalidValue("type", type_name, "", template=f"unknown {{option}} {type_name!r}; use one of {names}")
     # gptq by default: its KL to the float model is below rtn's at the same size (docs/quantization.md)
     method = method or "gptq"
     if method not in GGUF_METHODS:
@@ -81,15 +92,14 @@ def _model_shape(meta: dict, path: Path):
 
 def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: str | None = None,
                   force: bool = False, report=lambda event, **info: None, calib: dict | None = None) -> GGUFSummary:
-    """Write `model` (a GGUF file) as OUT, a GGUF file of the mix `type_name` (Q4_K_M, Q8_0, ...).
+    """Write `model` (a GGUF file, or a Hugging Face folder) as OUT, a GGUF file of the mix `type_name` (Q4_K_M, Q8_0, ...).
     calib: gptq's calibration options (calib, samples, seq_len, damp: QuantOptions' fields)."""
-    from ...quant import gguf_types, native
-    from ...quant.gguf_mix import QUANTIZATION_VERSION, file_order, tensor_types
-    from .. import gguf_writer
     from ..checkpoint import resolve
-    from ..gguf_file import open_gguf
 
     mix, method = check_options(type_name, method)
+    if isinstance(mix, str) and calib:  # nothing calibrates a conversion
+        flag = next(iter(calib))
+        raise InvalidValue(flag, calib[flag], "", template=f"{{option}} does not apply to --type {mix} (nothing is quantized)")
     opts = _gptq_options(calib or {}) if method == "gptq" else None
     out = Path(out)
     if out.is_dir():
@@ -99,11 +109,64 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
     if not out.parent.is_dir():
         raise InvalidValue("out", str(out), "", template=f"{{option}}: no folder {out.parent}")
     name, path = resolve(model)
-    if path.is_dir():
-        raise BriskError(f"{name} is a Hugging Face folder: --format gguf reads a GGUF file for now "
-                         f"(an F32, F16, BF16 or Q8_0 one, e.g. from llama.cpp's convert_hf_to_gguf.py)")
     if out.resolve() == path.resolve():
         raise BriskError(f"{out} is the input model itself; write the output elsewhere")
+    if path.is_dir():
+        return _from_hf_folder(name, path, out, mix, method, opts, report)
+    if isinstance(mix, str):
+        raise InvalidValue("type", mix, "", template=f"{{option}} {mix} converts a Hugging Face folder; {name} is a "
+                           "GGUF file already (requantize it with a mix such as Q8_0)")
+    return _requantize(name, path, out, mix, method, opts, report)
+
+
+def _from_hf_folder(name: str, folder: Path, out: Path, mix, method: str, opts, report) -> GGUFSummary:
+    """A Hugging Face folder: converted straight to OUT for a float --type, else to a float GGUF
+    beside OUT (the checkpoint's own float types, nothing rounded) that is then requantized as a GGUF
+    input is, and removed."""
+    from ..checkpoint import safetensors_files
+    from . import gguf_from_hf
+
+    t0 = time.perf_counter()
+    source_bytes = sum(f.stat().st_size for f in safetensors_files(folder))
+    title = Path(name).name  # general.name: a hub id's model name, not its cache snapshot's hash
+    if isinstance(mix, str):
+        report("loading", model=name)
+        gguf_from_hf.write(folder, out, mix, name=title, report=report)
+        return _float_summary(out, mix, source_bytes, t0)
+    source = out.with_name(f".{out.name}.source.gguf")  # hidden, and written atomically itself
+    try:
+        gguf_from_hf.write(folder, source, None, name=title, report=report)
+        summary = _requantize(name, source, out, mix, method, opts, report)
+    finally:
+        if source.exists():  # gptq loaded it: its header cache goes with it
+            import shutil
+
+            from ..checkpoint import _gguf_cache_dir
+
+            shutil.rmtree(_gguf_cache_dir(source), ignore_errors=True)
+            source.unlink()
+    summary.source_bytes, summary.seconds = source_bytes, round(time.perf_counter() - t0, 2)
+    return summary
+
+
+def _float_summary(out: Path, type_name: str, source_bytes: int, t0: float) -> GGUFSummary:
+    from ..gguf_file import open_gguf
+
+    counts: dict[str, int] = {}
+    for t in open_gguf(out).tensors:
+        counts[_type_name(t.qtype)] = counts.get(_type_name(t.qtype), 0) + 1
+    return GGUFSummary(out=str(out), type=type_name, method="convert", source_bytes=source_bytes,
+                       out_bytes=out.stat().st_size, tensors=counts, seconds=round(time.perf_counter() - t0, 2),
+                       quantized=0)
+
+
+def _requantize(name: str, path: Path, out: Path, mix, method: str, opts, report) -> GGUFSummary:
+    """The GGUF file `path` written as OUT in the mix."""
+    from ...quant import gguf_types, native
+    from ...quant.gguf_mix import QUANTIZATION_VERSION, file_order, tensor_types
+    from .. import gguf_writer
+    from ..gguf_file import open_gguf
+
     t0 = time.perf_counter()
     report("loading", model=name)
     src = open_gguf(path)
