@@ -27,7 +27,11 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # general.file_type of a float file (llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16)
 FLOAT_FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32}
 
-_LLAMA_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+_ATTN_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
+_LLAMA_PARTS = _ATTN_PARTS + ("ffn_gate", "ffn_up", "ffn_down")
+# an MoE layer: its router, and each expert projection stacked over the experts [n_expert, rows, cols]
+_MOE_PARTS = _ATTN_PARTS + ("ffn_gate_inp",)
+EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Layout:
     parts: tuple[str, ...]  # block tensors (weight, and bias where the checkpoint has one)
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a GGUF tensor: the parts stacked in it
     keys: Callable | None = None  # (ModelConfig, config.json) -> this architecture's own keys {suffix: value}
+    experts: tuple[str, ...] = ()  # stacked expert tensors, each [n_expert, rows, cols]
 
 
 def _window_refused(c, cfg: dict, arch: str) -> dict:
@@ -75,6 +80,27 @@ def _phi3_keys(c, cfg: dict) -> dict:
     return out
 
 
+def _expert_counts(c) -> dict:
+    return {"expert_count": ("u32", c.n_experts), "expert_used_count": ("u32", c.n_experts_used)}
+
+
+def _mixtral_keys(c, cfg: dict) -> dict:
+    # llama.cpp's llama with experts: its feed_forward_length is each expert's width
+    return {**_window_refused(c, cfg, "llama"), **_expert_counts(c)}
+
+
+def _qwen3_moe_keys(c, cfg: dict) -> dict:
+    # llama.cpp's qwen3moe has a router in every layer and always renormalizes the top-k weights
+    if c.dense_layers:
+        raise UnsupportedFormat(f"config.json: layers {c.dense_layers} without experts (mlp_only_layers or "
+                                "decoder_sparse_step); llama.cpp's qwen3moe routes every layer")
+    if not c.norm_topk_prob:
+        raise UnsupportedFormat("config.json: norm_topk_prob false; llama.cpp's qwen3moe renormalizes the "
+                                "chosen experts' weights")
+    return {**_window_refused(c, cfg, "qwen3moe"), **_expert_counts(c),
+            "expert_feed_forward_length": ("u32", c.expert_ffn_dim)}
+
+
 LAYOUTS = {
     "llama": Layout("llama", _LLAMA_PARTS, keys=lambda c, cfg: _window_refused(c, cfg, "llama")),
     "qwen2": Layout("qwen2", _LLAMA_PARTS, keys=lambda c, cfg: _window_refused(c, cfg, "qwen2")),
@@ -85,6 +111,9 @@ LAYOUTS = {
     # Phi-3's q/k/v and gate/up stay fused, as llama.cpp's phi3 reads them
     "phi3": Layout("phi3", _LLAMA_PARTS, fused={"attn_qkv": ("attn_q", "attn_k", "attn_v"),
                                                   "ffn_up": ("ffn_gate", "ffn_up")}, keys=_phi3_keys),
+    "mixtral": Layout("llama", _MOE_PARTS, keys=_mixtral_keys, experts=EXPERT_PARTS),
+    "qwen3_moe": Layout("qwen3moe", _MOE_PARTS + ("attn_q_norm", "attn_k_norm"), keys=_qwen3_moe_keys,
+                        experts=EXPERT_PARTS),
 }
 # ignored where a checkpoint has them: tables transformers recomputes, a multimodal model's other towers
 _IGNORED = ("rotary_emb.inv_freq", "vision_tower.", "multi_modal_projector.")
@@ -179,7 +208,13 @@ def _shape(source, tensors) -> tuple[int, ...]:
     if not parts:
         return tuple(make([]).shape)
     ws = [tensors[p] for p in parts]
+    if _is_stacked(parts):
+        return (len(ws), *ws[0].shape)
     return (sum(w.shape[0] for w in ws), *ws[0].shape[1:]) if len(ws) > 1 else tuple(ws[0].shape)
+
+
+def _is_stacked(parts: list[str]) -> bool:
+    return ".mlp.experts." in parts[0]
 
 
 def _bytes(w: torch.Tensor, qtype: int) -> np.ndarray:
@@ -227,6 +262,14 @@ def _tensor_sources(tensors: dict, cfg, layout: Layout, arch, folder: Path) -> d
                 hfs = [p[0][0] for p in pieces]
                 out[f"blk.{i}.{fused}.{kind}"] = (hfs, lambda ws, hfs=hfs: torch.cat(
                     [_to_gguf(w, h, arch, cfg) for w, h in zip(ws, hfs)]))
+        for part in layout.experts:
+            gname = f"blk.{i}.{part}.weight"
+            hfs = [arch.gguf_to_hf_name(f"blk.{i}.{part}.{e}.weight") for e in range(cfg.n_experts)]
+            missing = [h for h in hfs if h not in tensors]
+            if missing:
+                raise FileError(f"no tensor {missing[0]} (an expert of llama.cpp's {gname})", folder)
+            used.update(hfs)
+            out[gname] = (hfs, lambda ws: torch.stack(ws))
     if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "llama3":
         # llama.cpp divides each rotary frequency by this factor
         plain = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, None)
