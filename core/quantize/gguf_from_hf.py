@@ -101,6 +101,34 @@ def _qwen3_moe_keys(c, cfg: dict) -> dict:
             "expert_feed_forward_length": ("u32", c.expert_ffn_dim)}
 
 
+def _gpt_oss_keys(c, cfg: dict) -> dict:
+    # llama.cpp's gpt-oss fixes what config.json could vary: even layers sliding, its SwiGLU's clamp
+    # and slope, YaRN's ramp ends not rounded
+    want = ["sliding" if i % 2 == 0 else "full" for i in range(c.n_layers)]
+    if list(c.layer_types) != want:
+        raise UnsupportedFormat("config.json: layer_types other than sliding, full, ...; llama.cpp's gpt-oss "
+                                "slides the even layers")
+    if (c.swiglu_limit, c.swiglu_alpha) != (7.0, 1.702):
+        raise UnsupportedFormat("config.json: swiglu_limit/swiglu_alpha other than 7 and 1.702; llama.cpp's "
+                                "gpt-oss fixes them")
+    out = {**_expert_counts(c), "expert_feed_forward_length": ("u32", c.expert_ffn_dim),
+           "attention.sliding_window": ("u32", c.sliding_window)}
+    y = c.rope_scaling
+    if y:
+        if y.get("truncate"):
+            raise UnsupportedFormat("config.json: YaRN with truncate; llama.cpp's gpt-oss does not round the "
+                                    "ramp's ends")
+        out.update({"rope.scaling.type": ("str", "yarn"), "rope.scaling.factor": ("f32", y["factor"]),
+                    "rope.scaling.original_context_length": ("u32", y["original_max_position_embeddings"]),
+                    "rope.scaling.yarn_beta_fast": ("f32", y["beta_fast"]),
+                    "rope.scaling.yarn_beta_slow": ("f32", y["beta_slow"])})
+        given = (cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+        factor = given.get("attention_factor", given.get("attn_factor"))
+        if factor is not None:  # llama.cpp's converter writes it only where config.json says it
+            out["rope.scaling.yarn_attn_factor"] = ("f32", factor)
+    return out
+
+
 LAYOUTS = {
     "llama": Layout("llama", _LLAMA_PARTS, keys=lambda c, cfg: _window_refused(c, cfg, "llama")),
     "qwen2": Layout("qwen2", _LLAMA_PARTS, keys=lambda c, cfg: _window_refused(c, cfg, "qwen2")),
@@ -112,6 +140,8 @@ LAYOUTS = {
     "phi3": Layout("phi3", _LLAMA_PARTS, fused={"attn_qkv": ("attn_q", "attn_k", "attn_v"),
                                                   "ffn_up": ("ffn_gate", "ffn_up")}, keys=_phi3_keys),
     "mixtral": Layout("llama", _MOE_PARTS, keys=_mixtral_keys, experts=EXPERT_PARTS),
+    "gpt_oss": Layout("gpt-oss", ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_sinks",
+                                  "post_attention_norm", "ffn_gate_inp"), keys=_gpt_oss_keys, experts=EXPERT_PARTS),
     "qwen3_moe": Layout("qwen3moe", _MOE_PARTS + ("attn_q_norm", "attn_k_norm"), keys=_qwen3_moe_keys,
                         experts=EXPERT_PARTS),
 }
@@ -137,6 +167,10 @@ def layout_for(folder: Path):
     if not cfg_json:
         raise FileError("missing or empty config.json", folder)
     cfg = arch_mod.from_hf_config(cfg_json, str(folder / "config.json"))
+    qcfg = cfg_json.get("quantization_config")
+    if isinstance(qcfg, dict) and qcfg.get("quant_method") == "mxfp4":
+        raise UnsupportedFormat("config.json: MXFP4 experts; --format gguf from a Hugging Face folder converts "
+                                "float checkpoints (a bfloat16 gpt-oss)")
     layout = LAYOUTS.get(cfg.arch)
     if layout is None:
         raise UnsupportedFormat(f"--format gguf from a Hugging Face folder covers {', '.join(LAYOUTS)}; this "
@@ -263,13 +297,16 @@ def _tensor_sources(tensors: dict, cfg, layout: Layout, arch, folder: Path) -> d
                 out[f"blk.{i}.{fused}.{kind}"] = (hfs, lambda ws, hfs=hfs: torch.cat(
                     [_to_gguf(w, h, arch, cfg) for w, h in zip(ws, hfs)]))
         for part in layout.experts:
-            gname = f"blk.{i}.{part}.weight"
-            hfs = [arch.gguf_to_hf_name(f"blk.{i}.{part}.{e}.weight") for e in range(cfg.n_experts)]
-            missing = [h for h in hfs if h not in tensors]
-            if missing:
-                raise FileError(f"no tensor {missing[0]} (an expert of llama.cpp's {gname})", folder)
-            used.update(hfs)
-            out[gname] = (hfs, lambda ws: torch.stack(ws))
+            for kind in ("weight", "bias"):  # gpt-oss's experts have biases: stacked [n_expert, rows]
+                gname = f"blk.{i}.{part}.{kind}"
+                hfs = [arch.gguf_to_hf_name(f"blk.{i}.{part}.{e}.{kind}") for e in range(cfg.n_experts)]
+                missing = [h for h in hfs if h not in tensors]
+                if kind == "bias" and len(missing) == len(hfs):
+                    continue
+                if missing:
+                    raise FileError(f"no tensor {missing[0]} (an expert of llama.cpp's {gname})", folder)
+                used.update(hfs)
+                out[gname] = (hfs, lambda ws: torch.stack(ws))
     if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "llama3":
         # llama.cpp divides each rotary frequency by this factor
         plain = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, None)
@@ -326,7 +363,8 @@ def _metadata(folder: Path, c, layout: Layout, cfg_json: dict, name: str) -> lis
     records = [gw.string_record("general.architecture", a), gw.string_record("general.type", "model"),
                gw.string_record("general.name", name)]
     for k, (kind, v) in keys.items():
-        records.append(gw.u32_record(f"{a}.{k}", int(v)) if kind == "u32" else gw.f32_record(f"{a}.{k}", float(v)))
+        records.append(gw.u32_record(f"{a}.{k}", int(v)) if kind == "u32" else
+                       gw.string_record(f"{a}.{k}", v) if kind == "str" else gw.f32_record(f"{a}.{k}", float(v)))
     records += tokenizer_records(folder, c.vocab_size)
     return records
 
