@@ -1,8 +1,9 @@
-"""`brisk quantize --format gguf --method gptq` on MoE models (Qwen3-MoE, Mixtral from Hugging Face
+"""`brisk quantize --format gguf --method gptq` on MoE models (Qwen3-MoE, Mixtral, gpt-oss from Hugging Face
 folders): each expert compensated on the calibration tokens its router sends it, its blocks written
 into llama.cpp's stacked expert tensors. Each expert's output error on its tokens is below llama.cpp's
-round-to-nearest's, the file's KL to the float model on held-out text is below the rtn file's, an
-expert with too few tokens gets rtn's own blocks, and llama.cpp runs the file as brisk does."""
+round-to-nearest's (gpt-oss's expert biases kept as rtn keeps them), the file's KL to the float model
+on held-out text is below the rtn file's, an expert with too few tokens gets rtn's own blocks, and
+llama.cpp runs the file as brisk does."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,7 +20,7 @@ from test_quantize_gguf_gptq import _kl, _quantize
 
 pytestmark = [pytest.mark.skipif(not native.available(), reason="no native kernels here (GGUF quantization needs them)"),
               pytest.mark.usefixtures("one_thread")]
-N_EXPERTS = {"qwen3_moe": 8, "mixtral": 4}
+N_EXPERTS = {"qwen3_moe": 8, "mixtral": 4, "gpt_oss": 4}
 
 
 def _moe_folder(folder: Path, kind: str) -> Path:
@@ -37,6 +38,10 @@ def _moe_folder(folder: Path, kind: str) -> Path:
         cfg = tf.Qwen3MoeConfig(**common, intermediate_size=512, head_dim=64, num_experts=8, num_experts_per_tok=2,
                                 moe_intermediate_size=256, norm_topk_prob=True)
         model = tf.Qwen3MoeForCausalLM(cfg)
+    elif kind == "gpt_oss":  # biases on every expert, its clamped SwiGLU
+        cfg = tf.GptOssConfig(**common, intermediate_size=256, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=8)
+        model = tf.GptOssForCausalLM(cfg)
     else:
         cfg = tf.MixtralConfig(**common, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2)
         model = tf.MixtralForCausalLM(cfg)
@@ -48,7 +53,7 @@ def _moe_folder(folder: Path, kind: str) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_per_expert_gptq(kind, tmp_path):
     """Every expert of every layer's gate/up/down compensated (its error on its routed tokens below
     rtn's), the stacked tensors of rtn's types and shapes, the rest of the file rtn's bytes, and the
@@ -72,8 +77,8 @@ def test_per_expert_gptq(kind, tmp_path):
         r = by_name[t.name]
         assert (t.qtype, t.shape) == (r.qtype, r.shape), t.name
         same = np.array_equal(np.asarray(q.raw(t)), np.asarray(rtn.raw(r)))
-        assert same == (t.name not in s["errors"] and "_exps." not in t.name), t.name
-        if "_exps." in t.name:
+        assert same == (t.name not in s["errors"] and "_exps.weight" not in t.name), t.name  # biases, router: rtn's
+        if "_exps.weight" in t.name:
             assert t.shape[0] == n and gguf_types.BY_ID[t.qtype].name in ("Q4_K", "Q6_K"), (t.name, t.qtype)
     kl_gptq, kl_rtn = _kl(gptq_out, f32), _kl(rtn_out, f32)
     assert kl_gptq < kl_rtn, (kl_gptq, kl_rtn)
@@ -109,8 +114,9 @@ def test_expert_with_few_tokens_gets_rtn_blocks():
     assert np.array_equal(whole[16:], rows[1]) and not np.array_equal(whole[:16], rows[0])
 
 
-def test_llama_cpp_runs_gptq_moe(tmp_path):
-    """llama-server runs brisk's GPTQ Qwen3-MoE file: each token of its greedy continuation is the
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_llama_cpp_runs_gptq_moe(kind, tmp_path):
+    """llama-server runs brisk's GPTQ MoE file: each token of its greedy continuation is the
     one brisk's kept-quantized run of the file ranks first after the same tokens, up to a near-tie
     (1% of the logits' range: a tiny random model's top logits are close, and llama.cpp rounds
     activations its own way, so the two continuations can part at a tie)."""
@@ -120,7 +126,7 @@ def test_llama_cpp_runs_gptq_moe(tmp_path):
 
     server = llama_server()
     out = tmp_path / "gptq.gguf"
-    _quantize(_moe_folder(tmp_path / "hf", "qwen3_moe"), out, "Q4_K_M", "gptq", "--samples", "8", "--seq-len", "32")
+    _quantize(_moe_folder(tmp_path / "hf", kind), out, "Q4_K_M", "gptq", "--samples", "8", "--seq-len", "32")
     llm = LLM.load(str(out), device="cpu", dtype="float32", ctx=256)
     prompt = IDS[:12]
     got = _llama_greedy(server, out, prompt, 12, 256)
