@@ -27,7 +27,11 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # general.file_type of a float file (llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16)
 FLOAT_FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32}
 
-_LLAMA_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+_ATTN_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
+_LLAMA_PARTS = _ATTN_PARTS + ("ffn_gate", "ffn_up", "ffn_down")
+# an MoE layer: its router, and each expert projection stacked over the experts [n_expert, rows, cols]
+_MOE_PARTS = _ATTN_PARTS + ("ffn_gate_inp",)
+EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Layout:
     parts: tuple[str, ...]  # block tensors (weight, and bias where the checkpoint has one)
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a GGUF tensor: the parts stacked in it
     keys: Callable | None = None  # (ModelConfig, config.json) -> this architecture's own keys {suffix: value}
+    experts: tuple[str, ...] = ()  # stacked expert tensors, each [n_expert, rows, cols]
 
 
 def _window_refused(c, cfg: dict, arch: str) -> dict:
@@ -75,6 +80,55 @@ def _phi3_keys(c, cfg: dict) -> dict:
     return out
 
 
+def _expert_counts(c) -> dict:
+    return {"expert_count": ("u32", c.n_experts), "expert_used_count": ("u32", c.n_experts_used)}
+
+
+def _mixtral_keys(c, cfg: dict) -> dict:
+    # llama.cpp's llama with experts: its feed_forward_length is each expert's width
+    return {**_window_refused(c, cfg, "llama"), **_expert_counts(c)}
+
+
+def _qwen3_moe_keys(c, cfg: dict) -> dict:
+    # llama.cpp's qwen3moe has a router in every layer and always renormalizes the top-k weights
+    if c.dense_layers:
+        raise UnsupportedFormat(f"config.json: layers {c.dense_layers} without experts (mlp_only_layers or "
+                                "decoder_sparse_step); llama.cpp's qwen3moe routes every layer")
+    if not c.norm_topk_prob:
+        raise UnsupportedFormat("config.json: norm_topk_prob false; llama.cpp's qwen3moe renormalizes the "
+                                "chosen experts' weights")
+    return {**_window_refused(c, cfg, "qwen3moe"), **_expert_counts(c),
+            "expert_feed_forward_length": ("u32", c.expert_ffn_dim)}
+
+
+def _gpt_oss_keys(c, cfg: dict) -> dict:
+    # llama.cpp's gpt-oss fixes what config.json could vary: even layers sliding, its SwiGLU's clamp
+    # and slope, YaRN's ramp ends not rounded
+    want = ["sliding" if i % 2 == 0 else "full" for i in range(c.n_layers)]
+    if list(c.layer_types) != want:
+        raise UnsupportedFormat("config.json: layer_types other than sliding, full, ...; llama.cpp's gpt-oss "
+                                "slides the even layers")
+    if (c.swiglu_limit, c.swiglu_alpha) != (7.0, 1.702):
+        raise UnsupportedFormat("config.json: swiglu_limit/swiglu_alpha other than 7 and 1.702; llama.cpp's "
+                                "gpt-oss fixes them")
+    out = {**_expert_counts(c), "expert_feed_forward_length": ("u32", c.expert_ffn_dim),
+           "attention.sliding_window": ("u32", c.sliding_window)}
+    y = c.rope_scaling
+    if y:
+        if y.get("truncate"):
+            raise UnsupportedFormat("config.json: YaRN with truncate; llama.cpp's gpt-oss does not round the "
+                                    "ramp's ends")
+        out.update({"rope.scaling.type": ("str", "yarn"), "rope.scaling.factor": ("f32", y["factor"]),
+                    "rope.scaling.original_context_length": ("u32", y["original_max_position_embeddings"]),
+                    "rope.scaling.yarn_beta_fast": ("f32", y["beta_fast"]),
+                    "rope.scaling.yarn_beta_slow": ("f32", y["beta_slow"])})
+        given = (cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+        factor = given.get("attention_factor", given.get("attn_factor"))
+        if factor is not None:  # llama.cpp's converter writes it only where config.json says it
+            out["rope.scaling.yarn_attn_factor"] = ("f32", factor)
+    return out
+
+
 LAYOUTS = {
     "llama": Layout("llama", _LLAMA_PARTS, keys=lambda c, cfg: _window_refused(c, cfg, "llama")),
     "qwen2": Layout("qwen2", _LLAMA_PARTS, keys=lambda c, cfg: _window_refused(c, cfg, "qwen2")),
@@ -85,6 +139,11 @@ LAYOUTS = {
     # Phi-3's q/k/v and gate/up stay fused, as llama.cpp's phi3 reads them
     "phi3": Layout("phi3", _LLAMA_PARTS, fused={"attn_qkv": ("attn_q", "attn_k", "attn_v"),
                                                   "ffn_up": ("ffn_gate", "ffn_up")}, keys=_phi3_keys),
+    "mixtral": Layout("llama", _MOE_PARTS, keys=_mixtral_keys, experts=EXPERT_PARTS),
+    "gpt_oss": Layout("gpt-oss", ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_sinks",
+                                  "post_attention_norm", "ffn_gate_inp"), keys=_gpt_oss_keys, experts=EXPERT_PARTS),
+    "qwen3_moe": Layout("qwen3moe", _MOE_PARTS + ("attn_q_norm", "attn_k_norm"), keys=_qwen3_moe_keys,
+                        experts=EXPERT_PARTS),
 }
 # ignored where a checkpoint has them: tables transformers recomputes, a multimodal model's other towers
 _IGNORED = ("rotary_emb.inv_freq", "vision_tower.", "multi_modal_projector.")
@@ -108,6 +167,10 @@ def layout_for(folder: Path):
     if not cfg_json:
         raise FileError("missing or empty config.json", folder)
     cfg = arch_mod.from_hf_config(cfg_json, str(folder / "config.json"))
+    qcfg = cfg_json.get("quantization_config")
+    if isinstance(qcfg, dict) and qcfg.get("quant_method") == "mxfp4":
+        raise UnsupportedFormat("config.json: MXFP4 experts; --format gguf from a Hugging Face folder converts "
+                                "float checkpoints (a bfloat16 gpt-oss)")
     layout = LAYOUTS.get(cfg.arch)
     if layout is None:
         raise UnsupportedFormat(f"--format gguf from a Hugging Face folder covers {', '.join(LAYOUTS)}; this "
@@ -179,7 +242,13 @@ def _shape(source, tensors) -> tuple[int, ...]:
     if not parts:
         return tuple(make([]).shape)
     ws = [tensors[p] for p in parts]
+    if _is_stacked(parts):
+        return (len(ws), *ws[0].shape)
     return (sum(w.shape[0] for w in ws), *ws[0].shape[1:]) if len(ws) > 1 else tuple(ws[0].shape)
+
+
+def _is_stacked(parts: list[str]) -> bool:
+    return ".mlp.experts." in parts[0]
 
 
 def _bytes(w: torch.Tensor, qtype: int) -> np.ndarray:
@@ -227,6 +296,17 @@ def _tensor_sources(tensors: dict, cfg, layout: Layout, arch, folder: Path) -> d
                 hfs = [p[0][0] for p in pieces]
                 out[f"blk.{i}.{fused}.{kind}"] = (hfs, lambda ws, hfs=hfs: torch.cat(
                     [_to_gguf(w, h, arch, cfg) for w, h in zip(ws, hfs)]))
+        for part in layout.experts:
+            for kind in ("weight", "bias"):  # gpt-oss's experts have biases: stacked [n_expert, rows]
+                gname = f"blk.{i}.{part}.{kind}"
+                hfs = [arch.gguf_to_hf_name(f"blk.{i}.{part}.{e}.{kind}") for e in range(cfg.n_experts)]
+                missing = [h for h in hfs if h not in tensors]
+                if kind == "bias" and len(missing) == len(hfs):
+                    continue
+                if missing:
+                    raise FileError(f"no tensor {missing[0]} (an expert of llama.cpp's {gname})", folder)
+                used.update(hfs)
+                out[gname] = (hfs, lambda ws: torch.stack(ws))
     if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "llama3":
         # llama.cpp divides each rotary frequency by this factor
         plain = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, None)
@@ -283,7 +363,8 @@ def _metadata(folder: Path, c, layout: Layout, cfg_json: dict, name: str) -> lis
     records = [gw.string_record("general.architecture", a), gw.string_record("general.type", "model"),
                gw.string_record("general.name", name)]
     for k, (kind, v) in keys.items():
-        records.append(gw.u32_record(f"{a}.{k}", int(v)) if kind == "u32" else gw.f32_record(f"{a}.{k}", float(v)))
+        records.append(gw.u32_record(f"{a}.{k}", int(v)) if kind == "u32" else
+                       gw.string_record(f"{a}.{k}", v) if kind == "str" else gw.f32_record(f"{a}.{k}", float(v)))
     records += tokenizer_records(folder, c.vocab_size)
     return records
 

@@ -5,8 +5,9 @@ Hugging Face output (true-sequential steps, recipes._true_sequential): each line
 inputs with the earlier linears already quantized, then GPTQ column by column where each block's
 scales are llama.cpp's own choice for the weights as updated by then (quant/gguf_grid.py), and the
 next block sees what the quantized model computes. The result is each linear's GGUF blocks of the
-type the mix gives its tensor. Tensors without calibration inputs (token table, output head, norms,
-MoE experts stored as one 3-D tensor) and the types without a grid there (Q2_K, Q3_K, Q5_0, Q5_1) are
+type the mix gives its tensor; an MoE layer's experts each on the tokens routed to them, joined into
+llama.cpp's stacked tensors (gguf_gptq_moe.py). Tensors without calibration inputs (token table,
+output head, norms, the router) and the types without a grid there (Q2_K, Q3_K, Q5_0, Q5_1) are
 left to the caller's round-to-nearest.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ def quantized_linears(path, targets: dict[str, int], opts, report) -> tuple[dict
     from ..checkpoint import gguf_to_hf_name
     from ..llm import LLM
     from . import blocks, recipes
+    from .gguf_gptq_moe import StackedExperts
 
     llm = LLM.load(str(path), device="cpu", dtype="float32", ctx=max(16, opts.seq_len), quantize="none")
     net, cfg = llm.model, llm.config
@@ -37,10 +39,15 @@ def quantized_linears(path, targets: dict[str, int], opts, report) -> tuple[dict
     report("calibration", samples=opts.samples, seq_len=opts.seq_len, tokens=ids.numel())
     out, errors = {}, {}
 
+    experts = StackedExperts(targets, cfg.n_experts or 0, _nearest)
+
     def one(g, name, prefix):
         hf = prefix + name + ".weight"
         gname = by_hf.get(hf)
         qtype = targets.get(gname)
+        stacked = experts.target(hf)  # MoE hook: an expert of a stacked tensor (gguf_gptq_moe.py)
+        if stacked is not None:
+            return experts.quantize(g, stacked, opts.damp, out, errors)
         N, K = g.weight.shape
         if qtype is None or not gguf_types.BY_ID[qtype].quantized:  # kept float: F16 rows are what it runs
             deq = g.weight.half().float() if qtype == gguf_types.F16 else g.weight.float()
