@@ -4,10 +4,13 @@ llama.cpp writes without an importance matrix (quant/kernels/gguf_quantize.h), b
 --method gptq: the linears by GPTQ on those grids, calibrated (gguf_gptq.py), the rest as rtn. The
 metadata (tokenizer, chat template, architecture keys) is copied as the source holds it, with
 general.file_type and general.quantization_version set; the file is written atomically
-(core/gguf_writer.py). The job is not resumable: an interrupted run starts over.
+(core/gguf_writer.py). gptq keeps each finished block in OUT.gptq.partial (resume.py's layout; the
+writer's OUT.partial is the file being written): a rerun
+with the same arguments resumes there and writes the same bytes; rtn (seconds) starts over.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -104,6 +107,7 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
                          f"(an F32, F16, BF16 or Q8_0 one, e.g. from llama.cpp's convert_hf_to_gguf.py)")
     if out.resolve() == path.resolve():
         raise BriskError(f"{out} is the input model itself; write the output elsewhere")
+    partial = gptq_partial(out)
     t0 = time.perf_counter()
     report("loading", model=name)
     src = open_gguf(path)
@@ -131,7 +135,7 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
         from .gguf_gptq import quantized_linears
 
         wanted = {n: targets[n] for n in order if targets[n] != tensors[n].qtype}
-        done, errors = quantized_linears(path, wanted, opts, report)
+        done, errors = quantized_linears(path, wanted, opts, report, partial)
     report("start", total=len(order), type=mix.name)
 
     def data():
@@ -150,6 +154,7 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
 
     report("writing", out=str(out))
     size = gguf_writer.write(out, records, entries, data(), align)
+    shutil.rmtree(partial, ignore_errors=True)
     counts: dict[str, int] = {}
     for e in entries:
         counts[_type_name(e.qtype)] = counts.get(_type_name(e.qtype), 0) + 1
@@ -157,6 +162,11 @@ def quantize_gguf(model: str | None, out: Path, type_name: str | None, method: s
                        tensors=counts, seconds=round(time.perf_counter() - t0, 2),
                        quantized=sum(targets[n] != tensors[n].qtype for n in order),
                        calibration_tokens=opts.samples * opts.seq_len if opts else 0, errors=errors)
+
+
+def gptq_partial(out: Path) -> Path:
+    """Where --method gptq keeps its finished blocks until OUT is written."""
+    return out.with_name(out.name + ".gptq.partial")
 
 
 def _gptq_options(calib: dict):
