@@ -49,11 +49,12 @@ def quantized_linears(path, targets: dict[str, int], opts, report, partial: Path
     arch = arch_mod.by_name(cfg.arch)
     by_hf = {gguf_to_hf_name(n, arch): n for n in targets}
     hf_of = {n: hf for hf, n in by_hf.items()}
-    ids = calibration.calibration_batch(llm.tokenizer, calibration.load_texts(opts.calib), opts.samples, opts.seq_len)
+    texts = calibration.load_texts(opts.calib)
+    ids = calibration.calibration_batch(llm.tokenizer, texts, opts.samples, opts.seq_len)
     report("calibration", samples=opts.samples, seq_len=opts.seq_len, tokens=ids.numel())
     done = {}
     if partial is not None:
-        key = run_key(path, targets, opts, calibration.load_texts(opts.calib))
+        key = run_key(path, targets, opts, texts)
         done = resume.resume_state(partial, key)
         resume.prepare_partial(partial, key, opts, done, report)
     out, errors = {}, {}  # blocks in brisk's row order until the end
@@ -134,8 +135,6 @@ _VERSION = 1  # bump when the blocks written for the same arguments change: part
 
 def _nearest(qtype: int, weight: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """llama.cpp's round-to-nearest of the rows: (the blocks, what they decode to)."""
-    import gguf
-
     from ...quant import native
 
     rows = native.quantize_rows(qtype, weight.float().numpy())
