@@ -115,7 +115,7 @@ GGUF_CALIBRATION = ("calib", "samples", "seq_len", "damp")
 
 def _quantize_gguf(model, out, qtype, method, hf_only, threads, force, as_json) -> None:
     from ..core.errors import InvalidValue
-    from ..core.quantize.gguf_quantize import quantize_gguf
+    from ..core.quantize.gguf_quantize import gptq_partial, quantize_gguf
 
     progress = _GGUFProgress(enabled=not as_json)
     with c.user_errors():
@@ -127,9 +127,11 @@ def _quantize_gguf(model, out, qtype, method, hf_only, threads, force, as_json) 
         from ..core.device import set_cpu_threads
 
         set_cpu_threads(threads)
-        # the partial file is gone by then: nothing to resume, the job starts over
+        # gptq resumes from its partial folder; rtn keeps nothing (it takes seconds) and starts over
+        stopped = f"interrupted: run the same command again to resume from {gptq_partial(Path(out))}" \
+            if method in (None, "gptq") else f"interrupted: {out} not written"
         run_resumable_job(lambda: quantize_gguf(model, out, qtype, method, force=force, report=progress, calib=calib),
-                          progress, out, as_json, _print_gguf_summary, interrupted=f"interrupted: {out} not written")
+                          progress, out, as_json, _print_gguf_summary, interrupted=stopped)
 
 
 def _print_gguf_summary(summary) -> None:
@@ -162,6 +164,8 @@ class _GGUFProgress(JobProgress):
             self.converting = self.bar.add_task(f"converting ({info['type']})", total=info["total"], note="")
         elif event == "converted":
             self.bar.update(self.converting, advance=1, note=f"{info['name']}: {info['type']}")
+        elif event == "resume":
+            self.log(f"resuming: {info['layers']} layers already done")
         elif event == "layers":  # gptq: a bar over the blocks first
             self.start_bar()
             self.layers = self.bar.add_task("gptq", total=info["total"], note="")

@@ -1,10 +1,12 @@
 """GGUF's block types as grids for GPTQ (quant/gptq.py's GPTQ.run): each column is rounded onto the
-block scales llama.cpp itself would choose, and the result is the type's exact block bytes.
+block's scales, and the result is the type's exact block bytes.
 
 A block's scales (the 32-weight types: an fp16 d, and Q5_1 an fp16 m; Q4_K/Q5_K: d, dmin and 6-bit
 scales and mins per 32 of a 256-weight super-block; Q6_K, Q3_K, Q2_K: per 16 of 256) are chosen when GPTQ reaches the
 block: its weights as updated by then go through llama.cpp's own rounding (native.quantize_rows, which
-runs llama.cpp's scale searches), and the scales are read back from those bytes. Every column of the
+runs llama.cpp's scale searches), and for Q4_0, Q5_0 and Q4_K..Q6_K through a search weighted by the
+Hessian's diagonal too (gguf_weighted_fit.py); per row, the scales that round the block with less
+weighted error are read back from those bytes. Every column of the
 block is then rounded to the nearest code against those fixed scales, and GPTQ spreads the rest of the
 error over the later columns. encode() writes the chosen codes into the bytes of the fitted blocks.
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import gguf_types
+from . import gguf_types, gguf_weighted_fit
 from .gguf_types import Q2_K, Q3_K, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 
@@ -188,25 +190,39 @@ def decode(qtype: int, raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
 
 
 class GGUFGrid:
-    """One GGUF type as a grid for GPTQ.run (group_size = the type's block). Its round() needs the
-    column's place in the block (positional): the scales differ per sub-block.
+    """One GGUF type as a grid for GPTQ.run (group_size = the type's block). A K-quant's round() needs
+    the column's place in the block (positional): the scales differ per sub-block.
     params per block: (scale [N, B], offset [N, B], the fitted blocks' bytes [N, block bytes])."""
-
-    positional = True
 
     def __init__(self, qtype: int):
         from . import native
 
         self.layout, self.qtype, self._quantize = LAYOUTS[qtype], qtype, native.quantize_rows
         self.block = self.layout.weights
+        # the 32-weight types have one scale per block: any column order within it rounds the same
+        self.positional = self.block > 32
 
     def fit(self, w: torch.Tensor, importance, group):
-        # llama.cpp's own scale search on the updated weights (its rounding has no importance input here)
-        b = self._quantize(self.qtype, w.detach().float().cpu().numpy())
+        # llama.cpp's own scale search on the updated weights (its rounding has no importance input)
+        w = w.detach().float().cpu()
+        b = self._quantize(self.qtype, w.numpy())
+        if importance is not None and self.qtype in gguf_weighted_fit.WEIGHTED:
+            # and the scales searched under the Hessian's diagonal: per row, whichever rounds w with less error
+            imp = importance.float().cpu()
+            mine = gguf_weighted_fit.fit_blocks(self.qtype, w, imp, b)
+            better = self._error(w, imp, mine) < self._error(w, imp, b)
+            b = np.where(better.numpy()[:, None], mine, b)
         scale, offset = self.layout.fields(b)
         return torch.from_numpy(scale), torch.from_numpy(offset), torch.from_numpy(b)
 
-    def round(self, w: torch.Tensor, params, pos: int):
+    def _error(self, w: torch.Tensor, importance: torch.Tensor, b: np.ndarray) -> torch.Tensor:
+        """Per row of w, the importance-weighted squared error of its nearest codes on blocks b's scales."""
+        lay = self.layout
+        s, o = (torch.from_numpy(a) for a in lay.fields(b))
+        q = torch.round((w + o) / torch.where(s == 0, 1.0, s)).add_(lay.zero).clamp_(lay.lo, lay.hi)
+        return ((s * (q - lay.zero) - o - w) ** 2) @ importance
+
+    def round(self, w: torch.Tensor, params, pos: int = 0):
         lay = self.layout
         s, o = params[0][:, pos], params[1][:, pos]
         # a scale of 0 decodes every code to -offset: any code will do

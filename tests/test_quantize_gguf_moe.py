@@ -134,3 +134,35 @@ def test_llama_cpp_runs_gptq_moe(kind, tmp_path):
     spread = float(logits.max() - logits.min())
     short = logits.max(-1).values - logits[torch.arange(len(got)), torch.tensor(got)]
     assert float(short.max()) <= 0.01 * spread, (got, short)
+
+
+def test_an_interrupted_moe_run_from_a_folder_resumes(tmp_path, monkeypatch):
+    """Ctrl-C after the first block of a Hugging Face MoE folder's gptq run: the rerun converts the
+    folder again, takes block 0's stacked experts from the partial run (and sets the expert linears to
+    them, so block 1's inputs are as before) and writes an uninterrupted run's bytes."""
+    from typer.testing import CliRunner
+
+    from brisk.cli.main import app
+    from brisk.core.quantize import resume
+
+    hf = _moe_folder(tmp_path / "hf", "mixtral")
+    args = ["--format", "gguf", "--type", "Q4_K_M", "--samples", "8", "--seq-len", "32"]
+    whole = tmp_path / "whole.gguf"
+    r = CliRunner().invoke(app, ["quantize", str(hf), "-o", str(whole), *args])
+    assert r.exit_code == 0, r.output
+    saved, real_save = [], resume.save_layer
+
+    def save_then_stop(partial, i, *rest):
+        real_save(partial, i, *rest)
+        saved.append(i)
+        if i == 0 and len(saved) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(resume, "save_layer", save_then_stop)
+    out = tmp_path / "m.gguf"
+    r = CliRunner().invoke(app, ["quantize", str(hf), "-o", str(out), *args])
+    assert r.exit_code == 130 and not out.exists(), r.output
+    r = CliRunner().invoke(app, ["quantize", str(hf), "-o", str(out), *args])
+    assert r.exit_code == 0, r.output
+    assert saved == [0, 1], saved  # block 0 came from the partial run
+    assert out.read_bytes() == whole.read_bytes()

@@ -4,12 +4,16 @@ llama.cpp writes without an importance matrix (quant/kernels/gguf_quantize.h), b
 --method gptq: the linears by GPTQ on those grids, calibrated (gguf_gptq.py), the rest as rtn. The
 metadata (tokenizer, chat template, architecture keys) is copied as the source holds it, with
 general.file_type and general.quantization_version set; the file is written atomically
-(core/gguf_writer.py). The job is not resumable: an interrupted run starts over. A Hugging Face
-folder is first written as llama.cpp's float GGUF (gguf_from_hf.py): the output itself for --type
-F32/F16/BF16, else a hidden file beside OUT that is requantized as above and removed.
+(core/gguf_writer.py). gptq keeps each finished block in OUT.gptq.partial (resume.py's layout; the
+writer's OUT.partial is the file being written): a rerun with the same arguments resumes there and
+writes the same bytes; rtn (seconds) starts over. A Hugging Face folder is first written as
+llama.cpp's float GGUF (gguf_from_hf.py): the output itself for --type F32/F16/BF16, else a hidden
+file beside OUT that is requantized as above and removed.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -136,6 +140,10 @@ def _from_hf_folder(name: str, folder: Path, out: Path, mix, method: str, opts, 
     source = out.with_name(f".{out.name}.source.gguf")  # hidden, and written atomically itself
     try:
         gguf_from_hf.write(folder, source, None, name=title, report=report)
+        # dated as the folder's newest file, not as this conversion: gptq's resume key takes the
+        # source's date, so a rerun of an interrupted run resumes
+        stamp = max(f.stat().st_mtime_ns for f in folder.iterdir() if f.is_file())
+        os.utime(source, ns=(stamp, stamp))
         summary = _requantize(name, source, out, mix, method, opts, report)
     finally:
         if source.exists():  # gptq loaded it: its header cache goes with it
@@ -167,6 +175,7 @@ def _requantize(name: str, path: Path, out: Path, mix, method: str, opts, report
     from .. import gguf_writer
     from ..gguf_file import open_gguf
 
+    partial = gptq_partial(out)
     t0 = time.perf_counter()
     report("loading", model=name)
     src = open_gguf(path)
@@ -194,7 +203,7 @@ def _requantize(name: str, path: Path, out: Path, mix, method: str, opts, report
         from .gguf_gptq import quantized_linears
 
         wanted = {n: targets[n] for n in order if targets[n] != tensors[n].qtype}
-        done, errors = quantized_linears(path, wanted, opts, report)
+        done, errors = quantized_linears(path, wanted, opts, report, partial)
     report("start", total=len(order), type=mix.name)
 
     def data():
@@ -213,6 +222,7 @@ def _requantize(name: str, path: Path, out: Path, mix, method: str, opts, report
 
     report("writing", out=str(out))
     size = gguf_writer.write(out, records, entries, data(), align)
+    shutil.rmtree(partial, ignore_errors=True)
     counts: dict[str, int] = {}
     for e in entries:
         counts[_type_name(e.qtype)] = counts.get(_type_name(e.qtype), 0) + 1
@@ -220,6 +230,11 @@ def _requantize(name: str, path: Path, out: Path, mix, method: str, opts, report
                        tensors=counts, seconds=round(time.perf_counter() - t0, 2),
                        quantized=sum(targets[n] != tensors[n].qtype for n in order),
                        calibration_tokens=opts.samples * opts.seq_len if opts else 0, errors=errors)
+
+
+def gptq_partial(out: Path) -> Path:
+    """Where --method gptq keeps its finished blocks until OUT is written."""
+    return out.with_name(out.name + ".gptq.partial")
 
 
 def _gptq_options(calib: dict):
