@@ -6,7 +6,9 @@ torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
   likewise, cut in the file's layout and then interleaved, o/down at block boundaries;
   o_proj and down_proj by input rows, then one all-reduce each (a forward hook, so the modules
   keep their kinds and the device passes still swap in their kernels per shard); the output
-  head by vocabulary, its logits all-gathered. The embedding and norms are replicated.
+  head by vocabulary, its logits all-gathered. The embedding and norms are replicated. An MoE
+  layer: each expert split as the MLP is, the router replicated, one all-reduce of the layer's
+  output.
 - The sharded model reports its local head counts in its config, so every cache sized from it
   (LLM.new_cache, ContiguousKV.for_model, the batching engine's PagedKV) holds the rank's own KV heads.
 - Rank 0 is the caller: it tokenizes, samples, schedules and drives the model. Each of its forward
@@ -43,7 +45,7 @@ from torch import nn
 from .checkpoint import kept_layer
 from .errors import BriskError
 from .kv import ContiguousKV, PagedKV, PagedStep
-from .model import MLP, Transformer
+from .model import MLP, Router, Transformer
 from ..quant import gguf_types
 from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
@@ -208,12 +210,13 @@ def _span(n: int, rank: int, world: int) -> tuple[int, int]:
 
 def check_shardable(cfg, world: int) -> None:
     """What this installment shards; refused by name before any rank loads weights twice."""
-    if cfg.n_experts:
-        raise BriskError(f"--tp: mixture-of-experts models ({cfg.arch}) are not sharded yet")
     if cfg.n_heads < world:
         raise BriskError(f"--tp {world}: the model's {cfg.n_heads} attention heads do not split over {world} ranks")
-    if cfg.ffn_dim % world:
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    if dense and cfg.ffn_dim % world:
         raise BriskError(f"--tp {world}: the MLP's width {cfg.ffn_dim} does not split over {world} ranks")
+    if cfg.n_experts and cfg.expert_ffn_dim % world:
+        raise BriskError(f"--tp {world}: each expert's width {cfg.expert_ffn_dim} does not split over {world} ranks")
 
 
 def check_load(ckpt, world: int, quantize: str) -> None:
@@ -229,9 +232,10 @@ def check_load(ckpt, world: int, quantize: str) -> None:
                          "them (--quantize auto) or in float (--quantize none)")
     spans = {"o_proj": [(lo * cfg.head_dim, hi * cfg.head_dim) for lo, hi, _ in
                         (heads_of(cfg, r, world) for r in range(world))],
-             "down_proj": [_span(cfg.ffn_dim, r, world) for r in range(world)]}
+             "down_proj": [_span(cfg.ffn_dim, r, world) for r in range(world)],
+             "expert down_proj": [_span(cfg.expert_ffn_dim, r, world) for r in range(world)]}
     for name, m in ckpt.modules.items():
-        kind = name.rsplit(".", 1)[-1]
+        kind = ("expert " if ".experts." in name else "") + name.rsplit(".", 1)[-1]
         if kind in spans:
             block = gguf_types.BY_ID[m.qtype].block_weights
             if any(lo % block or hi % block for lo, hi in spans[kind]):
@@ -295,7 +299,7 @@ def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
     cfg, rank, world = net.cfg, group.rank, group.world
     check_shardable(cfg, world)
     for m in net.modules():
-        if type(m) is not nn.Linear and isinstance(m, nn.Linear):
+        if type(m) not in (nn.Linear, Router) and isinstance(m, nn.Linear):
             raise BriskError(f"--tp: {type(m).__name__} layers are not sharded yet (a float load only: "
                              "--quantize none, or a float checkpoint)")
     hd = cfg.head_dim
@@ -303,10 +307,11 @@ def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
     heads = q_hi - q_lo
     q_rows, kv_rows = _head_rows(list(range(q_lo, q_hi)), hd), _head_rows(kv, hd)
     f_lo, f_hi = _span(cfg.ffn_dim, rank, world)
-    if quantize == "int4" and (heads * hd % GROUP or (f_hi - f_lo) % GROUP):
+    e_lo, e_hi = _span(cfg.expert_ffn_dim, rank, world)
+    if quantize == "int4" and (heads * hd % GROUP or (f_hi - f_lo) % GROUP or (e_hi - e_lo) % GROUP):
         raise BriskError(f"--tp {world} with --quantize int4: a rank's part of o_proj ({heads * hd} columns) or "
-                         f"down_proj ({f_hi - f_lo}) is not whole groups of {GROUP}")
-    ffn_rows = torch.arange(f_lo, f_hi)
+                         f"down_proj ({f_hi - f_lo if not cfg.n_experts else e_hi - e_lo}) is not whole groups "
+                         f"of {GROUP}")
     for block in net.model.layers:
         a, mlp = block.self_attn, block.mlp
         a.q_proj = _take_rows(a.q_proj, q_rows)
@@ -316,9 +321,11 @@ def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
         if a.sinks is not None:
             a.sinks = nn.Parameter(a.sinks[q_lo:q_hi].clone(), requires_grad=False)
         a.n_heads, a.n_kv = heads, len(kv)
-        assert isinstance(mlp, MLP)
-        mlp.gate_proj, mlp.up_proj = _take_rows(mlp.gate_proj, ffn_rows), _take_rows(mlp.up_proj, ffn_rows)
-        mlp.down_proj = _columns(mlp.down_proj, f_lo, f_hi, rank == 0, quantize)
+        # an MoE layer: every expert cut as an MLP is, the router whole (each rank routes alike)
+        for m, (lo, hi) in [(mlp, (f_lo, f_hi))] if isinstance(mlp, MLP) else [(e, (e_lo, e_hi)) for e in mlp.experts]:
+            rows = torch.arange(lo, hi)
+            m.gate_proj, m.up_proj = _take_rows(m.gate_proj, rows), _take_rows(m.up_proj, rows)
+            m.down_proj = _columns(m.down_proj, lo, hi, rank == 0, quantize)
     if quantize in ("int8", "int4") and cfg.tie_embeddings:
         # lookups read the whole quantized table, as a single process's do from its quantized head
         table = quantize_linear(net.lm_head, quantize, GROUP, keep_codes=True)
@@ -335,11 +342,12 @@ def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
 
 def connect(net: ShardedTransformer) -> None:
     """The collectives, as forward hooks on the layers' final modules (call after any quantization
-    at load, which replaces them): an all-reduce after o_proj and down_proj, the all-gather of the
-    logits after the output layer."""
+    at load, which replaces them): an all-reduce after o_proj and down_proj (an MoE layer: after
+    the layer), the all-gather of the logits after the output layer."""
     for block in net.model.layers:
         block.self_attn.o_proj.register_forward_hook(_all_reduce_output)
-        block.mlp.down_proj.register_forward_hook(_all_reduce_output)
+        # an MoE layer's output once, after its experts' partial outputs are weighted and added
+        (block.mlp.down_proj if isinstance(block.mlp, MLP) else block.mlp).register_forward_hook(_all_reduce_output)
     net.lm_head.register_forward_hook(_gather_vocab(net.cfg.vocab_size, net.__dict__["_tp"].world))
 
 
