@@ -95,7 +95,7 @@ class LLM:
         net.setup_rope(ctx, dev)
         held = model_bytes(net)
         info = LoadInfo(time.perf_counter() - t0, held, ckpt.file_bytes, held - idle_expert_bytes(net))
-        ckpt.tensors = {}  # the model owns the weights now
+        ckpt.tensors, ckpt.modules = {}, {}  # the model owns the weights now (a TP rank: its shard alone)
         if group is not None and group.rank != 0:
             tensor_parallel.follow_and_exit(net, ckpt.config.head_dim)
         return cls(net, ckpt.tokenizer, ckpt, dev, dt, ctx, info, kv)

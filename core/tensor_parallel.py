@@ -331,10 +331,15 @@ def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
         table = quantize_linear(net.lm_head, quantize, GROUP, keep_codes=True)
         net.model.embed_tokens = QuantEmbedding(table, net.model.norm.weight.dtype, owner=True)
     emb = net.model.embed_tokens
-    if isinstance(emb, QuantEmbedding) and emb.head is net.lm_head:
-        # a tied GGUF table: lookups keep reading the whole of it, in the file's layout (memory-mapped)
-        net.model.embed_tokens = QuantEmbedding(net.lm_head, emb.dtype, owner=True)
+    tied_blocks = isinstance(emb, QuantEmbedding) and emb.head is net.lm_head and isinstance(emb.head, GGUFLinear)
     _shard_head(net, rank, world)
+    if tied_blocks:  # lookups from the head's part of the vocabulary: no rank holds the whole table
+        net.model.embed_tokens = VocabShardEmbedding(net.lm_head, rank, cfg.vocab_size, emb.dtype, owner=False)
+    elif isinstance(emb, QuantEmbedding) and isinstance(emb.head, GGUFLinear) and emb.head is not net.lm_head:
+        # an untied GGUF table, cut the same way
+        per = -(-cfg.vocab_size // world)
+        net.model.embed_tokens = VocabShardEmbedding(_vocab_part(emb.head, rank * per, per), rank, cfg.vocab_size,
+                                                     emb.dtype, owner=True)
     net.cfg = replace(cfg, n_heads=heads, n_kv_heads=len(kv))
     net.__class__ = ShardedTransformer
     net.__dict__["_tp"] = group
@@ -375,10 +380,9 @@ def _shard_head(net: Transformer, rank: int, world: int) -> None:
     vocab = net.cfg.vocab_size
     per = -(-vocab // world)
     lo, hi = min(rank * per, vocab), min((rank + 1) * per, vocab)
-    if isinstance(net.lm_head, GGUFLinear):  # zero bytes are zero weights in every block format
-        head, part = net.lm_head, net.lm_head.blocks[lo:hi]
-        part = torch.cat([part, part.new_zeros(per - (hi - lo), part.shape[1])])
-        net.lm_head = _kept_blocks(part, head, None)
+    if isinstance(net.lm_head, GGUFLinear):
+        head = net.lm_head
+        net.lm_head = _vocab_part(head, lo, per)
         net.lm_head.refine_top = head.refine_top
         return
     w = net.lm_head.weight
@@ -388,6 +392,30 @@ def _shard_head(net: Transformer, rank: int, world: int) -> None:
     elif w is not getattr(net.model.embed_tokens, "weight", None):  # tied: a view of the embedding's rows
         part = part.clone()
     _set_linear(net.lm_head, part, None)
+
+
+def _vocab_part(table: GGUFLinear, lo: int, per: int) -> GGUFLinear:
+    """Rows lo:lo+per of a GGUF table (the last part padded: zero bytes are zero weights in every
+    block format)."""
+    part = table.blocks[lo:lo + per]
+    return _kept_blocks(torch.cat([part, part.new_zeros(per - part.shape[0], part.shape[1])]), table, None)
+
+
+class VocabShardEmbedding(QuantEmbedding):
+    """Token lookups from this rank's part of the vocabulary (rows rank*per.. of the table): a token
+    outside it looks up zeros, and the all-reduce adds the one rank's row to the others' zeros, so
+    every rank gets the exact row while holding 1/N of the table."""
+
+    def __init__(self, part: GGUFLinear, rank: int, vocab: int, dtype: torch.dtype, owner: bool):
+        super().__init__(part, dtype, owner)
+        self.lo, self.num_embeddings = rank * part.out_features, vocab
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.lo
+        mine = (local >= 0) & (local < self.head.out_features)
+        out = self.head.rows(torch.where(mine, local, 0), self.dtype) * mine[..., None]
+        dist.all_reduce(out)
+        return out
 
 
 def _all_reduce_output(module, inputs, out: torch.Tensor) -> torch.Tensor:

@@ -211,7 +211,8 @@ def gguf_workloads(llm) -> dict:
     return {"logits": llm.logits(IDS), "greedy": llm.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12,
                                                               raw=True).tokens,
             "layers": [(type(m).__name__, m.out_features, m.in_features, m.layout) for m in parts],
-            "kept": all(isinstance(m, GGUFLinear) for m in parts)}
+            "kept": all(isinstance(m, GGUFLinear) for m in parts),
+            "table rows": llm.model.model.embed_tokens.head.out_features, "held": llm.load_info.param_bytes}
 
 
 @pytest.mark.parametrize("kind,atol,act8", [("smollm2_path", 5e-2, "1"), ("gemma_path", 0.3, "0")],
@@ -219,7 +220,8 @@ def gguf_workloads(llm) -> dict:
 def test_gguf_blocks_match_one_process(kind, atol, act8, request, tmp_path, monkeypatch):
     """A GGUF kept in its blocks under --tp 2: each rank holds its shard interleaved for the kernels
     (SmolLM2's 9 heads split 5 and 4: a rank whose query heads cut a KV group keeps a copy of the KV
-    head per query head). The products are the single process's blocks and the activations are
+    head per query head), and its part of the tied table, which embedding lookups read (exact: the
+    one rank's row plus the others' zeros). The products are the single process's blocks and the activations are
     quantized per block (32, or 256), so a rank's part of a row-parallel product sums the same
     block products, only in another order; in the quantized activations of the next layer that
     rounding flips some codes, so logits agree to a tolerance, not 1e-5 (Gemma's 8-bit activations
@@ -248,6 +250,9 @@ def test_gguf_blocks_match_one_process(kind, atol, act8, request, tmp_path, monk
     q, k, o, down, head = got["layers"]
     assert q[1:3] == (heads * cfg.head_dim, cfg.dim)
     assert o[1:3] == (cfg.dim, heads * cfg.head_dim) and down[1:3] == (cfg.dim, cfg.ffn_dim // 2)
+    # the tied table too: lookups from the rank's half, added over the ranks; about half the bytes held
+    assert got["table rows"] == cfg.vocab_size // 2 and want["table rows"] == cfg.vocab_size
+    assert got["held"] < 0.6 * want["held"]
     assert head[1] == cfg.vocab_size // 2 and k[1] in (heads * cfg.head_dim, cfg.head_dim * (cfg.n_kv_heads // 2 or 1))
     # interleaved after the cut wherever the single process interleaves (BRISK_ACT8=0: not the K-quants)
     assert [m[3] for m in got["layers"]] == [m[3] for m in want["layers"]]
