@@ -369,7 +369,9 @@ def _native_layer(data, t, order: torch.Tensor | None, interleave: bool = True):
     if not interleave:
         from ..quant.gguf_linear import GGUFLinear
 
-        return GGUFLinear(blocks, t.qtype, rows, t.shape[1])
+        layer = GGUFLinear(blocks, t.qtype, rows, t.shape[1])
+        layer.__dict__["_file_bytes"] = raw if order is None else None  # release_file_pages' to drop
+        return layer
     return kept_layer(blocks, t.qtype, rows, t.shape[1], raw if order is None else None)
 
 
@@ -409,6 +411,11 @@ _untrimmed = 0  # bytes packed since the C heap was last trimmed
 TRIM_EVERY = 64 << 20
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the system now (after a load's last temporaries)."""
+    _trim_heap(TRIM_EVERY)
+
+
 def _trim_heap(nbytes: int) -> None:
     """Hand the C heap's free memory back to the system once every TRIM_EVERY bytes packed: packing
     leaves its temporaries there (glibc keeps freed blocks below its adaptive mmap threshold), and
@@ -420,6 +427,14 @@ def _trim_heap(nbytes: int) -> None:
     if trim is not None and _untrimmed >= TRIM_EVERY:
         trim(0)
         _untrimmed = 0
+
+
+def release_file_pages(layer) -> None:
+    """Drop the file's pages a layer kept in the file's layout was read from (once it has been cut
+    into a shard and is no longer read): the rank's memory then holds its shard, not the file."""
+    raw = layer.__dict__.get("_file_bytes")
+    if raw is not None:
+        _release_pages(raw)
 
 
 def _release_pages(view) -> None:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import kept_layer
+from .checkpoint import kept_layer, release_file_pages, trim_heap
 from .errors import BriskError
 from .kv import ContiguousKV, PagedKV, PagedStep
 from .model import MLP, Router, Transformer
@@ -277,6 +277,7 @@ def _kept_blocks(blocks: torch.Tensor, like: GGUFLinear, bias: torch.Tensor | No
     layer = kept_layer(blocks.contiguous(), like.qtype, blocks.shape[0],
                        blocks.shape[1] // gguf_types.BY_ID[like.qtype].block_bytes
                        * gguf_types.BY_ID[like.qtype].block_weights)
+    release_file_pages(like)  # cut once: the whole layer is not read again
     layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
     return layer
 
@@ -341,6 +342,7 @@ def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
         net.model.embed_tokens = VocabShardEmbedding(_vocab_part(emb.head, rank * per, per), rank, cfg.vocab_size,
                                                      emb.dtype, owner=True)
     net.cfg = replace(cfg, n_heads=heads, n_kv_heads=len(kv))
+    trim_heap()  # the whole layers' copies (reordered q/k rows) and the cuts' temporaries are freed now
     net.__class__ = ShardedTransformer
     net.__dict__["_tp"] = group
 
