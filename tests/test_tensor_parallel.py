@@ -262,6 +262,55 @@ def test_gguf_blocks_match_one_process(kind, atol, act8, request, tmp_path, monk
     assert got["greedy"] == want["greedy"]
 
 
+RANK0_LOGITS = """
+import sys, torch
+sys.path.insert(0, sys.argv[3])
+from brisk.core import LLM
+from test_tensor_parallel import logits_and_greedy
+torch.save(logits_and_greedy(LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=2, ctx=64)), sys.argv[2])
+"""
+
+
+def logits_and_greedy(llm) -> dict:
+    return {"logits": llm.logits(IDS), "greedy": llm.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12,
+                                                              raw=True).tokens, "kinds": llm.quantization}
+
+
+def test_moe_gguf_blocks_match_one_process(tmp_path):
+    """A qwen3_moe GGUF (llama.cpp's converter, Q8_0) kept in its blocks under --tp 2: every expert's
+    blocks cut as the MLP's are (experts 64 wide: 32 columns a rank, one Q8_0 block), the router
+    whole. The products are the same blocks, so the logits differ by the all-reduce's order only."""
+    import shutil
+
+    import transformers as tf
+    from conftest import write_hf_checkpoint
+    from llama_cpp import convert
+
+    from brisk.quant import native
+
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    hf = write_hf_checkpoint(tmp_path / "hf", "qwen3_moe_norm", seed=4, tokens=296)  # the converter wants ids < 300
+    cfg = json.loads((hf / "config.json").read_text())
+    keep = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version", "dtype", "torch_dtype")}
+    torch.manual_seed(4)
+    model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**keep, "moe_intermediate_size": 64}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+    wide = tmp_path / "wide"
+    shutil.copytree(hf, wide)
+    model.save_pretrained(wide)
+    path, out = str(convert(wide, tmp_path / "q8_0.gguf", "q8_0")), tmp_path / "rank0.pt"
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), timeout=300)
+    assert r.returncode == 0, r.stderr
+    got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64))
+    assert got["kinds"] == want["kinds"] == "q8_0"
+    torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=0)
+    assert got["greedy"] == want["greedy"]
+
+
 def test_gguf_columns_refused_by_block(smollm2_path):
     """o/down split by input columns in whole blocks: a K-quant's 256 do not fit SmolLM2's 320 and
     256 columns of o_proj under --tp 2 (refused before any rank starts); its Q4_1's 32 do."""
