@@ -145,7 +145,7 @@ def load_hf_folder(name: str, folder: Path, native_blocks: bool = False) -> Chec
         except embedding_format.EmbeddingFormatError as e:
             raise FileError(str(e), folder) from None
         if native_blocks:
-            table = _kept_layer(torch.from_numpy(raw), embedding_format.Q8_0, cfg.vocab_size, cfg.dim)
+            table = kept_layer(torch.from_numpy(raw), embedding_format.Q8_0, cfg.vocab_size, cfg.dim)
         else:  # torch's kernels: int8 rows
             from ..quant import gguf_blocks
 
@@ -268,13 +268,15 @@ def gguf_has_chat_template(path: Path) -> bool:
     return _gguf_header(path)[1].has_chat_template
 
 
-def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks: bool = False) -> Checkpoint:
+def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks: bool = False,
+              interleave: bool = True) -> Checkpoint:
     """A GGUF checkpoint. With keep_quantized, weight matrices stay quantized: with native_blocks (the
     CPU with brisk's native kernels) every type those read stays in the file's own blocks, memory-mapped
     (quant/gguf_linear.py); otherwise Q4_0/Q4_1/Q4_K/Q8_0 are repacked for torch's kernels
     (quant/gguf_blocks.py, cached beside the header). Every other tensor is widened to float; float
     tensors of quantized types come from a converted copy cached beside the header (safetensors,
-    memory-mapped), so the slow dequantization happens once per file."""
+    memory-mapped), so the slow dequantization happens once per file. interleave False: kept blocks
+    stay in the file's layout (a tensor-parallel rank cuts its shard first, then interleaves it)."""
     import numpy as np
 
     from ..quant import gguf_blocks, gguf_types, native
@@ -306,7 +308,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
             modules[layer] = layers[layer]
         elif (native_blocks and len(t.shape) == 2 and native.takes(t.qtype, t.shape[1])
                 and hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))):
-            modules[layer] = _native_layer(data, t, arch.gguf_row_order(hf, t.shape[0], cfg))
+            modules[layer] = _native_layer(data, t, arch.gguf_row_order(hf, t.shape[0], cfg), interleave)
         elif (keep_quantized and len(t.shape) == 2 and gguf_blocks.fits(t.qtype, t.shape[1])
                 and hf.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))):
             raw = data[t.offset:t.offset + t.nbytes]
@@ -354,7 +356,7 @@ def load_gguf(name: str, path: Path, keep_quantized: bool = True, native_blocks:
 _MATRICES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight", "mlp.gate.weight")
 
 
-def _native_layer(data, t, order: torch.Tensor | None):
+def _native_layer(data, t, order: torch.Tensor | None, interleave: bool = True):
     """A GGUF weight as a GGUFLinear over the file's bytes (a copy only where rows must be reordered)."""
     rows = t.shape[0]
     raw = data[t.offset:t.offset + t.nbytes].reshape(rows, -1)
@@ -364,10 +366,16 @@ def _native_layer(data, t, order: torch.Tensor | None):
         with warnings.catch_warnings():  # read-only memory map: the kernels never write to it
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(raw)
-    return _kept_layer(blocks, t.qtype, rows, t.shape[1], raw if order is None else None)
+    if not interleave:
+        from ..quant.gguf_linear import GGUFLinear
+
+        layer = GGUFLinear(blocks, t.qtype, rows, t.shape[1])
+        layer.__dict__["_file_bytes"] = raw if order is None else None  # release_file_pages' to drop
+        return layer
+    return kept_layer(blocks, t.qtype, rows, t.shape[1], raw if order is None else None)
 
 
-def _kept_layer(blocks: torch.Tensor, qtype: int, rows: int, cols: int, source=None):
+def kept_layer(blocks: torch.Tensor, qtype: int, rows: int, cols: int, source=None):
     """GGUF blocks [rows, bytes per row] as a GGUFLinear, interleaved where the kernels have that
     layout; source: the memory-mapped file bytes blocks reads, handed back as they are packed."""
     from ..quant import gguf_interleave, native
@@ -403,6 +411,11 @@ _untrimmed = 0  # bytes packed since the C heap was last trimmed
 TRIM_EVERY = 64 << 20
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the system now (after a load's last temporaries)."""
+    _trim_heap(TRIM_EVERY)
+
+
 def _trim_heap(nbytes: int) -> None:
     """Hand the C heap's free memory back to the system once every TRIM_EVERY bytes packed: packing
     leaves its temporaries there (glibc keeps freed blocks below its adaptive mmap threshold), and
@@ -414,6 +427,14 @@ def _trim_heap(nbytes: int) -> None:
     if trim is not None and _untrimmed >= TRIM_EVERY:
         trim(0)
         _untrimmed = 0
+
+
+def release_file_pages(layer) -> None:
+    """Drop the file's pages a layer kept in the file's layout was read from (once it has been cut
+    into a shard and is no longer read): the rank's memory then holds its shard, not the file."""
+    raw = layer.__dict__.get("_file_bytes")
+    if raw is not None:
+        _release_pages(raw)
 
 
 def _release_pages(view) -> None:
@@ -554,7 +575,8 @@ def _save_cache(dest: Path, info: dict, tok) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_checkpoint(name: str | None, keep_quantized: bool = True, native_blocks: bool = False) -> Checkpoint:
+def load_checkpoint(name: str | None, keep_quantized: bool = True, native_blocks: bool = False,
+                    interleave: bool = True) -> Checkpoint:
     display, path = resolve(name)
     if not path.is_dir():  # a model file: it must be a regular one (a FIFO would block the read below)
         regular_file(path)
@@ -564,5 +586,5 @@ def load_checkpoint(name: str | None, keep_quantized: bool = True, native_blocks
             magic = f.read(4)
         if magic != b"GGUF":
             raise FileError(f"not a GGUF file (bad magic {magic!r})", name)
-        return load_gguf(display, path, keep_quantized, native_blocks)
+        return load_gguf(display, path, keep_quantized, native_blocks, interleave)
     return load_hf_folder(display, path, native_blocks)

@@ -63,8 +63,9 @@ class LLM:
         kv = kv_types.resolve(kv_type, dt, dev)
         # int8/int4 keep a GGUF's blocks too: the layers already of that width stay as they are, the
         # others are converted one layer at a time (never the whole model in float)
+        # under --tp a GGUF's kept blocks stay in the file's layout: each rank interleaves its shard only
         ckpt = load_checkpoint(model, keep_quantized=quantize in ("auto", "int8", "int4"),
-                               native_blocks=dev.type == "cpu" and native.available())
+                               native_blocks=dev.type == "cpu" and native.available(), interleave=tp == 1)
         if ckpt.quant_config and quantize != "auto":
             raise BriskError(f"{ckpt.name} is already quantized ({ckpt.quant_config.get('quant_method', '?')}); "
                              "--quantize applies to float and GGUF checkpoints")
@@ -73,7 +74,7 @@ class LLM:
         if tp > 1:
             from . import tensor_parallel
 
-            tensor_parallel.check_float_load(ckpt, tp)
+            tensor_parallel.check_load(ckpt, tp, quantize)
             group = tensor_parallel.start(tp, dict(model=model, device=device, dtype=dtype, ctx=ctx,
                                                    quantize=quantize, kv_type=kv_type, tp=tp, threads=cpu_threads()))
             if dev.type == "cuda":
@@ -94,7 +95,7 @@ class LLM:
         net.setup_rope(ctx, dev)
         held = model_bytes(net)
         info = LoadInfo(time.perf_counter() - t0, held, ckpt.file_bytes, held - idle_expert_bytes(net))
-        ckpt.tensors = {}  # the model owns the weights now
+        ckpt.tensors, ckpt.modules = {}, {}  # the model owns the weights now (a TP rank: its shard alone)
         if group is not None and group.rank != 0:
             tensor_parallel.follow_and_exit(net, ckpt.config.head_dim)
         return cls(net, ckpt.tokenizer, ckpt, dev, dt, ctx, info, kv)

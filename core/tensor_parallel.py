@@ -1,11 +1,14 @@
 """Tensor parallelism (`--tp N`, `LLM.load(..., tp=N)`): one model over N ranks of
 torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
 
-- q/k/v and gate/up are split by output columns (whole heads; KV heads split across ranks, or
-  each rank keeps the one its query heads read when there are fewer KV heads than ranks);
+- q/k/v and gate/up are split by output columns (whole heads, as evenly as they go; KV heads
+  split across ranks, or each rank keeps those its query heads read: heads_of); a GGUF's blocks
+  likewise, cut in the file's layout and then interleaved, o/down at block boundaries;
   o_proj and down_proj by input rows, then one all-reduce each (a forward hook, so the modules
   keep their kinds and the device passes still swap in their kernels per shard); the output
-  head by vocabulary, its logits all-gathered. The embedding and norms are replicated.
+  head by vocabulary, its logits all-gathered. The embedding and norms are replicated. An MoE
+  layer: each expert split as the MLP is, the router replicated, one all-reduce of the layer's
+  output.
 - The sharded model reports its local head counts in its config, so every cache sized from it
   (LLM.new_cache, ContiguousKV.for_model, the batching engine's PagedKV) holds the rank's own KV heads.
 - Rank 0 is the caller: it tokenizes, samples, schedules and drives the model. Each of its forward
@@ -39,9 +42,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint import kept_layer, release_file_pages, trim_heap
 from .errors import BriskError
 from .kv import ContiguousKV, PagedKV, PagedStep
-from .model import MLP, Transformer
+from .model import MLP, Router, Transformer
+from ..quant import gguf_types
+from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
 
 # Collectives inside a pass: a rank that hangs this long ends the run.
@@ -204,27 +210,59 @@ def _span(n: int, rank: int, world: int) -> tuple[int, int]:
 
 def check_shardable(cfg, world: int) -> None:
     """What this installment shards; refused by name before any rank loads weights twice."""
-    if cfg.n_experts:
-        raise BriskError(f"--tp: mixture-of-experts models ({cfg.arch}) are not sharded yet")
-    if cfg.n_heads % world:
+    if cfg.n_heads < world:
         raise BriskError(f"--tp {world}: the model's {cfg.n_heads} attention heads do not split over {world} ranks")
-    if cfg.n_kv_heads % world and world % cfg.n_kv_heads:
-        raise BriskError(f"--tp {world}: the model's {cfg.n_kv_heads} KV heads neither split over {world} ranks "
-                         "nor divide them")
-    if cfg.ffn_dim % world:
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    if dense and cfg.ffn_dim % world:
         raise BriskError(f"--tp {world}: the MLP's width {cfg.ffn_dim} does not split over {world} ranks")
+    if cfg.n_experts and cfg.expert_ffn_dim % world:
+        raise BriskError(f"--tp {world}: each expert's width {cfg.expert_ffn_dim} does not split over {world} ranks")
 
 
-def check_float_load(ckpt, world: int) -> None:
-    """Refusals that need the checkpoint's header only, before any rank is started."""
-    check_shardable(ckpt.config, world)
-    if ckpt.quant_config or ckpt.modules:
-        raise BriskError(f"--tp {world}: {ckpt.name} loads quantized, and quantized weights are not sharded yet "
-                         "(--quantize none loads a GGUF in float)")
+def check_load(ckpt, world: int, quantize: str) -> None:
+    """Refusals that need the checkpoint's header only, before any rank is started: the formats
+    not sharded yet, and a GGUF whose o/down blocks a rank's part of the columns would cut."""
+    cfg = ckpt.config
+    check_shardable(cfg, world)
+    if ckpt.quant_config or not all(isinstance(m, GGUFLinear) for m in ckpt.modules.values()):
+        raise BriskError(f"--tp {world}: {ckpt.name} loads quantized in a format not sharded yet (float weights, "
+                         "--quantize int8/int4 and a GGUF's blocks on the CPU are; --quantize none loads a GGUF in float)")
+    if ckpt.modules and quantize in ("int8", "int4"):
+        raise BriskError(f"--tp {world} with --quantize {quantize}: a GGUF's blocks are sharded as the file stores "
+                         "them (--quantize auto) or in float (--quantize none)")
+    spans = {"o_proj": [(lo * cfg.head_dim, hi * cfg.head_dim) for lo, hi, _ in
+                        (heads_of(cfg, r, world) for r in range(world))],
+             "down_proj": [_span(cfg.ffn_dim, r, world) for r in range(world)],
+             "expert down_proj": [_span(cfg.expert_ffn_dim, r, world) for r in range(world)]}
+    for name, m in ckpt.modules.items():
+        kind = ("expert " if ".experts." in name else "") + name.rsplit(".", 1)[-1]
+        if kind in spans:
+            block = gguf_types.BY_ID[m.qtype].block_weights
+            if any(lo % block or hi % block for lo, hi in spans[kind]):
+                raise BriskError(f"--tp {world}: {name}'s {m.type_name} blocks of {block} columns do not split over "
+                                 f"{world} ranks ({', '.join(str(hi - lo) for lo, hi in spans[kind])} columns each)")
 
 
-def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    return None if t is None else t[lo:hi].clone()  # clone: the full tensor is freed once dropped
+def heads_of(cfg, rank: int, world: int) -> tuple[int, int, list[int]]:
+    """The rank's query heads q_lo:q_hi (as even a split as the count allows: the first ranks take
+    one more) and the KV heads it keeps, in order: those its query heads read when they are whole
+    groups; the one they all read when they are part of one group; else one per query head (a
+    group cut between ranks: each query head gets its KV head's copy, so attention stays regular)."""
+    per, extra = divmod(cfg.n_heads, world)
+    q_lo = rank * per + min(rank, extra)
+    q_hi = q_lo + per + (rank < extra)
+    group = cfg.n_heads // cfg.n_kv_heads
+    read = [h // group for h in range(q_lo, q_hi)]
+    if q_lo % group == 0 and (q_hi - q_lo) % group == 0:
+        return q_lo, q_hi, sorted(set(read))
+    if len(set(read)) == 1:
+        return q_lo, q_hi, read[:1]
+    return q_lo, q_hi, read
+
+
+def _head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
+    """The output rows of a projection that hold `heads`, in that order."""
+    return (torch.tensor(heads)[:, None] * head_dim + torch.arange(head_dim)).flatten()
 
 
 def _set_linear(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -233,58 +271,90 @@ def _set_linear(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | Non
     layer.out_features, layer.in_features = weight.shape
 
 
+def _kept_blocks(blocks: torch.Tensor, like: GGUFLinear, bias: torch.Tensor | None) -> GGUFLinear:
+    """A GGUF shard's blocks (file layout) as a layer of like's type, interleaved for the kernels
+    now that the rank holds only its part."""
+    layer = kept_layer(blocks.contiguous(), like.qtype, blocks.shape[0],
+                       blocks.shape[1] // gguf_types.BY_ID[like.qtype].block_bytes
+                       * gguf_types.BY_ID[like.qtype].block_weights)
+    release_file_pages(like)  # cut once: the whole layer is not read again
+    layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+def _take_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """A column-parallel layer's output rows `rows` (a GGUF's rows are whole blocks in any format)."""
+    bias = None if layer.bias is None else layer.bias[rows].clone()
+    if isinstance(layer, GGUFLinear):
+        return _kept_blocks(layer.blocks[rows], layer, bias)
+    _set_linear(layer, layer.weight[rows], bias)  # indexing copies: the full tensor is freed once dropped
+    return layer
+
+
 def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
-    """Cut a loaded float Transformer down to this rank's shard, in place. quantize int8|int4:
-    each shard then quantized as the whole layer would be (whole groups of 32 columns, an int8
-    row's scale from the whole row), so the ranks hold the single-process model's codes."""
+    """Cut a loaded Transformer down to this rank's shard, in place. quantize int8|int4: each
+    float shard then quantized as the whole layer would be (whole groups of 32 columns, an int8
+    row's scale from the whole row), so the ranks hold the single-process model's codes. A GGUF's
+    kept blocks are cut as the file stores them (o/down by whole blocks of columns), then
+    interleaved."""
     cfg, rank, world = net.cfg, group.rank, group.world
     check_shardable(cfg, world)
     for m in net.modules():
-        if type(m) is not nn.Linear and isinstance(m, nn.Linear):
+        if type(m) not in (nn.Linear, Router) and isinstance(m, nn.Linear):
             raise BriskError(f"--tp: {type(m).__name__} layers are not sharded yet (a float load only: "
                              "--quantize none, or a float checkpoint)")
-    hd, heads = cfg.head_dim, cfg.n_heads // world
-    if cfg.n_kv_heads % world == 0:
-        kv_lo, kv_hi = _span(cfg.n_kv_heads, rank, world)
-    else:  # fewer KV heads than ranks: the one this rank's query heads read, replicated
-        kv_lo = rank * heads // (cfg.n_heads // cfg.n_kv_heads)
-        kv_hi = kv_lo + 1
-    q_lo, q_hi = rank * heads, (rank + 1) * heads
+    hd = cfg.head_dim
+    q_lo, q_hi, kv = heads_of(cfg, rank, world)
+    heads = q_hi - q_lo
+    q_rows, kv_rows = _head_rows(list(range(q_lo, q_hi)), hd), _head_rows(kv, hd)
     f_lo, f_hi = _span(cfg.ffn_dim, rank, world)
-    if quantize == "int4" and (heads * hd % GROUP or (f_hi - f_lo) % GROUP):
+    e_lo, e_hi = _span(cfg.expert_ffn_dim, rank, world)
+    if quantize == "int4" and (heads * hd % GROUP or (f_hi - f_lo) % GROUP or (e_hi - e_lo) % GROUP):
         raise BriskError(f"--tp {world} with --quantize int4: a rank's part of o_proj ({heads * hd} columns) or "
-                         f"down_proj ({f_hi - f_lo}) is not whole groups of {GROUP}")
+                         f"down_proj ({f_hi - f_lo if not cfg.n_experts else e_hi - e_lo}) is not whole groups "
+                         f"of {GROUP}")
     for block in net.model.layers:
         a, mlp = block.self_attn, block.mlp
-        _set_linear(a.q_proj, _rows(a.q_proj.weight, q_lo * hd, q_hi * hd), _rows(a.q_proj.bias, q_lo * hd, q_hi * hd))
-        for p in (a.k_proj, a.v_proj):
-            _set_linear(p, _rows(p.weight, kv_lo * hd, kv_hi * hd), _rows(p.bias, kv_lo * hd, kv_hi * hd))
+        a.q_proj = _take_rows(a.q_proj, q_rows)
+        a.k_proj, a.v_proj = _take_rows(a.k_proj, kv_rows), _take_rows(a.v_proj, kv_rows)
         # the bias once, on rank 0: the all-reduce adds every rank's part
         a.o_proj = _columns(a.o_proj, q_lo * hd, q_hi * hd, rank == 0, quantize)
         if a.sinks is not None:
-            a.sinks = nn.Parameter(_rows(a.sinks, q_lo, q_hi), requires_grad=False)
-        a.n_heads, a.n_kv = heads, kv_hi - kv_lo
-        assert isinstance(mlp, MLP)
-        for p in (mlp.gate_proj, mlp.up_proj):
-            _set_linear(p, _rows(p.weight, f_lo, f_hi), _rows(p.bias, f_lo, f_hi))
-        mlp.down_proj = _columns(mlp.down_proj, f_lo, f_hi, rank == 0, quantize)
+            a.sinks = nn.Parameter(a.sinks[q_lo:q_hi].clone(), requires_grad=False)
+        a.n_heads, a.n_kv = heads, len(kv)
+        # an MoE layer: every expert cut as an MLP is, the router whole (each rank routes alike)
+        for m, (lo, hi) in [(mlp, (f_lo, f_hi))] if isinstance(mlp, MLP) else [(e, (e_lo, e_hi)) for e in mlp.experts]:
+            rows = torch.arange(lo, hi)
+            m.gate_proj, m.up_proj = _take_rows(m.gate_proj, rows), _take_rows(m.up_proj, rows)
+            m.down_proj = _columns(m.down_proj, lo, hi, rank == 0, quantize)
     if quantize in ("int8", "int4") and cfg.tie_embeddings:
         # lookups read the whole quantized table, as a single process's do from its quantized head
         table = quantize_linear(net.lm_head, quantize, GROUP, keep_codes=True)
         net.model.embed_tokens = QuantEmbedding(table, net.model.norm.weight.dtype, owner=True)
+    emb = net.model.embed_tokens
+    tied_blocks = isinstance(emb, QuantEmbedding) and emb.head is net.lm_head and isinstance(emb.head, GGUFLinear)
     _shard_head(net, rank, world)
-    net.cfg = replace(cfg, n_heads=heads, n_kv_heads=kv_hi - kv_lo)
+    if tied_blocks:  # lookups from the head's part of the vocabulary: no rank holds the whole table
+        net.model.embed_tokens = VocabShardEmbedding(net.lm_head, rank, cfg.vocab_size, emb.dtype, owner=False)
+    elif isinstance(emb, QuantEmbedding) and isinstance(emb.head, GGUFLinear) and emb.head is not net.lm_head:
+        # an untied GGUF table, cut the same way
+        per = -(-cfg.vocab_size // world)
+        net.model.embed_tokens = VocabShardEmbedding(_vocab_part(emb.head, rank * per, per), rank, cfg.vocab_size,
+                                                     emb.dtype, owner=True)
+    net.cfg = replace(cfg, n_heads=heads, n_kv_heads=len(kv))
+    trim_heap()  # the whole layers' copies (reordered q/k rows) and the cuts' temporaries are freed now
     net.__class__ = ShardedTransformer
     net.__dict__["_tp"] = group
 
 
 def connect(net: ShardedTransformer) -> None:
     """The collectives, as forward hooks on the layers' final modules (call after any quantization
-    at load, which replaces them): an all-reduce after o_proj and down_proj, the all-gather of the
-    logits after the output layer."""
+    at load, which replaces them): an all-reduce after o_proj and down_proj (an MoE layer: after
+    the layer), the all-gather of the logits after the output layer."""
     for block in net.model.layers:
         block.self_attn.o_proj.register_forward_hook(_all_reduce_output)
-        block.mlp.down_proj.register_forward_hook(_all_reduce_output)
+        # an MoE layer's output once, after its experts' partial outputs are weighted and added
+        (block.mlp.down_proj if isinstance(block.mlp, MLP) else block.mlp).register_forward_hook(_all_reduce_output)
     net.lm_head.register_forward_hook(_gather_vocab(net.cfg.vocab_size, net.__dict__["_tp"].world))
 
 
@@ -295,6 +365,10 @@ def _columns(layer: nn.Linear, lo: int, hi: int, keep_bias: bool, quantize: str)
     """A row-parallel layer's input columns lo:hi. int8 scales each output row by its whole row, so
     the shard is cut from the whole layer's codes (quantize_at_load then leaves it as it is)."""
     bias = layer.bias if keep_bias else None
+    if isinstance(layer, GGUFLinear):  # whole blocks of columns (check_load refused the rest)
+        t = gguf_types.BY_ID[layer.qtype]
+        return _kept_blocks(layer.blocks[:, lo // t.block_weights * t.block_bytes:hi // t.block_weights * t.block_bytes],
+                            layer, bias)
     if quantize == "int8":
         q, scales = quantize_int8(layer.weight)
         return Int8Linear(q[:, lo:hi].contiguous(), scales, bias)
@@ -308,6 +382,11 @@ def _shard_head(net: Transformer, rank: int, world: int) -> None:
     vocab = net.cfg.vocab_size
     per = -(-vocab // world)
     lo, hi = min(rank * per, vocab), min((rank + 1) * per, vocab)
+    if isinstance(net.lm_head, GGUFLinear):
+        head = net.lm_head
+        net.lm_head = _vocab_part(head, lo, per)
+        net.lm_head.refine_top = head.refine_top
+        return
     w = net.lm_head.weight
     part = w[lo:hi]
     if hi - lo < per:
@@ -315,6 +394,30 @@ def _shard_head(net: Transformer, rank: int, world: int) -> None:
     elif w is not getattr(net.model.embed_tokens, "weight", None):  # tied: a view of the embedding's rows
         part = part.clone()
     _set_linear(net.lm_head, part, None)
+
+
+def _vocab_part(table: GGUFLinear, lo: int, per: int) -> GGUFLinear:
+    """Rows lo:lo+per of a GGUF table (the last part padded: zero bytes are zero weights in every
+    block format)."""
+    part = table.blocks[lo:lo + per]
+    return _kept_blocks(torch.cat([part, part.new_zeros(per - part.shape[0], part.shape[1])]), table, None)
+
+
+class VocabShardEmbedding(QuantEmbedding):
+    """Token lookups from this rank's part of the vocabulary (rows rank*per.. of the table): a token
+    outside it looks up zeros, and the all-reduce adds the one rank's row to the others' zeros, so
+    every rank gets the exact row while holding 1/N of the table."""
+
+    def __init__(self, part: GGUFLinear, rank: int, vocab: int, dtype: torch.dtype, owner: bool):
+        super().__init__(part, dtype, owner)
+        self.lo, self.num_embeddings = rank * part.out_features, vocab
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.lo
+        mine = (local >= 0) & (local < self.head.out_features)
+        out = self.head.rows(torch.where(mine, local, 0), self.dtype) * mine[..., None]
+        dist.all_reduce(out)
+        return out
 
 
 def _all_reduce_output(module, inputs, out: torch.Tensor) -> torch.Tensor:
@@ -526,14 +629,16 @@ def follow(net: ShardedTransformer, head_dim: int) -> None:
             tokens = tokens.to(w.device)
             start = start.to(w.device) if torch.is_tensor(start) else start
             rows = rows.to(w.device) if torch.is_tensor(rows) else rows
-            kv = _follower_cache(caches, spec, head_dim, w, tokens, start, rows)
+            kv = _follower_cache(caches, spec, net.cfg.n_kv_heads, head_dim, w, tokens, start, rows)
             net(tokens, start, kv, None if tree is None else tree.to(w.device), rows, hidden)
 
 
-def _follower_cache(caches: dict, spec: tuple, head_dim: int, w: torch.Tensor, tokens, positions, rows):
+def _follower_cache(caches: dict, spec: tuple, kv_heads: int, head_dim: int, w: torch.Tensor, tokens, positions,
+                    rows):
     """The follower's cache for rank 0's `spec` (made on first sight): its contiguous cache, or a
-    PagedStep over its pool with rank 0's slots and block tables."""
-    kind, key, layers, kv_heads = spec[:4]
+    PagedStep over its pool with rank 0's slots and block tables; over its own kv_heads (a split
+    of the heads that is not even gives ranks different counts)."""
+    kind, key, layers = spec[:3]
     if kind == "contiguous":
         batch, max_len, kv_type = spec[4:]
         if key not in caches:

@@ -158,7 +158,7 @@ def test_gguf_layer_as_a_checkpoint_keeps_it(monkeypatch, native_on):
         pytest.skip("the native kernels are not available")
     monkeypatch.setattr(native, "ENABLED", native_on)
     raw, ref = blocks("quantized")
-    layer = checkpoint._kept_layer(torch.from_numpy(raw), MXFP4, N, K)
+    layer = checkpoint.kept_layer(torch.from_numpy(raw), MXFP4, N, K)
     assert isinstance(layer, GGUFLinear) and layer.layout == native.X8 and layer.type_name == "MXFP4"
     assert layer.native == native_on
     assert torch.equal(layer.dequantize(), torch.from_numpy(ref))
