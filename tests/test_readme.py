@@ -44,8 +44,9 @@ def commands(files: list[Path] = DOCS) -> list[str]:
 
 def briefer(line: str) -> str:
     for prefix, flag, extra in SMALL:
-        # --format gguf calibrates unless --method rtn
-        if prefix in line and f" {flag} " not in f" {line} " and ("--format gguf" not in line or "--method rtn" not in line):
+        # --format gguf calibrates unless --method rtn, or a float --type that only converts
+        calibrates = "--format gguf" not in line or not re.search(r"--method rtn|--type (F16|F32|BF16)\b", line)
+        if prefix in line and f" {flag} " not in f" {line} " and calibrates:
             line += " " + extra
     return line
 
