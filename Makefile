@@ -83,7 +83,8 @@ bench: install-test $(LLAMA_BUILD)/bin/llama-bench
 
 # brisk against llama.cpp's own llama-bench, each in its own process, alternating (bench/llama_compare.py):
 # SmolLM2 (Q4_1, and requantized to Q4_K_M), Gemma 3 270M Q4_K_M and a random 1.1B llama (Q4_K_M),
-# 1 and 2 threads, decode beside the machine's read bandwidth. llama-bench and llama-quantize are
+# 1 and 2 threads, decode beside the machine's read bandwidth. llama-bench, llama-quantize, llama-perplexity and
+# llama-imatrix (bench/gguf_kl.py) are
 # built once from the llama-cpp-python sdist (~10 min on 2 cores).
 LLAMA_BUILD := .cache/llama.cpp-build
 bench-llama: install-test $(LLAMA_BUILD)/bin/llama-bench
@@ -100,7 +101,7 @@ $(LLAMA_BUILD)/bin/llama-bench:
 	tar xzf .cache/src/$(LLAMA_CPP_SDIST).tar.gz -C .cache/src
 	cmake -S .cache/src/$(LLAMA_CPP_SDIST)/vendor/llama.cpp -B $(LLAMA_BUILD) -DCMAKE_BUILD_TYPE=Release \
 		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON
-	cmake --build $(LLAMA_BUILD) --target llama-bench llama-quantize -j$$(nproc)
+	cmake --build $(LLAMA_BUILD) --target llama-bench llama-quantize llama-perplexity llama-imatrix -j$$(nproc)
 
 # quantization quality and speed per format (brisk quantize + eval + bench; tens of minutes), then
 # Gemma 3 moved off every quantization grid (its function kept), brisk's 4-bit rows sized against

@@ -17,7 +17,7 @@ the held-out text (bench/heldout.txt by default) is not in it.
 Files are kept in --work and reused when present (the base, the imatrix, each quantized file), so a
 rerun measures only what is new; --tag names the gptq files (gptq-NAME), to compare variants of the
 algorithm on the same base. llama.cpp's tools: $LLAMA_QUANTIZE, $LLAMA_IMATRIX, $LLAMA_PERPLEXITY, else
-/work/llama-build/bin, else bench_files' build folder.
+the ones `make bench-llama` builds (bench_files.llama_tool).
 """
 from __future__ import annotations
 
@@ -30,20 +30,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_files import llama_tool  # noqa: E402  (bench/, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 HELDOUT = ROOT / "bench" / "heldout.txt"
-BUILDS = (Path("/work/llama-build/bin"), ROOT / ".cache" / "llama.cpp-build" / "bin")
-
-
-def tool(name: str) -> str:
-    env = os.environ.get(name.upper().replace("-", "_"))
-    if env:
-        return env
-    for b in BUILDS:
-        if (b / name).exists():
-            return str(b / name)
-    raise SystemExit(f"{name} not found in {', '.join(map(str, BUILDS))} (or set ${name.upper().replace('-', '_')})")
 
 
 def run(cmd: list[str]) -> str:
@@ -74,7 +64,7 @@ def calibration_file(work: Path) -> Path:
 def llama_quantize(base: Path, out: Path, qtype: str, threads: int, imatrix: Path | None = None) -> None:
     extra = ["--imatrix", imatrix] if imatrix else []
     tmp = out.with_suffix(".part")
-    run([tool("llama-quantize"), *extra, base, tmp, qtype, threads])
+    run([llama_tool("llama-quantize"), *extra, base, tmp, qtype, threads])
     os.replace(tmp, out)
 
 
@@ -86,7 +76,7 @@ def brisk_quantize(base: Path, out: Path, qtype: str, method: str, threads: int,
 
 def kl(model: Path, logits: Path, text: Path, ctx: int, chunks: int, threads: int) -> dict:
     """llama-perplexity --kl-divergence against the base's saved logits: mean and p99 KL, same top token."""
-    out = run([tool("llama-perplexity"), "-m", model, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads,
+    out = run([llama_tool("llama-perplexity"), "-m", model, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads,
                "--kl-divergence-base", logits, "--kl-divergence"])
 
     def num(pattern):
@@ -122,11 +112,11 @@ def main() -> None:
         base = base_gguf(name, work)
         logits = work / f"{name}-base-c{args.ctx}-{text.stem}.kld"
         if not logits.exists():
-            run([tool("llama-perplexity"), "-m", base, "-f", text, "-c", args.ctx, "--chunks", args.chunks,
+            run([llama_tool("llama-perplexity"), "-m", base, "-f", text, "-c", args.ctx, "--chunks", args.chunks,
                  "-t", args.threads, "--kl-divergence-base", logits])
         imatrix = work / f"{name}-imatrix.gguf"
         if "imatrix" in rows and not imatrix.exists():
-            run([tool("llama-imatrix"), "-m", base, "-f", calib, "-o", imatrix, "-c", args.ctx, "-t", args.threads])
+            run([llama_tool("llama-imatrix"), "-m", base, "-f", calib, "-o", imatrix, "-c", args.ctx, "-t", args.threads])
         print(f"\n{name} (off-grid float32 base, {base.stat().st_size / 1e6:.1f} MB)\n"
               f"| type | method | MB | KL mean | KL p99 | same top | quantize s |\n|---|---|---|---|---|---|---|", flush=True)
         for qtype in args.types.split(","):
