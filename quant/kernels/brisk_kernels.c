@@ -411,6 +411,7 @@ typedef struct {
     int no;
     const int32_t *stream;      /* NULL: their columns are in the weights' caches; else each column's
                                    place among its 256-column block's wanted ones (stream_outliers) */
+    int fill;                   /* some cached columns are reserved, not yet dequantized: each chunk fills its rows */
 } matmul_job;
 
 /* Integer products for the types that have them (0: every type dequantizes to float; tests, bench) */
@@ -465,6 +466,8 @@ typedef struct {
     int32_t *slot;                /* [K]: a column's place, or -1 */
     int32_t *col;                 /* [cap]: a place's column */
     uint8_t *mark;                /* [cap] */
+    int32_t *missing;             /* [cap]: the columns reserved (mark 3) by the running product, by block */
+    int nmissing;
     float *vals;                  /* [room][N] */
 } bk_columns;
 
@@ -475,9 +478,11 @@ void *bk_columns_new(int N, int K, int cap) {
     if (N <= 0 || K <= 0 || cap <= 0) return NULL;
     bk_columns *c = calloc(1, sizeof *c);
     cap = cap < K ? cap : K;
-    if (c) c->slot = malloc(sizeof(int32_t) * K), c->col = malloc(sizeof(int32_t) * cap), c->mark = calloc(cap, 1);
-    if (!c || !c->slot || !c->col || !c->mark) {
-        if (c) free(c->slot), free(c->col), free(c->mark);
+    if (c)
+        c->slot = malloc(sizeof(int32_t) * K), c->col = malloc(sizeof(int32_t) * cap), c->mark = calloc(cap, 1),
+        c->missing = malloc(sizeof(int32_t) * cap);
+    if (!c || !c->slot || !c->col || !c->mark || !c->missing) {
+        if (c) free(c->slot), free(c->col), free(c->mark), free(c->missing);
         free(c);
         return NULL;
     }
@@ -489,7 +494,7 @@ void *bk_columns_new(int N, int K, int cap) {
 void bk_columns_free(void *p) {
     bk_columns *c = p;
     if (!c) return;
-    free(c->slot), free(c->col), free(c->mark), free(c->vals), free(c);
+    free(c->slot), free(c->col), free(c->mark), free(c->missing), free(c->vals), free(c);
 }
 
 /* how many columns are cached now (which 0), the most that can be (1), dequantized so far (2) */
@@ -548,16 +553,19 @@ static int take_place(bk_columns *c) {
     return -1;
 }
 
-/* The weight's columns for the entries (at most cap of them), cached and marked needed (2): the
- * missing ones dequantized per 256-column block that holds one, its rows' blocks (a column costs
- * 1 / (K / 256) of the weight), by the level's slab function, which stream_outliers uses too: a
- * refill reads the same floats. Called with columns_lock held; -2 out of memory. */
-static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, int n, int level) {
+enum { STREAM_ROWS = 64 }; /* rows a slab of 256 columns holds (fill_rows, stream_outliers) */
+
+/* Places in the weight's cache for the entries' columns (at most cap of them), marked needed (2),
+ * the missing ones reserved (3) and listed by block for the product's chunks to dequantize
+ * (fill_rows): each thread fills the rows it has just multiplied, while they are in its cache, where
+ * one thread filling whole columns first left the others waiting. Called with columns_lock held;
+ * the count of reserved columns, or -2 out of memory. */
+static int reserve_columns(bk_columns *c, const bk_outlier *o, int n, int level) {
     if (c->level != level) { /* another level's floats (fused multiply-adds differ): none kept */
         for (int k = 0; k < c->K; k++) c->slot[k] = -1;
         c->n = 0, c->hand = 0, c->level = level;
     }
-    int missing = 0;
+    c->nmissing = 0;
     for (int i = 0; i < n; i++) {
         int k = o[i].k, s = c->slot[k];
         if (s >= 0) {
@@ -566,40 +574,52 @@ static int fill_columns(const bk_weight *w, bk_columns *c, const bk_outlier *o, 
         }
         if ((s = take_place(c)) < 0) return -2;
         c->slot[k] = s, c->col[s] = k, c->mark[s] = 3;
-        missing++;
+        c->missing[c->nmissing++] = k;
     }
-    if (!missing) return 0;
-    if (KERNELS[level].columns(w, NULL, 0, 0, 0, NULL)) { /* one weight a row */
-        for (int i = 0; i < n; i++) {
-            int at = c->slot[o[i].k];
-            if (c->mark[at] != 3) continue;
-            float *out = c->vals + (size_t)at * c->N;
-            KERNELS[level].columns(w, &o[i].k, 1, 0, c->N, &out);
-            c->mark[at] = 2, c->filled++;
+    for (int i = 1; i < c->nmissing; i++) /* by column, so a block's columns come together */
+        for (int j = i; j > 0 && c->missing[j - 1] > c->missing[j]; j--) {
+            int32_t t = c->missing[j];
+            c->missing[j] = c->missing[j - 1], c->missing[j - 1] = t;
         }
-        return 0;
-    }
-    enum { R = 64 };
-    float *slab = malloc(sizeof(float) * R * 256);
-    if (!slab) return -2;
-    for (int k0 = 0; k0 < c->K; k0 += 256) {
-        int any = 0;
-        for (int k = k0; k < k0 + 256; k++) any |= c->slot[k] >= 0 && c->mark[c->slot[k]] == 3;
-        if (!any) continue;
-        for (int r0 = 0; r0 < c->N; r0 += R) {
-            int r1 = r0 + R < c->N ? r0 + R : c->N;
+    return c->nmissing;
+}
+
+/* Rows n0..n1 of the reserved columns: each 256-column block that holds some dequantized by the
+ * level's column function (the layouts it reads: a group's 8 rows at once) or its slab function
+ * (the rest, slab: STREAM_ROWS x 256 floats), the floats stream_outliers reads too, whatever the
+ * rows' range: a column's floats do not depend on the call that made them. */
+static void fill_rows(const bk_weight *w, bk_columns *c, int level, int n0, int n1, float *slab) {
+    int by_column = KERNELS[level].columns(w, NULL, 0, 0, 0, NULL);
+    for (int a = 0, b; a < c->nmissing; a = b) {
+        int k0 = c->missing[a] / 256 * 256;
+        for (b = a; b < c->nmissing && c->missing[b] < k0 + 256; b++) {}
+        if (by_column) {
+            float *outs[256];
+            for (int i = a; i < b; i++) outs[i - a] = c->vals + (size_t)c->slot[c->missing[i]] * c->N + n0;
+            KERNELS[level].columns(w, c->missing + a, b - a, n0, n1, outs);
+            continue;
+        }
+        for (int r0 = n0; r0 < n1; r0 += STREAM_ROWS) {
+            int r1 = r0 + STREAM_ROWS < n1 ? r0 + STREAM_ROWS : n1;
             KERNELS[level].slab(w, r0, r1, k0, k0 + 256, slab);
-            for (int k = k0; k < k0 + 256; k++) {
-                int at = c->slot[k];
-                if (at < 0 || c->mark[at] != 3) continue;
-                for (int r = r0; r < r1; r++) c->vals[(size_t)at * c->N + r] = slab[(r - r0) * 256 + (k - k0)];
+            for (int i = a; i < b; i++) {
+                float *v = c->vals + (size_t)c->slot[c->missing[i]] * c->N;
+                for (int r = r0; r < r1; r++) v[r] = slab[(r - r0) * 256 + c->missing[i] - k0];
             }
         }
-        for (int k = k0; k < k0 + 256; k++)
-            if (c->slot[k] >= 0 && c->mark[c->slot[k]] == 3) c->mark[c->slot[k]] = 2, c->filled++;
     }
-    free(slab);
-    return 0;
+}
+
+/* the product's chunks done (ok), the reserved columns are whole; else (a failed reservation)
+ * they are given up: their places idle, their columns uncached (a place evicted later may uncache
+ * its column's newer place too: a lost entry, dequantized again on need, never wrong floats) */
+static void filled_columns(bk_columns *c, int ok) {
+    for (int i = 0; i < c->nmissing; i++) {
+        int k = c->missing[i];
+        if (ok) c->mark[c->slot[k]] = 2;
+        else c->mark[c->slot[k]] = 0, c->slot[k] = -1;
+    }
+    c->filled += ok ? c->nmissing : 0, c->nmissing = 0;
 }
 
 /* the product done: the columns it needed become evictable again (used: 1) */
@@ -627,8 +647,6 @@ static float *scratch(float **buf, size_t *cap, size_t n) {
  * its block's, or -1) copied out contiguous, so the sums are the cache's to the bit (the same floats,
  * each output's entries in the same order), for 1 / (K / 256) of the rows' dequant a block, shared
  * by the product's rows. */
-enum { STREAM_ROWS = 64 };
-
 static void stream_outliers(const bk_weight *w, int level, const bk_outlier *o, int no, const int32_t *at, float *y,
                             int64_t ldy, int n0, int n1, float *slab /* 2 x STREAM_ROWS x 256 */) {
     enum { R = STREAM_ROWS };
@@ -664,7 +682,7 @@ static void matmul_chunk(const void *a, int n0, int n1) {
         size_t n = bk_tile_floats(j->ws + i, j->M);
         need = n > need ? n : need;
     }
-    float *buf = scratch(&tile_buf, &tile_cap, need + (j->stream ? 2 * STREAM_ROWS * 256 : 0));
+    float *buf = scratch(&tile_buf, &tile_cap, need + (j->stream || j->fill ? 2 * STREAM_ROWS * 256 : 0));
     if (!buf) return;
     for (int i = 0; i < j->nw; i++) { /* the part of each weight inside this chunk */
         int lo = n0 > j->starts[i] ? n0 : j->starts[i], hi = n1 < j->starts[i + 1] ? n1 : j->starts[i + 1];
@@ -682,7 +700,8 @@ static void matmul_chunk(const void *a, int n0, int n1) {
             stream_outliers(w, j->level, j->o, j->no, j->stream, y, j->starts[j->nw], lo - j->starts[i], hi - j->starts[i],
                             buf + need);
         else if (j->no) { /* each entry's column from the cache: y[m, n] += v * column k [n] */
-            const bk_columns *c = w->columns;
+            bk_columns *c = w->columns;
+            if (j->fill && c->nmissing) fill_rows(w, c, j->level, lo - j->starts[i], hi - j->starts[i], buf + need);
             KERNELS[j->level].add_entries(j->o, j->no, 0, c->K, c->vals, c->slot, c->N, 0, y, j->starts[j->nw],
                                           lo - j->starts[i], hi - j->starts[i]);
         }
@@ -773,11 +792,18 @@ static __attribute__((noinline)) int outlier_product(matmul_job *j, const float 
     }
     pthread_mutex_lock(&columns_lock);
     int rc = 0;
-    for (int i = 0; i < nw && rc == 0; i++) rc = fill_columns(ws + i, ws[i].columns, o, no, j->level);
-    if (rc == 0) parallel_rows(matmul_chunk, j, j->starts[nw], 32);
-    for (int i = 0; i < nw; i++) release_columns(ws[i].columns, o, no);
+    for (int i = 0; i < nw && rc >= 0; i++) {
+        rc = reserve_columns(ws[i].columns, o, no, j->level);
+        j->fill |= rc > 0;
+    }
+    if (rc >= 0) parallel_rows(matmul_chunk, j, j->starts[nw], 32);
+    for (int i = 0; i < nw; i++) {
+        filled_columns(ws[i].columns, rc >= 0);
+        release_columns(ws[i].columns, o, no);
+    }
     pthread_mutex_unlock(&columns_lock);
-    j->o = NULL, j->no = 0;
+    j->o = NULL, j->no = 0, j->fill = 0;
+    rc = rc > 0 ? 0 : rc;
     return rc ? rc : 1;
 }
 
