@@ -692,19 +692,21 @@ static void matmul_chunk(const void *a, int n0, int n1) {
         int ints = w->layout == BK_X8 ? (bk_act8_type(w->type) ? j->xq.q8 : (const void *)j->xq.q) != NULL /* else
                                                                   dequantized tiles: they read the layout */
                    : bk_act8_type(w->type) && j->xq.q8 ? 1 : bk_super_type(w->type) ? j->xq.q256 != NULL : j->xq.q != NULL && bk_int_weight(w);
-        if (ints)
-            KERNELS[j->level].int_rows(w, lo - j->starts[i], hi - j->starts[i], j->M, &j->xq, y, j->starts[j->nw], buf);
-        else
-            KERNELS[j->level].tile(w, lo - j->starts[i], hi - j->starts[i], j->M, j->x, y, j->starts[j->nw], buf);
-        if (j->no && j->stream) /* in the chunk: its outputs are still in cache, and the threads share the work */
-            stream_outliers(w, j->level, j->o, j->no, j->stream, y, j->starts[j->nw], lo - j->starts[i], hi - j->starts[i],
-                            buf + need);
-        else if (j->no) { /* each entry's column from the cache: y[m, n] += v * column k [n] */
-            bk_columns *c = w->columns;
-            if (j->fill && c->nmissing) fill_rows(w, c, j->level, lo - j->starts[i], hi - j->starts[i], buf + need);
-            KERNELS[j->level].add_entries(j->o, j->no, 0, c->K, c->vals, c->slot, c->N, 0, y, j->starts[j->nw],
-                                          lo - j->starts[i], hi - j->starts[i]);
+        bk_columns *c = j->no && !j->stream ? w->columns : NULL;
+        int a0 = lo - j->starts[i], a1 = hi - j->starts[i], fill = c && j->fill && c->nmissing;
+        /* a cache fill goes STREAM_ROWS rows at a time right behind the product, which has just read them */
+        for (int a = a0, b; a < a1; a = b) {
+            b = fill && (a / STREAM_ROWS + 1) * STREAM_ROWS < a1 ? (a / STREAM_ROWS + 1) * STREAM_ROWS : a1;
+            if (ints)
+                KERNELS[j->level].int_rows(w, a, b, j->M, &j->xq, y, j->starts[j->nw], buf);
+            else
+                KERNELS[j->level].tile(w, a, b, j->M, j->x, y, j->starts[j->nw], buf);
+            if (fill) fill_rows(w, c, j->level, a, b, buf + need);
         }
+        if (j->no && j->stream) /* in the chunk: its outputs are still in cache, and the threads share the work */
+            stream_outliers(w, j->level, j->o, j->no, j->stream, y, j->starts[j->nw], a0, a1, buf + need);
+        else if (c) /* each entry's column from the cache: y[m, n] += v * column k [n] */
+            KERNELS[j->level].add_entries(j->o, j->no, 0, c->K, c->vals, c->slot, c->N, 0, y, j->starts[j->nw], a0, a1);
     }
 }
 
