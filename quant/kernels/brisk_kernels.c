@@ -720,6 +720,31 @@ static int shape_ok(const bk_weight *w) {
 
 static int matmul_many(const bk_weight *ws, int nw, int M, const float *x, float *y, int level, int may_split);
 
+/* The activations' quantization (int_dot.h, int8_dot.h) row by row across the threads: a prefill's
+ * [M, K] by the calling thread alone left the others waiting. Each row's codes are its own. */
+enum { QX16, QX256, QX8 };
+
+typedef struct {
+    int grid, level, K;
+    const float *x;
+    void *q, *qp;
+    float *s, *sums;
+    int16_t *xs, *xm;
+} quantize_x_job;
+
+static void quantize_x_rows(const void *a, int m0, int m1) {
+    const quantize_x_job *j = a;
+    int K = j->K, M = m1 - m0;
+    int64_t at = (int64_t)m0 * K, b32 = (int64_t)m0 * (K / QK), b256 = (int64_t)m0 * (K / 256);
+    const float *x = j->x + at;
+    if (j->grid == QX16) KERNELS[j->level].quantize_x(x, M, K, (int16_t *)j->q + at, j->s + b32, j->sums + b32);
+    else if (j->grid == QX256) KERNELS[j->level].quantize_x256(x, M, K, (int16_t *)j->q + at, j->s + b256, j->sums + 32 * b256);
+    else KERNELS[j->level].quantize_x8(x, M, K, (int8_t *)j->q + at, (int8_t *)j->qp + at, j->s + b256, j->xs + 16 * b256,
+                                       j->xm + 16 * b256);
+}
+
+static void quantize_activations(quantize_x_job j, int M) { parallel_rows(quantize_x_rows, &j, M, 16); }
+
 /* The rows of x [M, K] that split (split_err above), their remainders after quantize_x8's rounding
  * (codes q, scales s per 256) appended after x's rows in x2; the count. */
 static int split_rows(const float *x, int M, int K, const int8_t *q, const float *s, float *x2, int *split) {
@@ -783,7 +808,7 @@ static __attribute__((noinline)) int outlier_product(matmul_job *j, const float 
     for (int k0 = 0; k0 < K; k0 += 256)
         for (int k = k0, got = 0; k < k0 + 256; k++)
             if (at[k] == 0) at[k] = got++, distinct++;
-    KERNELS[j->level].quantize_x8(x2, M, K, q, qp, s, xs, xm);
+    quantize_activations((quantize_x_job){QX8, j->level, K, x2, q, qp, s, NULL, xs, xm}, M);
     j->xq.q8 = q, j->xq.q8p = qp, j->xq.s8 = s, j->xq.xs8 = xs, j->xq.xm8 = xm;
     j->o = o, j->no = no;
     if (distinct > cap) {
@@ -848,7 +873,7 @@ static int matmul_many(const bk_weight *ws, int nw, int M, const float *x, float
                 int rc = outlier_product(&j, x, q, qp, s, xs, xm);
                 if (rc) return rc > 0 ? 0 : rc;
             }
-            KERNELS[level].quantize_x8(x, M, ws[0].K, q, qp, s, xs, xm);
+            quantize_activations((quantize_x_job){QX8, level, ws[0].K, x, q, qp, s, NULL, xs, xm}, M);
             j.xq.q8 = q, j.xq.q8p = qp, j.xq.s8 = s, j.xq.xs8 = xs, j.xq.xm8 = xm;
             if (may_split && split_err > 0.0f && !ints && !supers) { /* every weight here takes 8-bit ones */
                 int K = ws[0].K, N = j.starts[nw];
@@ -873,12 +898,12 @@ static int matmul_many(const bk_weight *ws, int nw, int M, const float *x, float
         }
         if (ints) {
             float *s = b + n / 2, *sum = s + blocks;
-            KERNELS[level].quantize_x(x, M, ws[0].K, (int16_t *)b, s, sum);
+            quantize_activations((quantize_x_job){QX16, level, ws[0].K, x, b, NULL, s, sum}, M);
             j.xq.q = (int16_t *)b, j.xq.s = s, j.xq.sum = sum;
         }
         if (supers) {
             float *b2 = b + n / 2 + 2 * blocks, *s = b2 + n / 2, *bs = s + supers_n;
-            KERNELS[level].quantize_x256(x, M, ws[0].K, (int16_t *)b2, s, bs);
+            quantize_activations((quantize_x_job){QX256, level, ws[0].K, x, b2, NULL, s, bs}, M);
             j.xq.q256 = (int16_t *)b2, j.xq.s256 = s, j.xq.bs256 = bs;
         }
     }

@@ -186,6 +186,7 @@ typedef struct {
     int group;            /* query heads a task attends together */
     int64_t pass;         /* this layer's attention in this call, unique: what a thread's converted keys belong to */
     const att_task *tasks;
+    int n_tasks;
     float *partial;       /* per task: g heads x (D outputs, max, sum of exponentials), for split rows */
 } attention_job;
 
@@ -346,8 +347,11 @@ static void attend(const attention_job *j, int t) {
         for (int e = 0; e < g; e++) y[e][D] = m[e], y[e][D + 1] = total[e];
 }
 
+/* the tasks last to first: a prefill's later rows read more keys, and taken first they leave the
+ * short ones to even out the threads' ends */
 static void attention_chunk(const void *p, int i0, int i1) {
-    for (int i = i0; i < i1; i++) attend(p, i);
+    const attention_job *j = p;
+    for (int i = i0; i < i1; i++) attend(j, j->n_tasks - 1 - i);
 }
 
 /* A split row's output, head by head: its spans' partial outputs rescaled to the largest max and
@@ -519,6 +523,84 @@ done:
     return rc;
 }
 
+/* A layer's work row by row between its products (norms, biases, rope, the K/V writes, the gated
+ * activation, the residual adds), across the threads where there are rows enough: a prefill's 512
+ * rows on the calling thread alone left the others waiting. Each row's operations are its own. */
+enum { ROWS_ATTN_IN, ROWS_QKV, ROWS_ATTN_OUT, ROWS_GATED, ROWS_FFN_OUT };
+
+typedef struct {
+    const bk_arch *a;
+    const bk_layer *L;
+    const bk_cache *c;
+    int layer, stage;
+    const int32_t *pos, *table;
+    float *x, *xn, *qkv, *o, *gu, *act;
+} rows_job;
+
+static void rows_stage(const void *p, int r0, int r1) {
+    const rows_job *j = p;
+    const bk_arch *a = j->a;
+    const bk_layer *L = j->L;
+    const bk_cache *c = j->c;
+    int dim = a->dim, D = a->head_dim, H = a->n_heads, KV = a->n_kv, F = a->ffn, W = (H + 2 * KV) * D;
+    int R = a->rope_dim ? a->rope_dim : D;
+    for (int r = r0; r < r1; r++) {
+        float *xr = j->x + (int64_t)r * dim, *xnr = j->xn + (int64_t)r * dim, *orow = j->o + (int64_t)r * dim;
+        switch (j->stage) {
+        case ROWS_ATTN_IN:
+            rms_norm(xr, L->attn_in, xnr, dim, a->eps);
+            break;
+        case ROWS_QKV: {
+            const int32_t *pos = j->pos;
+            float *q = j->qkv + (int64_t)r * W, *k = q + H * D, *v = k + KV * D;
+            const float *bias[3] = {L->q_bias, L->k_bias, L->v_bias};
+            float *part[3] = {q, k, v};
+            int width[3] = {H * D, KV * D, KV * D};
+            for (int i = 0; i < 3; i++)
+                if (bias[i])
+                    for (int e = 0; e < width[i]; e++) part[i][e] += bias[i][e];
+            const float *cs = L->cos + (int64_t)pos[r] * R, *sn = L->sin + (int64_t)pos[r] * R;
+            for (int h = 0; h < H + KV; h++) { /* q heads, then k heads */
+                float *head = q + (int64_t)h * D;
+                if (a->qk_norm) rms_norm(head, h < H ? L->q_norm : L->k_norm, head, D, a->eps);
+                rope(head, cs, sn, R);
+            }
+            const int32_t *tab = c->tables + j->table[r];
+            int64_t at = (int64_t)tab[pos[r] / c->block_size] * c->block_stride +
+                         (int64_t)(pos[r] % c->block_size) * c->pos_stride;
+            for (int h = 0; h < KV; h++) {
+                kv_store(c->type, (uint8_t *)c->k[j->layer] + at + h * c->head_stride, k + (int64_t)h * D, D);
+                kv_store(c->type, (uint8_t *)c->v[j->layer] + at + h * c->head_stride, v + (int64_t)h * D, D);
+            }
+            break;
+        }
+        case ROWS_ATTN_OUT:
+            if (L->o_bias) add_rows(orow, L->o_bias, dim);
+            if (a->sandwich) {
+                rms_norm(orow, L->post_attn, orow, dim, a->eps);
+                add_rows(xr, orow, dim);
+                rms_norm(xr, L->pre_ffn, xnr, dim, a->eps);
+            } else {
+                add_rows(xr, orow, dim);
+                rms_norm(xr, L->post_attn, xnr, dim, a->eps);
+            }
+            break;
+        case ROWS_GATED:
+            gated(a, j->gu + (int64_t)r * 2 * F, j->act + (int64_t)r * F, F);
+            break;
+        case ROWS_FFN_OUT:
+            if (a->sandwich) rms_norm(orow, L->post_ffn, orow, dim, a->eps);
+            add_rows(xr, orow, dim);
+            break;
+        }
+    }
+}
+
+static void rows_pass(rows_job *j, int stage, int N) {
+    j->stage = stage;
+    bk_parallel(rows_stage, j, N, 16);
+}
+
 /* Rows x [N, dim] (in place) through every layer: row r at position pos[r], its sequence's block
  * table at c->tables + table[r]. Every row's K/V are written before any row attends, so a row sees
  * the rows of this call that precede it in its sequence. Returns 0, -1 on a product's shape error,
@@ -526,7 +608,6 @@ done:
 int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_layers, const bk_cache *c, int N,
                                const int32_t *pos, const int32_t *table, float *x, int level) {
     int dim = a->dim, D = a->head_dim, H = a->n_heads, KV = a->n_kv, F = a->ffn, W = (H + 2 * KV) * D;
-    int R = a->rope_dim ? a->rope_dim : D;
     size_t floats = (size_t)N * (dim + W + H * D + dim + 2 * F + F);
     float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -2;
@@ -553,30 +634,10 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
     int rc = 0;
     for (int l = 0; l < n_layers && rc == 0; l++) {
         const bk_layer *L = layers + l;
-        for (int r = 0; r < N; r++) rms_norm(x + (int64_t)r * dim, L->attn_in, xn + (int64_t)r * dim, dim, a->eps);
+        rows_job rj = {a, L, c, l, 0, pos, table, x, xn, qkv, o, gu, act};
+        rows_pass(&rj, ROWS_ATTN_IN, N);
         if ((rc = bk_matmul_many(L->qkv, 3, N, xn, qkv, level))) break;
-        for (int r = 0; r < N; r++) {
-            float *q = qkv + (int64_t)r * W, *k = q + H * D, *v = k + KV * D;
-            const float *bias[3] = {L->q_bias, L->k_bias, L->v_bias};
-            float *part[3] = {q, k, v};
-            int width[3] = {H * D, KV * D, KV * D};
-            for (int i = 0; i < 3; i++)
-                if (bias[i])
-                    for (int e = 0; e < width[i]; e++) part[i][e] += bias[i][e];
-            const float *cs = L->cos + (int64_t)pos[r] * R, *sn = L->sin + (int64_t)pos[r] * R;
-            for (int h = 0; h < H + KV; h++) { /* q heads, then k heads */
-                float *head = q + (int64_t)h * D;
-                if (a->qk_norm) rms_norm(head, h < H ? L->q_norm : L->k_norm, head, D, a->eps);
-                rope(head, cs, sn, R);
-            }
-            const int32_t *tab = c->tables + table[r];
-            int64_t at = (int64_t)tab[pos[r] / c->block_size] * c->block_stride +
-                         (int64_t)(pos[r] % c->block_size) * c->pos_stride;
-            for (int h = 0; h < KV; h++) {
-                kv_store(c->type, (uint8_t *)c->k[l] + at + h * c->head_stride, k + (int64_t)h * D, D);
-                kv_store(c->type, (uint8_t *)c->v[l] + at + h * c->head_stride, v + (int64_t)h * D, D);
-            }
-        }
+        rows_pass(&rj, ROWS_QKV, N);
         int n_tasks = 0;
         for (int r = 0; r < N; r++) {
             int lo = L->window && pos[r] + 1 > L->window ? pos[r] + 1 - L->window : 0, hi = pos[r] + 1;
@@ -588,7 +649,7 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
                 }
         }
         attention_job job = {a, L, c, l, pos, table, qkv, att, group,
-                             __atomic_add_fetch(&passes, 1, __ATOMIC_RELAXED), tasks, partial};
+                             __atomic_add_fetch(&passes, 1, __ATOMIC_RELAXED), tasks, n_tasks, partial};
         if (keys_read < ATTENTION_SPLIT) attention_chunk(&job, 0, n_tasks); /* a sync point costs more than it saves */
         else bk_parallel(attention_chunk, &job, n_tasks, 1);
         for (int t = 0; t < n_tasks;) { /* the split rows' outputs */
@@ -599,30 +660,15 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
             t += row_tasks;
         }
         if ((rc = bk_matmul_many(&L->o, 1, N, att, o, level))) break;
-        for (int r = 0; r < N; r++) {
-            float *xr = x + (int64_t)r * dim, *orow = o + (int64_t)r * dim, *xnr = xn + (int64_t)r * dim;
-            if (L->o_bias) add_rows(orow, L->o_bias, dim);
-            if (a->sandwich) {
-                rms_norm(orow, L->post_attn, orow, dim, a->eps);
-                add_rows(xr, orow, dim);
-                rms_norm(xr, L->pre_ffn, xnr, dim, a->eps);
-            } else {
-                add_rows(xr, orow, dim);
-                rms_norm(xr, L->post_attn, xnr, dim, a->eps);
-            }
-        }
+        rows_pass(&rj, ROWS_ATTN_OUT, N);
         if (L->n_experts) {
             if ((rc = moe(a, L, N, xn, o, level))) break;
         } else {
             if ((rc = bk_matmul_many(L->gate_up, 2, N, xn, gu, level))) break;
-            for (int r = 0; r < N; r++) gated(a, gu + (int64_t)r * 2 * F, act + (int64_t)r * F, F);
+            rows_pass(&rj, ROWS_GATED, N);
             if ((rc = bk_matmul_many(&L->down, 1, N, act, o, level))) break;
         }
-        for (int r = 0; r < N; r++) {
-            float *xr = x + (int64_t)r * dim, *orow = o + (int64_t)r * dim;
-            if (a->sandwich) rms_norm(orow, L->post_ffn, orow, dim, a->eps);
-            add_rows(xr, orow, dim);
-        }
+        rows_pass(&rj, ROWS_FFN_OUT, N);
     }
     free(buf), free(tasks), free(partial);
     return rc == -2 ? -2 : rc ? -1 : 0;
