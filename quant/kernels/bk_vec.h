@@ -25,7 +25,7 @@ BK_INLINE v16 load16(const float *p) {
 
 BK_INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
-BK_INLINE v16 splat16(float f) { return (v16){0} + f; }
+BK_INLINE v16 splat16(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; } /* not 0 + f: an add per call */
 
 /* a b + c rounded once, in every lane. Written out where a row's bits must not depend on the code
  * path (the integer products' float epilogues, inlined once for one activation row and once for

@@ -201,19 +201,23 @@ static _Thread_local int wide_row, wide_head, wide_lo;
 static int64_t passes; /* attention_job.pass, counted across calls */
 
 /* Chains of multiply-adds side by side (keys x heads in the scores, output vectors x heads in the
- * weighted sum), as many as the registers hold: AVX-512 has 32 of 16 floats, else 16 of 8 (2 a v16).
- * Query heads on one K/V head are attended together, up to that many. */
+ * weighted sum), as many as the registers hold beside the operands: AVX-512 has 32 of 16 floats,
+ * else 16 of 8 (2 a v16). Query heads on one K/V head are attended together, up to ATT_CHAINS. */
 #if defined(__AVX512F__)
 #define ATT_CHAINS 8
+#define ATT_ACC 16
 #else
 #define ATT_CHAINS 4
+#define ATT_ACC 4
 #endif
+/* output vectors a value tile takes at once for g heads: a head of 64 floats in one pass where it fits */
+#define ATT_VECS(g) (ATT_ACC / (g) < 4 ? ATT_ACC / (g) : 4)
 
 /* s[e][i + u] = q[e] . key i + u, u < KEYS, e < G (constants where it is inlined: the sums stay in
  * registers), each summed as dot() sums it */
 BK_INLINE void score_tile(const float *const *q, const float *kc, const int64_t *at, int i, int D, int G, int KEYS,
                           float *const *s, float scale) {
-    v16 acc[ATT_CHAINS] = {{0}};
+    v16 acc[ATT_ACC] = {{0}};
     for (int k = 0; k < D; k += LANES)
         for (int u = 0; u < KEYS; u++) {
             v16 kv = load16(kc + at[i + u] + k);
@@ -226,7 +230,7 @@ BK_INLINE void score_tile(const float *const *q, const float *kc, const int64_t 
 /* y[e][k0 .. k0 + VECS LANES] = sum over the n keys, in order, of s[e][i] value i, times inv[e] */
 BK_INLINE void value_tile(const float *vc, const int64_t *at, int n, int k0, int G, int VECS, float *const *s,
                           const float *inv, float *const *y) {
-    v16 acc[ATT_CHAINS] = {{0}};
+    v16 acc[ATT_ACC] = {{0}};
     for (int i = 0; i < n; i++)
         for (int u = 0; u < VECS; u++) {
             v16 v = load16(vc + at[i] + k0 + u * LANES);
@@ -237,8 +241,8 @@ BK_INLINE void value_tile(const float *vc, const int64_t *at, int n, int k0, int
 }
 
 /* the tiles for g heads (1 <= g <= ATT_CHAINS): constants for the compiler, case by case */
-#define SCORE_CASE(G) case G: score_tile(q, kc, at, i, D, G, ATT_CHAINS / G, s, a->attn_scale); break;
-#define VALUE_CASE(G) case G: value_tile(vc, at, n, k0, G, ATT_CHAINS / G, s, inv, y); break;
+#define SCORE_CASE(G) case G: score_tile(q, kc, at, i, D, G, ATT_ACC / G, s, a->attn_scale); break;
+#define VALUE_CASE(G) case G: value_tile(vc, at, n, k0, G, ATT_VECS(G), s, inv, y); break;
 
 /* One task: query heads h0..h0+g-1 of one row (sharing one K/V head) against the row's keys at
  * positions [lo, hi): softmax(q k / sqrt) v. A whole row's task writes the output; with sinks
@@ -301,7 +305,7 @@ static void attend(const attention_job *j, int t) {
         for (int i = 0; i < n; i++) at[i] = (int64_t)i * D;
         kc = wide_buf, vc = wide_buf + (size_t)n * D;
     }
-    int keys = ATT_CHAINS / g, i = 0;
+    int keys = ATT_ACC / g, i = 0;
     for (; i + keys <= n; i += keys)
         switch (g) {
             SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
@@ -329,7 +333,7 @@ static void attend(const attention_job *j, int t) {
         if (sinks) total[e] += expf(sink - m[e]);
         inv[e] = task->whole ? 1.0f / total[e] : 1.0f;
     }
-    int vecs = ATT_CHAINS / g, k0 = 0;
+    int vecs = ATT_VECS(g), k0 = 0;
     for (; k0 + vecs * LANES <= D; k0 += vecs * LANES)
         switch (g) {
             VALUE_CASE(1) VALUE_CASE(2) VALUE_CASE(3) VALUE_CASE(4)
