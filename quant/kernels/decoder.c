@@ -138,19 +138,31 @@ BK_INLINE v16 load16_i8(const uint8_t *p) {
     return y;
 }
 
+/* 16 of a cache row's values at p as floats, read in place: the types attention reads without a
+ * converted copy (float32, IEEE half, bfloat16; type a constant where it is inlined) */
+BK_INLINE v16 kv16(const uint8_t *p, int type) {
+    if (type == BK_KV_BF16) return load16_bf16(p);
+    if (type != BK_KV_F16) return load16((const float *)p);
+    v16 y;
+#if defined(__AVX512F__)
+    __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&y, &w, sizeof y);
+#elif defined(__F16C__)
+    __m256 w[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+    memcpy(&y, w, sizeof y);
+#else
+    for (int l = 0; l < LANES; l++) y[l] = bk_fp16(p + 2 * l);
+#endif
+    return y;
+}
+
+/* the bytes of one stored value read in place (kv16) */
+#define KV_BYTES(type) ((type) == BK_KV_F32 ? 4 : 2)
+
 /* D stored values of `type` at src -> D floats (D a multiple of 16) */
 static void kv_load(int type, const uint8_t *src, float *y, int D) {
     if (type == BK_KV_F16) {
-        for (int i = 0; i < D; i += LANES) {
-#if defined(__AVX512F__)
-            _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * i))));
-#elif defined(__F16C__)
-            _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
-            _mm256_storeu_ps(y + i + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i + 16))));
-#else
-            for (int l = 0; l < LANES; l++) y[i + l] = bk_fp16(src + 2 * (i + l));
-#endif
-        }
+        for (int i = 0; i < D; i += LANES) store16(y + i, kv16(src + 2 * i, BK_KV_F16));
     } else if (type == BK_KV_BF16) {
         for (int i = 0; i < D; i += LANES) store16(y + i, load16_bf16(src + 2 * i));
     } else { /* Q8_0 */
@@ -214,13 +226,13 @@ static int64_t passes; /* attention_job.pass, counted across calls */
 #define ATT_VECS(g) (ATT_ACC / (g) < 4 ? ATT_ACC / (g) : 4)
 
 /* s[e][i + u] = q[e] . key i + u, u < KEYS, e < G (constants where it is inlined: the sums stay in
- * registers), each summed as dot() sums it */
-BK_INLINE void score_tile(const float *const *q, const float *kc, const int64_t *at, int i, int D, int G, int KEYS,
-                          float *const *s, float scale) {
+ * registers), each summed as dot() sums it; the keys at kb + at[i] (bytes), stored as TYPE */
+BK_INLINE void score_tile(const float *const *q, const uint8_t *kb, const int64_t *at, int i, int D, int G, int KEYS,
+                          float *const *s, float scale, int TYPE) {
     v16 acc[ATT_ACC] = {{0}};
     for (int k = 0; k < D; k += LANES)
         for (int u = 0; u < KEYS; u++) {
-            v16 kv = load16(kc + at[i + u] + k);
+            v16 kv = kv16(kb + at[i + u] + KV_BYTES(TYPE) * k, TYPE);
             for (int e = 0; e < G; e++) acc[u * G + e] += load16(q[e] + k) * kv;
         }
     for (int u = 0; u < KEYS; u++)
@@ -228,21 +240,27 @@ BK_INLINE void score_tile(const float *const *q, const float *kc, const int64_t 
 }
 
 /* y[e][k0 .. k0 + VECS LANES] = sum over the n keys, in order, of s[e][i] value i, times inv[e] */
-BK_INLINE void value_tile(const float *vc, const int64_t *at, int n, int k0, int G, int VECS, float *const *s,
-                          const float *inv, float *const *y) {
+BK_INLINE void value_tile(const uint8_t *vb, const int64_t *at, int n, int k0, int G, int VECS, float *const *s,
+                          const float *inv, float *const *y, int TYPE) {
     v16 acc[ATT_ACC] = {{0}};
     for (int i = 0; i < n; i++)
         for (int u = 0; u < VECS; u++) {
-            v16 v = load16(vc + at[i] + k0 + u * LANES);
+            v16 v = kv16(vb + at[i] + KV_BYTES(TYPE) * (k0 + u * LANES), TYPE);
             for (int e = 0; e < G; e++) acc[u * G + e] += splat16(s[e][i]) * v;
         }
     for (int u = 0; u < VECS; u++)
         for (int e = 0; e < G; e++) store16(y[e] + k0 + u * LANES, acc[u * G + e] * inv[e]);
 }
 
-/* the tiles for g heads (1 <= g <= ATT_CHAINS): constants for the compiler, case by case */
-#define SCORE_CASE(G) case G: score_tile(q, kc, at, i, D, G, ATT_ACC / G, s, a->attn_scale); break;
-#define VALUE_CASE(G) case G: value_tile(vc, at, n, k0, G, ATT_VECS(G), s, inv, y); break;
+/* the tiles for g heads (1 <= g <= ATT_CHAINS) and the three stored types: constants for the compiler,
+ * case by case */
+#define BY_TYPE(call, ...) \
+    (ty == BK_KV_F16 ? call(__VA_ARGS__, BK_KV_F16) : ty == BK_KV_BF16 ? call(__VA_ARGS__, BK_KV_BF16) : call(__VA_ARGS__, BK_KV_F32))
+#define SCORE_CASE(G) case G: BY_TYPE(score_tile, q, kb, at, i, D, G, ATT_ACC / G, s, a->attn_scale); break;
+#define VALUE_CASE(G) case G: BY_TYPE(value_tile, vb, at, n, k0, G, ATT_VECS(G), s, inv, y); break;
+/* the ends: a key, an output vector at a time */
+#define SCORE_ONE(G) case G: BY_TYPE(score_tile, q, kb, at, i, D, G, 1, s, a->attn_scale); break;
+#define VALUE_ONE(G) case G: BY_TYPE(value_tile, vb, at, n, k0, G, 1, s, inv, y); break;
 
 /* One task: query heads h0..h0+g-1 of one row (sharing one K/V head) against the row's keys at
  * positions [lo, hi): softmax(q k / sqrt) v. A whole row's task writes the output; with sinks
@@ -278,14 +296,13 @@ static void attend(const attention_job *j, int t) {
     int kv_head = h0 / (a->n_heads / a->n_kv);
     const uint8_t *kb = (const uint8_t *)c->k[j->layer] + kv_head * c->head_stride,
                   *vb = (const uint8_t *)c->v[j->layer] + kv_head * c->head_stride;
-    const float *kc = (const float *)kb, *vc = (const float *)vb;
     for (int i = 0, blk = lo / c->block_size, in = lo % c->block_size; i < n; i++) { /* no division per key */
         at[i] = (int64_t)tab[blk] * c->block_stride + (int64_t)in * c->pos_stride; /* bytes */
         if (++in == c->block_size) in = 0, blk++;
     }
-    if (c->type == BK_KV_F32) {
-        for (int i = 0; i < n; i++) at[i] /= (int64_t)sizeof(float);
-    } else { /* the keys and values this task reads as float32, converted once per row, K/V head and span */
+    int ty = c->type; /* float32, half and bfloat16 are read in place (kv16) */
+    if (ty != BK_KV_F32 && ty != BK_KV_F16 && ty != BK_KV_BF16) {
+        /* the keys and values this task reads as float32, converted once per row, K/V head and span */
         if (wide_pass != j->pass || wide_row != r || wide_head != kv_head || wide_lo != lo) {
             if (wide_cap < (size_t)2 * n * D) {
                 free(wide_buf);
@@ -302,8 +319,8 @@ static void attend(const attention_job *j, int t) {
             }
             wide_pass = j->pass, wide_row = r, wide_head = kv_head, wide_lo = lo;
         }
-        for (int i = 0; i < n; i++) at[i] = (int64_t)i * D;
-        kc = wide_buf, vc = wide_buf + (size_t)n * D;
+        for (int i = 0; i < n; i++) at[i] = (int64_t)i * D * (int64_t)sizeof(float);
+        kb = (const uint8_t *)wide_buf, vb = (const uint8_t *)(wide_buf + (size_t)n * D), ty = BK_KV_F32;
     }
     int keys = ATT_ACC / g, i = 0;
     for (; i + keys <= n; i += keys)
@@ -313,8 +330,13 @@ static void attend(const attention_job *j, int t) {
             SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
 #endif
         }
-    for (; i < n; i++)
-        for (int e = 0; e < g; e++) s[e][i] = dot(q[e], kc + at[i], D) * a->attn_scale;
+    for (; i < n; i++) /* one key at a time: the tile of one, summed as dot() sums it */
+        switch (g) {
+            SCORE_ONE(1) SCORE_ONE(2) SCORE_ONE(3) SCORE_ONE(4)
+#if ATT_CHAINS == 8
+            SCORE_ONE(5) SCORE_ONE(6) SCORE_ONE(7) SCORE_ONE(8)
+#endif
+        }
     const float *sinks = task->whole ? j->L->sinks : NULL; /* a split row's sink joins in combine_spans */
     float m[ATT_CHAINS], total[ATT_CHAINS];
     for (int e = 0; e < g; e++) {
@@ -342,10 +364,11 @@ static void attend(const attention_job *j, int t) {
 #endif
         }
     for (; k0 < D; k0 += LANES)
-        for (int e = 0; e < g; e++) {
-            v16 acc = {0};
-            for (i = 0; i < n; i++) acc += splat16(s[e][i]) * load16(vc + at[i] + k0);
-            store16(y[e] + k0, acc * inv[e]);
+        switch (g) {
+            VALUE_ONE(1) VALUE_ONE(2) VALUE_ONE(3) VALUE_ONE(4)
+#if ATT_CHAINS == 8
+            VALUE_ONE(5) VALUE_ONE(6) VALUE_ONE(7) VALUE_ONE(8)
+#endif
         }
     if (!task->whole)
         for (int e = 0; e < g; e++) y[e][D] = m[e], y[e][D + 1] = total[e];
