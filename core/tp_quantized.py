@@ -24,6 +24,7 @@ import contextlib
 import json
 import torch
 
+from .checkpoint import release_mapped_tensors
 from .errors import BriskError, FileError
 from .tp_split import Part, parts
 from ..quant import awq_format, bnb_format, gptq_format, packing
@@ -135,8 +136,14 @@ def cut(ckpt, rank: int, world: int) -> set[str]:
     mine = parts(ckpt.config, rank, world)
     done = set()
     for prefix in quantized_layers(t):
+        whole = {k: v for k, v in t.items() if k.startswith(prefix + ".")}
         with _unreadable(ckpt, prefix):
             _cut_layer(t, prefix, mine[prefix], qcfg)
+        for k, v in whole.items():
+            if t.get(k) is v:  # kept as it is (g_idx, a code book, rank 0's bias): a copy of its own
+                t[k] = _own(v)
+        # every tensor the rank keeps is its own now: the file's pages of the whole layer can go
+        release_mapped_tensors(whole.values())
         done.add(prefix)
     return done
 

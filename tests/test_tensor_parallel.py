@@ -369,6 +369,29 @@ def test_quantized_checkpoints_match_one_process(method, tiny_llama_dir, tmp_pat
     assert got["greedy"] == want["greedy"]
 
 
+def test_cut_layers_leave_the_file(tmp_path):
+    """A rank's whole quantized layers, once its part is copied out: their file pages leave the
+    process (RssFile falls by the tensor's size) and read back from the file unchanged; a tensor in
+    ordinary memory is left as it is (dropping its pages would zero it)."""
+    from safetensors.torch import load_file, save_file
+
+    from brisk.core.checkpoint import release_mapped_tensors
+
+    def file_mb():
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile")) / 1024
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc here")
+    save_file({"w": torch.randn(1024, 1024)}, tmp_path / "w.safetensors")
+    mapped = load_file(tmp_path / "w.safetensors")["w"]
+    anonymous = mapped.clone()
+    want = anonymous.clone()
+    before = file_mb()
+    release_mapped_tensors([mapped, anonymous])
+    assert file_mb() < before - 3  # 4 MB of pages gone
+    assert torch.equal(anonymous, want) and torch.equal(mapped, want)
+
+
 def test_quantized_refused_by_group(tiny_llama_dir, tmp_path):
     """Before any rank starts: o/down's input columns split by whole groups or blocks only (GPTQ
     groups of 64 and NF4 blocks of 64 against o_proj's 32 columns a rank; act-order groups that
