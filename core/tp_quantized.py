@@ -24,7 +24,7 @@ import contextlib
 import json
 import torch
 
-from .checkpoint import release_mapped_tensors
+from .checkpoint import release_mapped_tensors, trim_heap
 from .errors import BriskError, FileError
 from .tp_split import Part, parts
 from ..quant import awq_format, bnb_format, gptq_format, packing
@@ -139,12 +139,14 @@ def cut(ckpt, rank: int, world: int) -> set[str]:
         whole = {k: v for k, v in t.items() if k.startswith(prefix + ".")}
         with _unreadable(ckpt, prefix):
             _cut_layer(t, prefix, mine[prefix], qcfg)
-        for k, v in whole.items():
-            if t.get(k) is v:  # kept as it is (g_idx, a code book, rank 0's bias): a copy of its own
-                t[k] = _own(v)
+        read = {v.untyped_storage().data_ptr() for v in whole.values()}
+        for k in whole.keys() & t.keys():
+            if t[k].untyped_storage().data_ptr() in read:  # kept as it is (g_idx, a code book, rank 0's bias)
+                t[k] = _own(t[k])
         # every tensor the rank keeps is its own now: the file's pages of the whole layer can go
         release_mapped_tensors(whole.values())
         done.add(prefix)
+    trim_heap()  # the unpacked whole layers' temporaries
     return done
 
 
@@ -170,13 +172,27 @@ def _own(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
+def _channels(packed: torch.Tensor, rows: torch.Tensor, per: int, unpack, pack) -> torch.Tensor:
+    """Output channels `rows` of a tensor packed `per` channels to a word along its last dim: whole
+    words where the channels come in aligned runs of `per` (heads and MLP spans do), else unpacked,
+    selected and packed again."""
+    runs = rows.view(-1, per) if rows.numel() % per == 0 else None
+    if runs is not None and bool((runs[:, 0] % per == 0).all()) and bool((runs == runs[:, :1] + torch.arange(per)).all()):
+        return packed[:, runs[:, 0] // per]
+    return pack(unpack(packed)[:, rows])
+
+
 def _cut_gptq(t: dict, prefix: str, p: Part, qcfg: dict) -> None:
     """qweight [K*b/32, N] (packed along K), qzeros [G, N*b/32] (packed along N), scales [G, N], g_idx [K]."""
     _, g, bits = _groups(t, prefix, qcfg)
     qweight, qzeros, scales = t[prefix + ".qweight"], t[prefix + ".qzeros"], t[prefix + ".scales"]
     if p.rows is not None:
         t[prefix + ".qweight"] = _own(qweight[:, p.rows])
-        t[prefix + ".qzeros"] = packing.pack(packing.unpack(qzeros, bits)[:, p.rows], bits)
+        if 32 % bits == 0:
+            t[prefix + ".qzeros"] = _channels(qzeros, p.rows, 32 // bits, lambda x: packing.unpack(x, bits),
+                                              lambda x: packing.pack(x, bits))
+        else:  # 3 bits: values straddle words
+            t[prefix + ".qzeros"] = packing.pack(packing.unpack(qzeros, bits)[:, p.rows], bits)
         t[prefix + ".scales"] = _own(scales[:, p.rows])
         return
     words = bits if 32 % bits else 1  # a run of 32/bits values (3 bits: 32 values in 3 words)
@@ -193,8 +209,8 @@ def _cut_awq(t: dict, prefix: str, p: Part, qcfg: dict) -> None:
     """qweight [K, N/8] and qzeros [G, N/8] packed along N (interleaved), scales [G, N]."""
     qweight, qzeros, scales = t[prefix + ".qweight"], t[prefix + ".qzeros"], t[prefix + ".scales"]
     if p.rows is not None:
-        t[prefix + ".qweight"] = awq_format.pack_awq(awq_format.unpack_awq(qweight)[:, p.rows])
-        t[prefix + ".qzeros"] = awq_format.pack_awq(awq_format.unpack_awq(qzeros)[:, p.rows])
+        t[prefix + ".qweight"] = _channels(qweight, p.rows, 8, awq_format.unpack_awq, awq_format.pack_awq)
+        t[prefix + ".qzeros"] = _channels(qzeros, p.rows, 8, awq_format.unpack_awq, awq_format.pack_awq)
         t[prefix + ".scales"] = _own(scales[:, p.rows])
         return
     gs = qweight.shape[0] // scales.shape[0]

@@ -369,6 +369,21 @@ def test_quantized_checkpoints_match_one_process(method, tiny_llama_dir, tmp_pat
     assert got["greedy"] == want["greedy"]
 
 
+def test_packed_channels_cut_by_words():
+    """Output channels of codes packed along them (AWQ's interleaved words, GPTQ's zeros): aligned
+    runs (heads, copies of a KV head, MLP spans) are taken as whole words, others unpacked and
+    packed again; both give the channels' values."""
+    from brisk.core.tp_quantized import _channels
+    from brisk.quant import awq_format, packing
+
+    values = torch.randint(0, 16, (3, 64), dtype=torch.int32)
+    for rows in [torch.cat([torch.arange(16), torch.arange(16), torch.arange(32, 48)]), torch.arange(3, 11)]:
+        awq = _channels(awq_format.pack_awq(values), rows, 8, awq_format.unpack_awq, awq_format.pack_awq)
+        gptq = _channels(packing.pack(values, 4), rows, 8, lambda x: packing.unpack(x, 4), lambda x: packing.pack(x, 4))
+        assert torch.equal(awq_format.unpack_awq(awq), values[:, rows])
+        assert torch.equal(packing.unpack(gptq, 4), values[:, rows])
+
+
 def test_cut_layers_leave_the_file(tmp_path):
     """A rank's whole quantized layers, once its part is copied out: their file pages leave the
     process (RssFile falls by the tensor's size) and read back from the file unchanged; a tensor in
