@@ -440,6 +440,11 @@ def release_file_pages(layer) -> None:
 def _release_pages(view) -> None:
     """Drop a read-only file mapping's pages under `view` from this process's memory (they stay in
     the page cache; touching them again reads them back). Linux; elsewhere nothing happens."""
+    _release_range(view.ctypes.data, view.ctypes.data + view.nbytes)
+
+
+def _release_range(first: int, last: int) -> None:
+    """_release_pages of the whole pages within addresses first..last."""
     libc = _libc()
     if libc is None:
         return
@@ -447,10 +452,35 @@ def _release_pages(view) -> None:
     import mmap
 
     page = mmap.PAGESIZE
-    start = -(-view.ctypes.data // page) * page
-    end = (view.ctypes.data + view.nbytes) // page * page
+    start = -(-first // page) * page
+    end = last // page * page
     if end > start:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+
+
+def release_mapped_tensors(tensors) -> None:
+    """Drop the pages of memory-mapped checkpoint tensors no longer read (a tensor-parallel rank's
+    whole quantized layers once its part is copied out) from this process's memory. Only tensors
+    inside a file mapping: dropped pages of memory that is not a file's would read back as zeros.
+    Linux (/proc/self/maps); elsewhere nothing happens."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return
+    files = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):  # an inode and a path: a file
+            lo, hi = fields[0].split("-")
+            files.append((int(lo, 16), int(hi, 16)))
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            continue
+        first = t.data_ptr()
+        last = first + t.numel() * t.element_size()
+        if any(lo <= first and last <= hi for lo, hi in files):
+            _release_range(first, last)
 
 
 def _repacked_file(path: Path) -> Path:

@@ -79,9 +79,10 @@ class LLM:
                                                    quantize=quantize, kv_type=kv_type, tp=tp, threads=cpu_threads()))
             if dev.type == "cuda":
                 dev = torch.device("cuda", torch.cuda.current_device())
+        cut = tensor_parallel.cut_checkpoint(ckpt, group) if group is not None else set()
         net = build_model(ckpt, dev, dt)
         if group is not None:
-            tensor_parallel.shard(net, group, quantize)
+            tensor_parallel.shard(net, group, quantize, cut)
         if quantize in ("int8", "int4", "nf4"):
             quantize_at_load(net, quantize, embedding_from_head=group is None)
         if group is not None:

@@ -8,7 +8,8 @@ torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
   keep their kinds and the device passes still swap in their kernels per shard); the output
   head by vocabulary, its logits all-gathered. The embedding and norms are replicated. An MoE
   layer: each expert split as the MLP is, the router replicated, one all-reduce of the layer's
-  output.
+  output. A GPTQ/AWQ/bitsandbytes checkpoint's layers are cut the same way earlier, in the
+  checkpoint's own tensors before they are built (core/tp_quantized.py), and left as they are here.
 - The sharded model reports its local head counts in its config, so every cache sized from it
   (LLM.new_cache, ContiguousKV.for_model, the batching engine's PagedKV) holds the rank's own KV heads.
 - Rank 0 is the caller: it tokenizes, samples, schedules and drives the model. Each of its forward
@@ -46,6 +47,7 @@ from .checkpoint import kept_layer, release_file_pages, trim_heap
 from .errors import BriskError
 from .kv import ContiguousKV, PagedKV, PagedStep
 from .model import MLP, Router, Transformer
+from .tp_split import head_rows, heads_of, span
 from ..quant import gguf_types
 from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
@@ -202,12 +204,6 @@ def become_follower() -> None:
 # ------------------------------------------------------------------ sharding
 
 
-def _span(n: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank's part of n items split evenly (n a multiple of world)."""
-    step = n // world
-    return rank * step, (rank + 1) * step
-
-
 def check_shardable(cfg, world: int) -> None:
     """What this installment shards; refused by name before any rank loads weights twice."""
     if cfg.n_heads < world:
@@ -221,19 +217,26 @@ def check_shardable(cfg, world: int) -> None:
 
 def check_load(ckpt, world: int, quantize: str) -> None:
     """Refusals that need the checkpoint's header only, before any rank is started: the formats
-    not sharded yet, and a GGUF whose o/down blocks a rank's part of the columns would cut."""
+    not sharded yet, a GGUF whose o/down blocks a rank's part of the columns would cut, and a
+    GPTQ/AWQ/bitsandbytes layer whose groups or blocks it would (tp_quantized.check)."""
     cfg = ckpt.config
     check_shardable(cfg, world)
-    if ckpt.quant_config or not all(isinstance(m, GGUFLinear) for m in ckpt.modules.values()):
+    if ckpt.quant_config:
+        from . import tp_quantized
+
+        tp_quantized.check(ckpt, world)
+        return
+    if not all(isinstance(m, GGUFLinear) for m in ckpt.modules.values()):
         raise BriskError(f"--tp {world}: {ckpt.name} loads quantized in a format not sharded yet (float weights, "
-                         "--quantize int8/int4 and a GGUF's blocks on the CPU are; --quantize none loads a GGUF in float)")
+                         "--quantize int8/int4, a GGUF's blocks on the CPU, GPTQ, AWQ and bitsandbytes are; "
+                         "--quantize none loads a GGUF in float)")
     if ckpt.modules and quantize in ("int8", "int4"):
         raise BriskError(f"--tp {world} with --quantize {quantize}: a GGUF's blocks are sharded as the file stores "
                          "them (--quantize auto) or in float (--quantize none)")
     spans = {"o_proj": [(lo * cfg.head_dim, hi * cfg.head_dim) for lo, hi, _ in
                         (heads_of(cfg, r, world) for r in range(world))],
-             "down_proj": [_span(cfg.ffn_dim, r, world) for r in range(world)],
-             "expert down_proj": [_span(cfg.expert_ffn_dim, r, world) for r in range(world)]}
+             "down_proj": [span(cfg.ffn_dim, r, world) for r in range(world)],
+             "expert down_proj": [span(cfg.expert_ffn_dim, r, world) for r in range(world)]}
     for name, m in ckpt.modules.items():
         kind = ("expert " if ".experts." in name else "") + name.rsplit(".", 1)[-1]
         if kind in spans:
@@ -241,28 +244,6 @@ def check_load(ckpt, world: int, quantize: str) -> None:
             if any(lo % block or hi % block for lo, hi in spans[kind]):
                 raise BriskError(f"--tp {world}: {name}'s {m.type_name} blocks of {block} columns do not split over "
                                  f"{world} ranks ({', '.join(str(hi - lo) for lo, hi in spans[kind])} columns each)")
-
-
-def heads_of(cfg, rank: int, world: int) -> tuple[int, int, list[int]]:
-    """The rank's query heads q_lo:q_hi (as even a split as the count allows: the first ranks take
-    one more) and the KV heads it keeps, in order: those its query heads read when they are whole
-    groups; the one they all read when they are part of one group; else one per query head (a
-    group cut between ranks: each query head gets its KV head's copy, so attention stays regular)."""
-    per, extra = divmod(cfg.n_heads, world)
-    q_lo = rank * per + min(rank, extra)
-    q_hi = q_lo + per + (rank < extra)
-    group = cfg.n_heads // cfg.n_kv_heads
-    read = [h // group for h in range(q_lo, q_hi)]
-    if q_lo % group == 0 and (q_hi - q_lo) % group == 0:
-        return q_lo, q_hi, sorted(set(read))
-    if len(set(read)) == 1:
-        return q_lo, q_hi, read[:1]
-    return q_lo, q_hi, read
-
-
-def _head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
-    """The output rows of a projection that hold `heads`, in that order."""
-    return (torch.tensor(heads)[:, None] * head_dim + torch.arange(head_dim)).flatten()
 
 
 def _set_linear(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -284,6 +265,8 @@ def _kept_blocks(blocks: torch.Tensor, like: GGUFLinear, bias: torch.Tensor | No
 
 def _take_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
     """A column-parallel layer's output rows `rows` (a GGUF's rows are whole blocks in any format)."""
+    if getattr(layer, "tp_cut", False):
+        return layer
     bias = None if layer.bias is None else layer.bias[rows].clone()
     if isinstance(layer, GGUFLinear):
         return _kept_blocks(layer.blocks[rows], layer, bias)
@@ -291,14 +274,26 @@ def _take_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
     return layer
 
 
-def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
+def cut_checkpoint(ckpt, group: Group) -> set[str]:
+    """A quantized checkpoint's layers cut to this rank's parts before the model is built (the
+    kernels then pack the shard alone); the names of those cut, for shard to leave as they are."""
+    if not ckpt.quant_config:
+        return set()
+    from . import tp_quantized
+
+    return tp_quantized.cut(ckpt, group.rank, group.world)
+
+
+def shard(net: Transformer, group: Group, quantize: str = "none", cut: set[str] = frozenset()) -> None:
     """Cut a loaded Transformer down to this rank's shard, in place. quantize int8|int4: each
     float shard then quantized as the whole layer would be (whole groups of 32 columns, an int8
     row's scale from the whole row), so the ranks hold the single-process model's codes. A GGUF's
     kept blocks are cut as the file stores them (o/down by whole blocks of columns), then
-    interleaved."""
+    interleaved. `cut`: the layers cut_checkpoint already cut, left as they are."""
     cfg, rank, world = net.cfg, group.rank, group.world
     check_shardable(cfg, world)
+    for name in cut:
+        net.get_submodule(name).tp_cut = True
     for m in net.modules():
         if type(m) not in (nn.Linear, Router) and isinstance(m, nn.Linear):
             raise BriskError(f"--tp: {type(m).__name__} layers are not sharded yet (a float load only: "
@@ -306,9 +301,9 @@ def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
     hd = cfg.head_dim
     q_lo, q_hi, kv = heads_of(cfg, rank, world)
     heads = q_hi - q_lo
-    q_rows, kv_rows = _head_rows(list(range(q_lo, q_hi)), hd), _head_rows(kv, hd)
-    f_lo, f_hi = _span(cfg.ffn_dim, rank, world)
-    e_lo, e_hi = _span(cfg.expert_ffn_dim, rank, world)
+    q_rows, kv_rows = head_rows(list(range(q_lo, q_hi)), hd), head_rows(kv, hd)
+    f_lo, f_hi = span(cfg.ffn_dim, rank, world)
+    e_lo, e_hi = span(cfg.expert_ffn_dim, rank, world)
     if quantize == "int4" and (heads * hd % GROUP or (f_hi - f_lo) % GROUP or (e_hi - e_lo) % GROUP):
         raise BriskError(f"--tp {world} with --quantize int4: a rank's part of o_proj ({heads * hd} columns) or "
                          f"down_proj ({f_hi - f_lo if not cfg.n_experts else e_hi - e_lo}) is not whole groups "
@@ -364,6 +359,8 @@ GROUP = 32  # quantize_at_load's int4 group size: a column shard must hold whole
 def _columns(layer: nn.Linear, lo: int, hi: int, keep_bias: bool, quantize: str) -> nn.Module:
     """A row-parallel layer's input columns lo:hi. int8 scales each output row by its whole row, so
     the shard is cut from the whole layer's codes (quantize_at_load then leaves it as it is)."""
+    if getattr(layer, "tp_cut", False):
+        return layer
     bias = layer.bias if keep_bias else None
     if isinstance(layer, GGUFLinear):  # whole blocks of columns (check_load refused the rest)
         t = gguf_types.BY_ID[layer.qtype]

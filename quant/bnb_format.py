@@ -80,7 +80,7 @@ def quantization_config(method: str, double_quant: bool = True, blocksize: int =
     }
 
 
-def _json_tensor(d: dict) -> torch.Tensor:
+def json_tensor(d: dict) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(d).encode("utf-8")), dtype=torch.uint8).clone()
 
 
@@ -113,7 +113,7 @@ def quantize_4bit(weight: torch.Tensor, quant_type: str = "nf4", blocksize: int 
         q, nested, offset = dq
         out.update({"weight.absmax": q, "weight.nested_absmax": nested, "weight.nested_quant_map": dynamic_code().clone()})
         state.update({"nested_blocksize": NESTED_BLOCKSIZE, "nested_dtype": "float32", "nested_offset": offset})
-    out[f"weight.quant_state.bitsandbytes__{quant_type}"] = _json_tensor(state)
+    out[f"weight.quant_state.bitsandbytes__{quant_type}"] = json_tensor(state)
     return out
 
 

@@ -272,8 +272,15 @@ torch.save(logits_and_greedy(LLM.load(sys.argv[1], device="cpu", dtype="float32"
 
 
 def logits_and_greedy(llm) -> dict:
+    """Logits, greedy tokens, and what the rank holds: its first layer's projections (kind, output
+    and input width) and its bytes of weights."""
+    first = llm.model.model.layers[0]
+    layers = [first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.o_proj] + \
+        ([first.mlp.up_proj, first.mlp.down_proj] if hasattr(first.mlp, "down_proj") else [])
     return {"logits": llm.logits(IDS), "greedy": llm.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12,
-                                                              raw=True).tokens, "kinds": llm.quantization}
+                                                              raw=True).tokens, "kinds": llm.quantization,
+            "layers": [(type(m).__name__, m.out_features, m.in_features) for m in layers],
+            "held": llm.load_info.param_bytes}
 
 
 def test_moe_gguf_blocks_match_one_process(tmp_path):
@@ -309,6 +316,141 @@ def test_moe_gguf_blocks_match_one_process(tmp_path):
     assert got["kinds"] == want["kinds"] == "q8_0"
     torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=0)
     assert got["greedy"] == want["greedy"]
+
+
+def quantized_folder(tiny_llama_dir, out, method: str):
+    """The tiny Llama stored as `method` by brisk's own writers (every decoder projection quantized):
+    GPTQ 4-bit in groups of 32 (act-order: g_idx a permutation of groups that keeps each rank's
+    half of o/down whole groups), AWQ in groups of 32, bitsandbytes NF4 double-quantized in blocks
+    of 32 (the model's o_proj is 64 wide: 32 columns a rank) and int8."""
+    from quant_interop import write_quantized
+
+    from brisk.quant import awq, awq_format, bnb_format, gptq_format
+    from brisk.quant.gptq import rtn
+
+    def gptq(w):
+        t = rtn(w, 4, 32, True).tensors("gptq")
+        if w.shape[1] % 64 == 0:  # act-order: the groups of each half of the columns swapped
+            K = w.shape[1]
+            t["g_idx"] = (torch.arange(K) // 32).view(2, -1, 32).flip(1).flatten().int()
+            t["qzeros"], t["scales"] = t["qzeros"].view(2, -1, t["qzeros"].shape[1]).flip(1).flatten(0, 1), \
+                t["scales"].view(2, -1, t["scales"].shape[1]).flip(1).flatten(0, 1)
+        return t
+
+    layer, qcfg = {"gptq": (gptq, gptq_format.quantization_config(4, 32, desc_act=True)),
+                   "awq": (lambda w: awq.quantize(w, 4, 32).tensors(), awq_format.quantization_config(4, 32)),
+                   "nf4": (lambda w: bnb_format.quantize_4bit(w, "nf4", 32, True),
+                           bnb_format.quantization_config("nf4", compute_dtype="float32")),
+                   "int8": (bnb_format.quantize_int8, bnb_format.quantization_config("int8"))}[method]
+    return write_quantized(tiny_llama_dir, out, layer, qcfg)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "nf4", "int8"])
+def test_quantized_checkpoints_match_one_process(method, tiny_llama_dir, tmp_path):
+    """A GPTQ, AWQ or bitsandbytes folder under --tp 2: each rank's layers cut from the checkpoint's
+    tensors (output channels with their codes, zeros and scales; o/down by whole groups or blocks
+    of input columns), so the ranks hold the single process's codes and the logits differ by the
+    all-reduce's order only."""
+    path, out = str(quantized_folder(tiny_llama_dir, tmp_path / method, method)), tmp_path / "rank0.pt"
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), timeout=300)
+    assert r.returncode == 0, r.stderr
+    got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64))
+    assert got["kinds"] == want["kinds"] != "none"
+    # rank 0 holds its half of each projection in the checkpoint's format (query heads 0-1, KV head
+    # 0, MLP rows 0-63; o/down their input columns), and fewer bytes than the whole model
+    dim, hd, ffn = 64, 16, 128
+    kind = want["layers"][0][0]
+    assert got["layers"] == [(kind, 2 * hd, dim), (kind, hd, dim), (kind, dim, 2 * hd), (kind, ffn // 2, dim),
+                             (kind, dim, ffn // 2)]
+    assert want["layers"] == [(kind, 4 * hd, dim), (kind, 2 * hd, dim), (kind, dim, 4 * hd), (kind, ffn, dim),
+                              (kind, dim, ffn)]
+    assert got["held"] < want["held"]
+    torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5, rtol=0)
+    assert got["greedy"] == want["greedy"]
+
+
+def test_packed_channels_cut_by_words():
+    """Output channels of codes packed along them (AWQ's interleaved words, GPTQ's zeros): aligned
+    runs (heads, copies of a KV head, MLP spans) are taken as whole words, others unpacked and
+    packed again; both give the channels' values."""
+    from brisk.core.tp_quantized import _channels
+    from brisk.quant import awq_format, packing
+
+    values = torch.randint(0, 16, (3, 64), dtype=torch.int32)
+    for rows in [torch.cat([torch.arange(16), torch.arange(16), torch.arange(32, 48)]), torch.arange(3, 11)]:
+        awq = _channels(awq_format.pack_awq(values), rows, 8, awq_format.unpack_awq, awq_format.pack_awq)
+        gptq = _channels(packing.pack(values, 4), rows, 8, lambda x: packing.unpack(x, 4), lambda x: packing.pack(x, 4))
+        assert torch.equal(awq_format.unpack_awq(awq), values[:, rows])
+        assert torch.equal(packing.unpack(gptq, 4), values[:, rows])
+
+
+def test_cut_layers_leave_the_file(tmp_path):
+    """A rank's whole quantized layers, once its part is copied out: their file pages leave the
+    process (RssFile falls by the tensor's size) and read back from the file unchanged; a tensor in
+    ordinary memory is left as it is (dropping its pages would zero it)."""
+    from safetensors.torch import load_file, save_file
+
+    from brisk.core.checkpoint import release_mapped_tensors
+
+    def file_mb():
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile")) / 1024
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc here")
+    save_file({"w": torch.randn(1024, 1024)}, tmp_path / "w.safetensors")
+    mapped = load_file(tmp_path / "w.safetensors")["w"]
+    anonymous = mapped.clone()
+    want = anonymous.clone()
+    before = file_mb()
+    release_mapped_tensors([mapped, anonymous])
+    assert file_mb() < before - 3  # 4 MB of pages gone
+    assert torch.equal(anonymous, want) and torch.equal(mapped, want)
+
+
+def test_quantized_refused_by_group(tiny_llama_dir, tmp_path):
+    """Before any rank starts: o/down's input columns split by whole groups or blocks only (GPTQ
+    groups of 64 and NF4 blocks of 64 against o_proj's 32 columns a rank; act-order groups that
+    straddle the halves), and a quantized layer outside the decoder projections, by name."""
+    from quant_interop import write_quantized
+    from safetensors.torch import load_file, save_file
+
+    from brisk.core import tensor_parallel
+    from brisk.core.checkpoint import load_checkpoint
+    from brisk.core.errors import BriskError
+    from brisk.quant import bnb_format, gptq_format
+    from brisk.quant.gptq import rtn
+
+    def refusal(folder):
+        with pytest.raises(BriskError) as e:
+            tensor_parallel.check_load(load_checkpoint(str(folder)), 2, "auto")
+        return str(e.value)
+
+    o = "model.layers.0.self_attn.o_proj"
+    g64 = write_quantized(tiny_llama_dir, tmp_path / "g64", lambda w: rtn(w, 4, 64, True).tensors("gptq"),
+                          gptq_format.quantization_config(4, 64))
+    assert refusal(g64) == f"--tp 2: {o}'s GPTQ groups of 64 columns do not split over 2 ranks (32, 32 columns each)"
+    tensor_parallel.check_load(load_checkpoint(str(g64)), 1, "auto")  # one rank: nothing to split
+
+    def shuffled(w):
+        t = rtn(w, 4, 16, True).tensors("gptq")
+        t["g_idx"] = t["g_idx"][torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(0))]
+        return t
+    act = write_quantized(tiny_llama_dir, tmp_path / "act", shuffled, gptq_format.quantization_config(4, 16, desc_act=True))
+    assert refusal(act) == (f"--tp 2: {o}'s GPTQ groups (act-order, desc_act) straddle a rank's part of its input "
+                            "columns (32, 32 columns each)")
+
+    nf4 = write_quantized(tiny_llama_dir, tmp_path / "nf4", lambda w: bnb_format.quantize_4bit(w, "nf4", 64, True),
+                          bnb_format.quantization_config("nf4"))
+    assert refusal(nf4) == f"--tp 2: {o}'s NF4 blocks of 64 weights do not split over 2 ranks (32, 32 columns each)"
+
+    int8 = write_quantized(tiny_llama_dir, tmp_path / "int8", bnb_format.quantize_int8,
+                           bnb_format.quantization_config("int8"))
+    tensor_parallel.check_load(load_checkpoint(str(int8)), 2, "auto")  # a row's scale: any split
+    t = load_file(int8 / "model.safetensors")
+    t.update({f"lm_head.{k}": v for k, v in bnb_format.quantize_int8(t.pop("lm_head.weight")).items()})
+    save_file(t, int8 / "model.safetensors")
+    assert refusal(int8) == ("--tp 2: lm_head is stored quantized (bitsandbytes), and only the decoder layers' "
+                             "q/k/v/o and MLP projections are sharded")
 
 
 def test_gguf_columns_refused_by_block(smollm2_path):
