@@ -46,7 +46,8 @@ from .checkpoint import kept_layer, release_file_pages, trim_heap
 from .errors import BriskError
 from .kv import ContiguousKV, PagedKV, PagedStep
 from .model import MLP, Router, Transformer
-from ..quant import gguf_types
+from ..quant import gguf_blocks, gguf_types
+from ..quant.gguf_types import Q8_0
 from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
 
@@ -227,20 +228,34 @@ def check_load(ckpt, world: int, quantize: str) -> None:
     if ckpt.quant_config or not all(isinstance(m, GGUFLinear) for m in ckpt.modules.values()):
         raise BriskError(f"--tp {world}: {ckpt.name} loads quantized in a format not sharded yet (float weights, "
                          "--quantize int8/int4 and a GGUF's blocks on the CPU are; --quantize none loads a GGUF in float)")
-    if ckpt.modules and quantize in ("int8", "int4"):
-        raise BriskError(f"--tp {world} with --quantize {quantize}: a GGUF's blocks are sharded as the file stores "
-                         "them (--quantize auto) or in float (--quantize none)")
     spans = {"o_proj": [(lo * cfg.head_dim, hi * cfg.head_dim) for lo, hi, _ in
                         (heads_of(cfg, r, world) for r in range(world))],
              "down_proj": [_span(cfg.ffn_dim, r, world) for r in range(world)],
              "expert down_proj": [_span(cfg.expert_ffn_dim, r, world) for r in range(world)]}
     for name, m in ckpt.modules.items():
         kind = ("expert " if ".experts." in name else "") + name.rsplit(".", 1)[-1]
-        if kind in spans:
+        if kind in spans and not widened_before_cut(m, quantize):
             block = gguf_types.BY_ID[m.qtype].block_weights
             if any(lo % block or hi % block for lo, hi in spans[kind]):
                 raise BriskError(f"--tp {world}: {name}'s {m.type_name} blocks of {block} columns do not split over "
                                  f"{world} ranks ({', '.join(str(hi - lo) for lo, hi in spans[kind])} columns each)")
+
+
+def widened_before_cut(layer: GGUFLinear, quantize: str) -> bool:
+    """Whether --quantize int8|int4 has the single process quantize this GGUF layer from float (llm.
+    quantize_at_load), so that a row-parallel one is widened whole before its columns are cut: int8
+    always (a scale spans a whole row), int4 unless the 4-bit blocks carry over as they are."""
+    if quantize == "int8":
+        return True
+    return quantize == "int4" and not (gguf_blocks.fits(layer.qtype, layer.in_features) and layer.qtype != Q8_0)
+
+
+def _widened(layer: GGUFLinear) -> nn.Linear:
+    """A GGUF layer in float32, as the single process widens it for --quantize."""
+    out = nn.Linear(1, 1, bias=False)
+    _set_linear(out, layer.dequantize(torch.float32), layer.bias)
+    release_file_pages(layer)
+    return out
 
 
 def heads_of(cfg, rank: int, world: int) -> tuple[int, int, list[int]]:
@@ -327,7 +342,7 @@ def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
             rows = torch.arange(lo, hi)
             m.gate_proj, m.up_proj = _take_rows(m.gate_proj, rows), _take_rows(m.up_proj, rows)
             m.down_proj = _columns(m.down_proj, lo, hi, rank == 0, quantize)
-    if quantize in ("int8", "int4") and cfg.tie_embeddings:
+    if quantize in ("int8", "int4") and cfg.tie_embeddings and not isinstance(net.lm_head, GGUFLinear):
         # lookups read the whole quantized table, as a single process's do from its quantized head
         table = quantize_linear(net.lm_head, quantize, GROUP, keep_codes=True)
         net.model.embed_tokens = QuantEmbedding(table, net.model.norm.weight.dtype, owner=True)
@@ -356,6 +371,16 @@ def connect(net: ShardedTransformer) -> None:
         # an MoE layer's output once, after its experts' partial outputs are weighted and added
         (block.mlp.down_proj if isinstance(block.mlp, MLP) else block.mlp).register_forward_hook(_all_reduce_output)
     net.lm_head.register_forward_hook(_gather_vocab(net.cfg.vocab_size, net.__dict__["_tp"].world))
+    _table_follows_head(net)
+
+
+def _table_follows_head(net: Transformer) -> None:
+    """A GGUF's vocabulary-split table tied to the head, which --quantize int8|int4 has replaced
+    since the cut: lookups read the quantized head's rows, as the single process's do."""
+    emb = net.model.embed_tokens
+    if isinstance(emb, VocabShardEmbedding) and "head" not in emb._modules and emb.head is not net.lm_head:
+        net.model.embed_tokens = VocabShardEmbedding(net.lm_head, net.__dict__["_tp"].rank, net.cfg.vocab_size,
+                                                     emb.dtype, owner=False)
 
 
 GROUP = 32  # quantize_at_load's int4 group size: a column shard must hold whole groups
@@ -364,6 +389,8 @@ GROUP = 32  # quantize_at_load's int4 group size: a column shard must hold whole
 def _columns(layer: nn.Linear, lo: int, hi: int, keep_bias: bool, quantize: str) -> nn.Module:
     """A row-parallel layer's input columns lo:hi. int8 scales each output row by its whole row, so
     the shard is cut from the whole layer's codes (quantize_at_load then leaves it as it is)."""
+    if isinstance(layer, GGUFLinear) and widened_before_cut(layer, quantize):
+        layer = _widened(layer)
     bias = layer.bias if keep_bias else None
     if isinstance(layer, GGUFLinear):  # whole blocks of columns (check_load refused the rest)
         t = gguf_types.BY_ID[layer.qtype]
