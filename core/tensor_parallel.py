@@ -365,7 +365,9 @@ def shard(net: Transformer, group: Group, quantize: str = "none") -> None:
 def connect(net: ShardedTransformer) -> None:
     """The collectives, as forward hooks on the layers' final modules (call after any quantization
     at load, which replaces them): an all-reduce after o_proj and down_proj (an MoE layer: after
-    the layer), the all-gather of the logits after the output layer."""
+    the layer), the all-gather of the logits after the output layer. Numbers the model for the
+    steps that name it."""
+    _register(net)
     for block in net.model.layers:
         block.self_attn.o_proj.register_forward_hook(_all_reduce_output)
         # an MoE layer's output once, after its experts' partial outputs are weighted and added
@@ -487,21 +489,41 @@ class ShardedTransformer(Transformer):
         if _broken:
             raise BriskError(f"--tp: the ranks were stopped after an error on rank 0 ({_broken[0]})")
         spec = _cache_spec(kv)  # before anything is sent: a refused cache leaves the followers waiting for a step
-        try:
-            with _interrupt_after_pass():
-                _send(("forward", spec, _dropped(), _moved_paths(), _cpu(tokens), _cpu(start), _cpu(tree),
-                       _cpu(logit_rows), return_hidden))
-                return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
-        except RuntimeError as e:
-            gone = _gone(group)
-            if not gone and not _peer_failure(e):
-                _stop_followers(group, e)
-                raise  # not the ranks' failure: a bug shows as one
-            raise BriskError(f"--tp: {gone} ended, so the run stops" if gone else
-                             f"--tp: a rank stopped answering ({_reason(e)})") from None
-        except Exception as e:
+        with _one_pass(group):
+            _send(("forward", self.__dict__["_tp_model"], spec, _dropped(), _dropped_models(), _moved_paths(),
+                   _cpu(tokens), _cpu(start), _cpu(tree), _cpu(logit_rows), return_hidden))
+            return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
+
+
+def everywhere(fn, net: ShardedTransformer, *args):
+    """fn(net's counterpart, *args) on every rank, rank 0's result returned: work on the shards
+    outside a forward pass (a draft built from each rank's shard, rows gathered over the ranks).
+    fn is a module-level function (sent by name), args plain values."""
+    group: Group = net.__dict__["_tp"]
+    if _broken:
+        raise BriskError(f"--tp: the ranks were stopped after an error on rank 0 ({_broken[0]})")
+    with _one_pass(group):
+        _send(("call", fn, net.__dict__["_tp_model"], args))
+        return fn(net, *args)
+
+
+@contextlib.contextmanager
+def _one_pass(group: Group):
+    """Rank 0's side of a step every rank runs: Ctrl-C waits for its end, and a rank that fails
+    inside it ends the run with one error naming it."""
+    try:
+        with _interrupt_after_pass():
+            yield
+    except RuntimeError as e:
+        gone = _gone(group)
+        if not gone and not _peer_failure(e):
             _stop_followers(group, e)
-            raise
+            raise  # not the ranks' failure: a bug shows as one
+        raise BriskError(f"--tp: {gone} ended, so the run stops" if gone else
+                         f"--tp: a rank stopped answering ({_reason(e)})") from None
+    except Exception as e:
+        _stop_followers(group, e)
+        raise
 
 
 def _cpu(t):
@@ -559,6 +581,28 @@ def _gone(group: Group) -> str:
         return ""
     r, code = ended[0]
     return f"rank {r} ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'})"
+
+
+_model_keys = itertools.count()
+_models: dict = {}  # a follower's sharded models by the number rank 0's go by (the target, drafts)
+_pending_model_drops: list[int] = []
+
+
+def _register(net: ShardedTransformer) -> None:
+    """Number a sharded model: every rank builds the same models in the same order (the target at
+    load, each draft through `everywhere`), so a step names the one it runs. Rank 0's end of a
+    draft frees the followers' copies."""
+    key = net.__dict__["_tp_model"] = next(_model_keys)
+    if net.__dict__["_tp"].rank == 0:
+        weakref.finalize(net, _pending_model_drops.append, key)  # sent with the next step
+    else:
+        _models[key] = net
+
+
+def _dropped_models() -> list[int]:
+    out = _pending_model_drops[:]
+    del _pending_model_drops[:]
+    return out
 
 
 _pending_drops: list[int] = []
@@ -647,17 +691,24 @@ def follow(net: ShardedTransformer, head_dim: int) -> None:
             step = box[0]
             if step[0] == "stop":
                 return
-            _, spec, drops, paths, tokens, start, tree, rows, hidden = step
+            if step[0] == "call":
+                _, fn, model, args = step
+                fn(_models[model], *args)
+                continue
+            _, model, spec, drops, model_drops, paths, tokens, start, tree, rows, hidden = step
             for key, first, slots in paths:  # before the drops: a path kept just before its cache ended
                 if key in caches:
                     caches[key].keep_path(first, slots)
             for d in drops:
                 caches.pop(d, None)
+            for d in model_drops:
+                _models.pop(d, None)
+            run = _models[model]  # the target, or a draft built from its shard
             tokens = tokens.to(w.device)
             start = start.to(w.device) if torch.is_tensor(start) else start
             rows = rows.to(w.device) if torch.is_tensor(rows) else rows
-            kv = _follower_cache(caches, spec, net.cfg.n_kv_heads, head_dim, w, tokens, start, rows)
-            net(tokens, start, kv, None if tree is None else tree.to(w.device), rows, hidden)
+            kv = _follower_cache(caches, spec, run.cfg.n_kv_heads, head_dim, w, tokens, start, rows)
+            run(tokens, start, kv, None if tree is None else tree.to(w.device), rows, hidden)
 
 
 def _follower_cache(caches: dict, spec: tuple, kv_heads: int, head_dim: int, w: torch.Tensor, tokens, positions,

@@ -76,12 +76,12 @@ def parse_draft_options(draft: str | None, draft_k: str | int | None = "auto",
 
 
 def check_tp_drafter(draft: str | None, tp: int) -> None:
-    """The drafters a tensor-parallel target takes: ngram, lookahead and a draft model (which runs
-    whole on rank 0). Heads read the target's output layer, and self:int8|int4 copy the target,
-    where each rank holds only its shard of either."""
-    if tp > 1 and draft is not None and (draft.startswith(HEADS) or draft in SELF_METHODS):
-        raise BriskError(f"--tp {tp} does not combine with --draft {draft} yet (ngram, lookahead or a draft "
-                         "model do)")
+    """The drafters a tensor-parallel target takes: ngram, lookahead, a draft model (which runs
+    whole on rank 0) and self:int8|int4 (each rank's draft from its shard). Heads read the
+    target's output layer, which each rank holds only a part of."""
+    if tp > 1 and draft is not None and draft.startswith(HEADS):
+        raise BriskError(f"--tp {tp} does not combine with --draft {draft} yet (ngram, lookahead, self:int8|int4 "
+                         "or a draft model do)")
 
 
 def parse_k(value: str | int | None) -> int | str:
