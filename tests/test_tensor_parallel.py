@@ -23,6 +23,7 @@ import warnings
 import pytest
 import torch
 from conftest import default_sigint
+from test_distill import heads_dir  # noqa: F401 (fixture: heads trained on the tiny llama in seconds)
 
 from brisk.core import LLM
 from brisk.core.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ sys.path.insert(0, sys.argv[4])
 from brisk.core import LLM
 from test_tensor_parallel import CTX, end_of_run, run_workloads
 llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[5], ctx=CTX)
-out = run_workloads(llm, sys.argv[1])
+out = run_workloads(llm, sys.argv[1], sys.argv[6] or None)
 torch.save({**out, **end_of_run(llm)}, sys.argv[3])
 """
 
@@ -51,10 +52,11 @@ CTX = 64
 CHAT_TURNS = ["hello there", "and again, the quick brown fox", "once more"]
 
 
-def run_workloads(llm, path: str) -> dict:
+def run_workloads(llm, path: str, heads: str | None = None) -> dict:
     """What each launch compares with one process: logits, generate (greedy and sampled; with a
     chain drafter, a tree drafter, a draft model, here the model at `path` whole on rank 0, and a
-    float model's int4 self-draft, under --tp each rank's built from its shard),
+    float model's int4 self-draft, under --tp each rank's built from its shard; trained `heads`,
+    under --tp on rank 0 over the output rows gathered from the ranks),
     a tree pass, the batching engine over the paged cache, and a chat of several turns on one
     kept cache."""
     from brisk.core.batching import Engine
@@ -78,6 +80,12 @@ def run_workloads(llm, path: str) -> dict:
         list(session.stream(llm.prompt_ids(PROMPT, raw=True), GREEDY, 12))
         out[name] = session.last.tokens
         out[name + " accepted"] = session.last.spec["accepted"] > 0
+    if heads:  # a tree of 4 nodes every round (auto may choose plain steps), on a prompt they guess in
+        session = Session(llm, make_speculator(llm, f"heads:{heads}", 4))
+        list(session.stream(llm.prompt_ids("hello there", raw=True), GREEDY, 30))
+        out["heads"], out["heads accepted"] = session.last.tokens, session.last.spec["accepted"] > 0
+        out["heads plain"] = llm.generate("hello there", SamplingParams(temperature=0.0), max_tokens=30,
+                                          raw=True).tokens
     # a tree pass whose second branch is kept: its K/V move to the slots after the pending token's
     # (ContiguousKV.keep_path), on every rank, and the next pass reads them there
     cache = llm.new_cache(64)
@@ -172,13 +180,14 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
     rank, one all-reduce per MoE layer. The engine's pool on each rank holds that rank's KV heads; its
     tokens equal the single-process engine's, as do a chat's answers turn by turn."""
     path = str(request.getfixturevalue(kind))
+    heads = str(request.getfixturevalue("heads_dir")) if kind == "tiny_llama_dir" else ""  # trained on it
     out = tmp_path / "rank0.pt"
-    r = python(RANK0, path, str(ranks), str(out), os.path.dirname(__file__), quantize)
+    r = python(RANK0, path, str(ranks), str(out), os.path.dirname(__file__), quantize, heads)
     assert r.returncode == 0, r.stderr
     got = torch.load(out)
     ref = LLM.load(path, device="cpu", dtype="float32", quantize=quantize, ctx=CTX)
     assert ref.quantization == ("none" if quantize == "none" else quantize)
-    want = run_workloads(ref, path)
+    want = run_workloads(ref, path, heads or None)
     assert got.pop("in step") and got.pop("followers ended")
     assert got.pop("refused") == "--tp: the ranks were stopped after an error on rank 0 (division by zero)"
     assert got.keys() == want.keys()
@@ -192,6 +201,8 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
     # MoE models' random answers leave the n-gram drafters nothing to take: as in one process)
     assert got["ngram"] == got["lookahead"] == got[path] == got["greedy"]
     assert got[path + " accepted"]
+    if heads:  # int4: the heads (trained on the float model) guess none of this answer, in one process too
+        assert got["heads"] == got["heads plain"] and (quantize != "none" or got["heads accepted"])
     if quantize == "none":  # an int4 copy of a tiny random MoE model guesses none right, in one process too
         assert got["self:int4"] == got["greedy"] and (ref.config.n_experts or got["self:int4 accepted"])
     assert ref.config.n_experts or got["ngram accepted"] and got["lookahead accepted"]
@@ -274,16 +285,39 @@ sys.path.insert(0, sys.argv[3])
 from brisk.core import LLM
 from test_tensor_parallel import logits_and_greedy
 torch.save(logits_and_greedy(LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=2, ctx=64,
-                                     quantize=sys.argv[4])), sys.argv[2])
+                                     quantize=sys.argv[4]), sys.argv[5] or None), sys.argv[2])
 """
 
 
-def logits_and_greedy(llm) -> dict:
-    """Logits, greedy tokens, the layers' kinds, and the table that embedding lookups read."""
+def logits_and_greedy(llm, heads: str | None = None) -> dict:
+    """Logits, greedy tokens, the layers' kinds, the table that embedding lookups read, and greedy
+    with draft `heads` (a tree of 3 nodes every round)."""
+    from brisk.core.generate import Session
+    from brisk.core.sampling import GREEDY
+    from brisk.core.spec.build import make_speculator
+
     table = getattr(llm.model.model.embed_tokens, "head", None)
-    return {"logits": llm.logits(IDS), "greedy": llm.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12,
-                                                              raw=True).tokens, "kinds": llm.quantization,
-            "table": None if table is None else (type(table).__name__, table.out_features)}
+    out = {"logits": llm.logits(IDS), "greedy": llm.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12,
+                                                             raw=True).tokens, "kinds": llm.quantization,
+           "table": None if table is None else (type(table).__name__, table.out_features)}
+    if heads:
+        session = Session(llm, make_speculator(llm, f"heads:{heads}", 3))
+        list(session.stream(llm.prompt_ids(PROMPT, raw=True), GREEDY, 12))
+        out["heads"], out["heads rounds"] = session.last.tokens, session.last.spec["rounds"]
+    return out
+
+
+def untrained_heads(cfg, folder) -> str:
+    """A heads folder for the model `cfg` describes as `brisk distill` starts them (zero weights: each
+    head reads out the hidden state as it is), over every 4th token: no training, the same format."""
+    from brisk.core.spec import heads_file
+    from brisk.core.spec.heads_net import DraftHeads
+
+    config = {"format": heads_file.FORMAT, "version": heads_file.VERSION, "kind": heads_file.KIND, "n_heads": 2,
+              "dims": {"hidden": cfg.dim}, "tree": {"nodes": [[0], [1], [0, 0]], "budget": 3},
+              "base_model": {"name": "test", "fingerprint": heads_file.fingerprint(cfg)}}
+    heads_file.save(folder, DraftHeads(2, cfg.dim), torch.arange(0, cfg.vocab_size, 4), config)
+    return str(folder)
 
 
 def test_moe_gguf_blocks_match_one_process(tmp_path):
@@ -313,7 +347,7 @@ def test_moe_gguf_blocks_match_one_process(tmp_path):
     shutil.copytree(hf, wide)
     model.save_pretrained(wide)
     path, out = str(convert(wide, tmp_path / "q8_0.gguf", "q8_0")), tmp_path / "rank0.pt"
-    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), "auto", timeout=300)
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), "auto", "", timeout=300)
     assert r.returncode == 0, r.stderr
     got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64))
     assert got["kinds"] == want["kinds"] == "q8_0"
@@ -331,22 +365,28 @@ def test_gguf_quantized_at_load_matches_one_process(quantize, table, smollm2_pat
     the blocks). The kernels quantize activations to 16 bits per block of 32: a rank's part of a row-parallel
     product sums the same block products in another order, and that rounding flips some codes of
     the next layer's activations, so logits agree to the same order as the blocks' do (0.1 on
-    logits of spread ~9; 1e-5 where nothing is quantized), not bit for bit. Greedy is equal."""
+    logits of spread ~9; 1e-5 where nothing is quantized), not bit for bit. Greedy is equal, and
+    so is greedy with draft heads (untrained: the format is what matters here), which run on rank 0
+    over the output rows gathered from the ranks, the pending token looked up in the split table
+    on every rank."""
     from brisk.quant import native
 
     if not native.available():
         pytest.skip("the native kernels are not built")
     path, out = str(smollm2_path), tmp_path / "rank0.pt"
-    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), quantize, timeout=300)
+    ref = LLM.load(path, device="cpu", dtype="float32", ctx=64, quantize=quantize)
+    heads = untrained_heads(ref.config, tmp_path / "heads")
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), quantize, heads, timeout=300)
     assert r.returncode == 0, r.stderr
-    got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64,
-                                                            quantize=quantize))
+    got, want = torch.load(out), logits_and_greedy(ref, heads)
     assert got["kinds"] == want["kinds"] == quantize
     vocab = want["table"][1]
     assert want["table"] == (table, vocab) and got["table"] == (table, vocab // 2)
     torch.testing.assert_close(got["logits"], want["logits"], atol=0.1, rtol=0)
     assert torch.equal(got["logits"].argmax(-1), want["logits"].argmax(-1))
     assert got["greedy"] == want["greedy"]
+    # heads on rank 0: the output rows gathered from the ranks, the pending token's lookup an all-reduce
+    assert got["heads"] == got["greedy"] == want["heads"] and got["heads rounds"] > 1
 
 
 def test_gguf_columns_refused_by_block(smollm2_path):
@@ -427,12 +467,12 @@ def in_process(*args, input=None):
     return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
 
 
-def test_generate_tp_2_prints_the_same(tiny_llama_dir, tmp_path):
-    """One prompt (with drafts, whose greedy output is plain greedy's: run_workloads checks both
-    under --tp), and a --batch file through the batching engine."""
+def test_generate_tp_2_prints_the_same(tiny_llama_dir, heads_dir, tmp_path):
+    """One prompt (with draft heads, whose greedy output is plain greedy's: run_workloads checks
+    every drafter under --tp), and a --batch file through the batching engine."""
     common = ["generate", str(tiny_llama_dir), "hello there", "-n", "16", "--temperature", "0", "--device", "cpu",
               "--dtype", "float32"]
-    one, two = in_process(*common), brisk(*common, "--tp", "2", "--draft", "lookahead", "--lookahead", "3,3,2")
+    one, two = in_process(*common), brisk(*common, "--tp", "2", "--draft", f"heads:{heads_dir}", "--draft-k", "4")
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert one.stdout and two.stdout == one.stdout
 
@@ -538,9 +578,7 @@ def test_serve_tp_2_answers_as_serve(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize("args,words", [
     (["generate", "--tp", "0", "hi"], "--tp must be a whole number"),
     (["generate", "--tp", "2", "-q", "nf4", "hi"], "--tp 2 with --quantize nf4"),
-    (["serve", "--tp", "2", "--draft", "heads:nowhere"], "--tp 2 does not combine with --draft heads:nowhere"),
-    (["chat", "--tp", "2", "--draft", "heads:nowhere"], "--tp 2 does not combine with --draft heads:nowhere"),
-], ids=["zero", "nf4", "serve-heads", "chat-heads"])
+], ids=["zero", "nf4"])
 def test_refusals_name_the_flag(args, words):
     r = brisk(*args)
     assert r.returncode == 1 and "Traceback" not in r.stderr

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..errors import BriskError, InvalidValue
-from .options import SELF_METHODS, DraftOptions, check_tp_drafter, parse_draft_options
+from .options import SELF_METHODS, DraftOptions, parse_draft_options
 from .speculator import Speculator
 
 
@@ -17,7 +17,6 @@ def make_speculator(llm, draft: str, k: str | int | None = "auto", lookahead: st
 def build_speculator(llm, opts: DraftOptions) -> Speculator:
     """The Speculator for options parse_draft_options checked; what needs the model is checked here."""
     draft, k = opts.draft, opts.k
-    check_tp_drafter(draft, getattr(llm.model, "ranks", 1))
     if draft == "lookahead":
         from .lookahead import LookaheadDrafter
 
