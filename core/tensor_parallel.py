@@ -15,6 +15,9 @@ torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
   passes first sends the step (tokens, positions, which cache; for a paged step its slots and block
   tables; tree paths kept since the last step) to the other ranks, which run the same pass on their
   shards and their own caches (`follow`), so code above the model does not know.
+- A draft built from the target (a self-draft) is a sharded model too: every rank numbers its
+  models in the order it builds them and each step names the one it runs; `everywhere` runs a
+  function on every rank's counterpart of a model (building a draft, gathering rows).
 
 Ranks come from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) where it
 is set, else brisk starts ranks 1..N-1 itself (`start`, core/tp_follower.py) as children in
@@ -222,7 +225,8 @@ def check_shardable(cfg, world: int) -> None:
 
 def check_load(ckpt, world: int, quantize: str) -> None:
     """Refusals that need the checkpoint's header only, before any rank is started: the formats
-    not sharded yet, and a GGUF whose o/down blocks a rank's part of the columns would cut."""
+    not sharded yet, and a GGUF whose o/down blocks a rank's part of the columns would cut (where
+    they are cut as blocks: not when --quantize widens the layer first)."""
     cfg = ckpt.config
     check_shardable(cfg, world)
     if ckpt.quant_config or not all(isinstance(m, GGUFLinear) for m in ckpt.modules.values()):
@@ -390,7 +394,8 @@ GROUP = 32  # quantize_at_load's int4 group size: a column shard must hold whole
 
 def _columns(layer: nn.Linear, lo: int, hi: int, keep_bias: bool, quantize: str) -> nn.Module:
     """A row-parallel layer's input columns lo:hi. int8 scales each output row by its whole row, so
-    the shard is cut from the whole layer's codes (quantize_at_load then leaves it as it is)."""
+    the shard is cut from the whole layer's codes (quantize_at_load then leaves it as it is); a
+    GGUF's layer that one process quantizes from float is widened whole first."""
     if isinstance(layer, GGUFLinear) and widened_before_cut(layer, quantize):
         layer = _widened(layer)
     bias = layer.bias if keep_bias else None
