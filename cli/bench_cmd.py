@@ -65,7 +65,7 @@ def bench(
         from ..core.device import cpu_threads, set_cpu_threads
 
         set_cpu_threads(threads)
-        draft_options = c.check_draft(draft, draft_k, lookahead, tp)
+        draft_options = c.check_draft(draft, draft_k, lookahead)
         out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads(), tp)
         pps, tgs, depths = _list(n_prompt, int), _list(n_gen, int), _list(n_depth, int)
         from ..core.load_options import check_kv_type

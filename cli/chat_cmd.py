@@ -57,7 +57,7 @@ def chat(
             raise BriskError("model given twice (positional and --model)")
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)
-        draft_options = c.check_draft(draft, draft_k, lookahead, tp)
+        draft_options = c.check_draft(draft, draft_k, lookahead)
         from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)

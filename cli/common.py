@@ -165,12 +165,12 @@ def loading_bar(what: str):
             yield
 
 
-def check_draft(draft: Optional[str], draft_k: str, lookahead: Optional[str] = None, tp: int = 1):
-    """--draft, --draft-k and --lookahead checked (core/spec/options.py), with --tp, before any
-    model loads: the options for load_speculator, or None without --draft."""
+def check_draft(draft: Optional[str], draft_k: str, lookahead: Optional[str] = None):
+    """--draft, --draft-k and --lookahead checked (core/spec/options.py) before any model loads:
+    the options for load_speculator, or None without --draft."""
     from ..core.spec.options import parse_draft_options
 
-    return parse_draft_options(draft, draft_k, lookahead, tp)
+    return parse_draft_options(draft, draft_k, lookahead)
 
 
 def load_speculator(llm, options, quiet: bool = False):

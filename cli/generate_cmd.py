@@ -99,7 +99,7 @@ def generate(
         model_name, prompt = _split_args(args or [], model, file)
         c.sampling_params(None, temperature, top_k, top_p, min_p, repetition_penalty, seed, False,
                           presence_penalty, frequency_penalty)  # fail fast
-        draft_options = c.check_draft(draft, draft_k, lookahead, tp)
+        draft_options = c.check_draft(draft, draft_k, lookahead)
         if json_schema is not None and grammar_file is not None:
             raise BriskError("give --json-schema or --grammar, not both")
         source = read_user_text(json_schema or grammar_file) if json_schema or grammar_file else None

@@ -57,7 +57,7 @@ def serve(
             raise BriskError("model given twice (positional and --model)")
         name = model or model_pos
         sampling = c.sampling_params(None, temperature, top_k, top_p, min_p, 1.0, None)  # fail fast
-        draft_options = c.check_draft(draft, draft_k, lookahead, tp)
+        draft_options = c.check_draft(draft, draft_k, lookahead)
         from ..core.load_options import check_kv_type
 
         check_kv_type(kv_type)

@@ -16,6 +16,9 @@ torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
   passes first sends the step (tokens, positions, which cache; for a paged step its slots and block
   tables; tree paths kept since the last step) to the other ranks, which run the same pass on their
   shards and their own caches (`follow`), so code above the model does not know.
+- A draft built from the target (a self-draft) is a sharded model too: every rank numbers its
+  models in the order it builds them and each step names the one it runs; `everywhere` runs a
+  function on every rank's counterpart of a model (building a draft, gathering rows).
 
 Ranks come from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) where it
 is set, else brisk starts ranks 1..N-1 itself (`start`, core/tp_follower.py) as children in
@@ -48,7 +51,8 @@ from .errors import BriskError
 from .kv import ContiguousKV, PagedKV, PagedStep
 from .model import MLP, Router, Transformer
 from .tp_split import head_rows, heads_of, span
-from ..quant import gguf_types
+from ..quant import gguf_blocks, gguf_types
+from ..quant.gguf_types import Q8_0
 from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
 
@@ -217,8 +221,9 @@ def check_shardable(cfg, world: int) -> None:
 
 def check_load(ckpt, world: int, quantize: str) -> None:
     """Refusals that need the checkpoint's header only, before any rank is started: the formats
-    not sharded yet, a GGUF whose o/down blocks a rank's part of the columns would cut, and a
-    GPTQ/AWQ/bitsandbytes layer whose groups or blocks it would (tp_quantized.check)."""
+    not sharded yet, a GGUF whose o/down blocks a rank's part of the columns would cut (where they
+    are cut as blocks: not when --quantize widens the layer first), and a GPTQ/AWQ/bitsandbytes
+    layer whose groups or blocks it would (tp_quantized.check)."""
     cfg = ckpt.config
     check_shardable(cfg, world)
     if ckpt.quant_config:
@@ -230,20 +235,34 @@ def check_load(ckpt, world: int, quantize: str) -> None:
         raise BriskError(f"--tp {world}: {ckpt.name} loads quantized in a format not sharded yet (float weights, "
                          "--quantize int8/int4, a GGUF's blocks on the CPU, GPTQ, AWQ and bitsandbytes are; "
                          "--quantize none loads a GGUF in float)")
-    if ckpt.modules and quantize in ("int8", "int4"):
-        raise BriskError(f"--tp {world} with --quantize {quantize}: a GGUF's blocks are sharded as the file stores "
-                         "them (--quantize auto) or in float (--quantize none)")
     spans = {"o_proj": [(lo * cfg.head_dim, hi * cfg.head_dim) for lo, hi, _ in
                         (heads_of(cfg, r, world) for r in range(world))],
              "down_proj": [span(cfg.ffn_dim, r, world) for r in range(world)],
              "expert down_proj": [span(cfg.expert_ffn_dim, r, world) for r in range(world)]}
     for name, m in ckpt.modules.items():
         kind = ("expert " if ".experts." in name else "") + name.rsplit(".", 1)[-1]
-        if kind in spans:
+        if kind in spans and not widened_before_cut(m, quantize):
             block = gguf_types.BY_ID[m.qtype].block_weights
             if any(lo % block or hi % block for lo, hi in spans[kind]):
                 raise BriskError(f"--tp {world}: {name}'s {m.type_name} blocks of {block} columns do not split over "
                                  f"{world} ranks ({', '.join(str(hi - lo) for lo, hi in spans[kind])} columns each)")
+
+
+def widened_before_cut(layer: GGUFLinear, quantize: str) -> bool:
+    """Whether --quantize int8|int4 has the single process quantize this GGUF layer from float (llm.
+    quantize_at_load), so that a row-parallel one is widened whole before its columns are cut: int8
+    always (a scale spans a whole row), int4 unless the 4-bit blocks carry over as they are."""
+    if quantize == "int8":
+        return True
+    return quantize == "int4" and not (gguf_blocks.fits(layer.qtype, layer.in_features) and layer.qtype != Q8_0)
+
+
+def _widened(layer: GGUFLinear) -> nn.Linear:
+    """A GGUF layer in float32, as the single process widens it for --quantize."""
+    out = nn.Linear(1, 1, bias=False)
+    _set_linear(out, layer.dequantize(torch.float32), layer.bias)
+    release_file_pages(layer)
+    return out
 
 
 def _set_linear(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -322,7 +341,7 @@ def shard(net: Transformer, group: Group, quantize: str = "none", cut: set[str] 
             rows = torch.arange(lo, hi)
             m.gate_proj, m.up_proj = _take_rows(m.gate_proj, rows), _take_rows(m.up_proj, rows)
             m.down_proj = _columns(m.down_proj, lo, hi, rank == 0, quantize)
-    if quantize in ("int8", "int4") and cfg.tie_embeddings:
+    if quantize in ("int8", "int4") and cfg.tie_embeddings and not isinstance(net.lm_head, GGUFLinear):
         # lookups read the whole quantized table, as a single process's do from its quantized head
         table = quantize_linear(net.lm_head, quantize, GROUP, keep_codes=True)
         net.model.embed_tokens = QuantEmbedding(table, net.model.norm.weight.dtype, owner=True)
@@ -345,12 +364,24 @@ def shard(net: Transformer, group: Group, quantize: str = "none", cut: set[str] 
 def connect(net: ShardedTransformer) -> None:
     """The collectives, as forward hooks on the layers' final modules (call after any quantization
     at load, which replaces them): an all-reduce after o_proj and down_proj (an MoE layer: after
-    the layer), the all-gather of the logits after the output layer."""
+    the layer), the all-gather of the logits after the output layer. Numbers the model for the
+    steps that name it."""
+    _register(net)
     for block in net.model.layers:
         block.self_attn.o_proj.register_forward_hook(_all_reduce_output)
         # an MoE layer's output once, after its experts' partial outputs are weighted and added
         (block.mlp.down_proj if isinstance(block.mlp, MLP) else block.mlp).register_forward_hook(_all_reduce_output)
     net.lm_head.register_forward_hook(_gather_vocab(net.cfg.vocab_size, net.__dict__["_tp"].world))
+    _table_follows_head(net)
+
+
+def _table_follows_head(net: Transformer) -> None:
+    """A GGUF's vocabulary-split table tied to the head, which --quantize int8|int4 has replaced
+    since the cut: lookups read the quantized head's rows, as the single process's do."""
+    emb = net.model.embed_tokens
+    if isinstance(emb, VocabShardEmbedding) and "head" not in emb._modules and emb.head is not net.lm_head:
+        net.model.embed_tokens = VocabShardEmbedding(net.lm_head, net.__dict__["_tp"].rank, net.cfg.vocab_size,
+                                                     emb.dtype, owner=False)
 
 
 GROUP = 32  # quantize_at_load's int4 group size: a column shard must hold whole groups
@@ -358,9 +389,12 @@ GROUP = 32  # quantize_at_load's int4 group size: a column shard must hold whole
 
 def _columns(layer: nn.Linear, lo: int, hi: int, keep_bias: bool, quantize: str) -> nn.Module:
     """A row-parallel layer's input columns lo:hi. int8 scales each output row by its whole row, so
-    the shard is cut from the whole layer's codes (quantize_at_load then leaves it as it is)."""
+    the shard is cut from the whole layer's codes (quantize_at_load then leaves it as it is); a
+    GGUF's layer that one process quantizes from float is widened whole first."""
     if getattr(layer, "tp_cut", False):
         return layer
+    if isinstance(layer, GGUFLinear) and widened_before_cut(layer, quantize):
+        layer = _widened(layer)
     bias = layer.bias if keep_bias else None
     if isinstance(layer, GGUFLinear):  # whole blocks of columns (check_load refused the rest)
         t = gguf_types.BY_ID[layer.qtype]
@@ -457,21 +491,41 @@ class ShardedTransformer(Transformer):
         if _broken:
             raise BriskError(f"--tp: the ranks were stopped after an error on rank 0 ({_broken[0]})")
         spec = _cache_spec(kv)  # before anything is sent: a refused cache leaves the followers waiting for a step
-        try:
-            with _interrupt_after_pass():
-                _send(("forward", spec, _dropped(), _moved_paths(), _cpu(tokens), _cpu(start), _cpu(tree),
-                       _cpu(logit_rows), return_hidden))
-                return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
-        except RuntimeError as e:
-            gone = _gone(group)
-            if not gone and not _peer_failure(e):
-                _stop_followers(group, e)
-                raise  # not the ranks' failure: a bug shows as one
-            raise BriskError(f"--tp: {gone} ended, so the run stops" if gone else
-                             f"--tp: a rank stopped answering ({_reason(e)})") from None
-        except Exception as e:
+        with _one_pass(group):
+            _send(("forward", self.__dict__["_tp_model"], spec, _dropped(), _dropped_models(), _moved_paths(),
+                   _cpu(tokens), _cpu(start), _cpu(tree), _cpu(logit_rows), return_hidden))
+            return super().forward(tokens, start, kv, tree, logit_rows, return_hidden)
+
+
+def everywhere(fn, net: ShardedTransformer, *args):
+    """fn(net's counterpart, *args) on every rank, rank 0's result returned: work on the shards
+    outside a forward pass (a draft built from each rank's shard, rows gathered over the ranks).
+    fn is a module-level function (sent by name), args plain values."""
+    group: Group = net.__dict__["_tp"]
+    if _broken:
+        raise BriskError(f"--tp: the ranks were stopped after an error on rank 0 ({_broken[0]})")
+    with _one_pass(group):
+        _send(("call", fn, net.__dict__["_tp_model"], args))
+        return fn(net, *args)
+
+
+@contextlib.contextmanager
+def _one_pass(group: Group):
+    """Rank 0's side of a step every rank runs: Ctrl-C waits for its end, and a rank that fails
+    inside it ends the run with one error naming it."""
+    try:
+        with _interrupt_after_pass():
+            yield
+    except RuntimeError as e:
+        gone = _gone(group)
+        if not gone and not _peer_failure(e):
             _stop_followers(group, e)
-            raise
+            raise  # not the ranks' failure: a bug shows as one
+        raise BriskError(f"--tp: {gone} ended, so the run stops" if gone else
+                         f"--tp: a rank stopped answering ({_reason(e)})") from None
+    except Exception as e:
+        _stop_followers(group, e)
+        raise
 
 
 def _cpu(t):
@@ -529,6 +583,28 @@ def _gone(group: Group) -> str:
         return ""
     r, code = ended[0]
     return f"rank {r} ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'})"
+
+
+_model_keys = itertools.count()
+_models: dict = {}  # a follower's sharded models by the number rank 0's go by (the target, drafts)
+_pending_model_drops: list[int] = []
+
+
+def _register(net: ShardedTransformer) -> None:
+    """Number a sharded model: every rank builds the same models in the same order (the target at
+    load, each draft through `everywhere`), so a step names the one it runs. Rank 0's end of a
+    draft frees the followers' copies."""
+    key = net.__dict__["_tp_model"] = next(_model_keys)
+    if net.__dict__["_tp"].rank == 0:
+        weakref.finalize(net, _pending_model_drops.append, key)  # sent with the next step
+    else:
+        _models[key] = net
+
+
+def _dropped_models() -> list[int]:
+    out = _pending_model_drops[:]
+    del _pending_model_drops[:]
+    return out
 
 
 _pending_drops: list[int] = []
@@ -617,17 +693,24 @@ def follow(net: ShardedTransformer, head_dim: int) -> None:
             step = box[0]
             if step[0] == "stop":
                 return
-            _, spec, drops, paths, tokens, start, tree, rows, hidden = step
+            if step[0] == "call":
+                _, fn, model, args = step
+                fn(_models[model], *args)
+                continue
+            _, model, spec, drops, model_drops, paths, tokens, start, tree, rows, hidden = step
             for key, first, slots in paths:  # before the drops: a path kept just before its cache ended
                 if key in caches:
                     caches[key].keep_path(first, slots)
             for d in drops:
                 caches.pop(d, None)
+            for d in model_drops:
+                _models.pop(d, None)
+            run = _models[model]  # the target, or a draft built from its shard
             tokens = tokens.to(w.device)
             start = start.to(w.device) if torch.is_tensor(start) else start
             rows = rows.to(w.device) if torch.is_tensor(rows) else rows
-            kv = _follower_cache(caches, spec, net.cfg.n_kv_heads, head_dim, w, tokens, start, rows)
-            net(tokens, start, kv, None if tree is None else tree.to(w.device), rows, hidden)
+            kv = _follower_cache(caches, spec, run.cfg.n_kv_heads, head_dim, w, tokens, start, rows)
+            run(tokens, start, kv, None if tree is None else tree.to(w.device), rows, hidden)
 
 
 def _follower_cache(caches: dict, spec: tuple, kv_heads: int, head_dim: int, w: torch.Tensor, tokens, positions,

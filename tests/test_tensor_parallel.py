@@ -23,6 +23,7 @@ import warnings
 import pytest
 import torch
 from conftest import default_sigint
+from test_distill import heads_dir  # noqa: F401 (fixture: heads trained on the tiny llama in seconds)
 
 from brisk.core import LLM
 from brisk.core.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ sys.path.insert(0, sys.argv[4])
 from brisk.core import LLM
 from test_tensor_parallel import CTX, end_of_run, run_workloads
 llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=int(sys.argv[2]), quantize=sys.argv[5], ctx=CTX)
-out = run_workloads(llm, sys.argv[1])
+out = run_workloads(llm, sys.argv[1], sys.argv[6] or None)
 torch.save({**out, **end_of_run(llm)}, sys.argv[3])
 """
 
@@ -51,9 +52,11 @@ CTX = 64
 CHAT_TURNS = ["hello there", "and again, the quick brown fox", "once more"]
 
 
-def run_workloads(llm, path: str) -> dict:
+def run_workloads(llm, path: str, heads: str | None = None) -> dict:
     """What each launch compares with one process: logits, generate (greedy and sampled; with a
-    chain drafter, a tree drafter and a draft model, here the model at `path` whole on rank 0),
+    chain drafter, a tree drafter, a draft model, here the model at `path` whole on rank 0, and a
+    float model's int4 self-draft, under --tp each rank's built from its shard; trained `heads`,
+    under --tp on rank 0 over the output rows gathered from the ranks),
     a tree pass, the batching engine over the paged cache, and a chat of several turns on one
     kept cache."""
     from brisk.core.batching import Engine
@@ -67,13 +70,22 @@ def run_workloads(llm, path: str) -> dict:
     out = {"logits": llm.logits(IDS)}
     for name, p in [("greedy", SamplingParams(temperature=0.0)), ("sampled", SamplingParams(temperature=0.8, seed=7))]:
         out[name] = llm.generate(PROMPT, p, max_tokens=12, raw=True).tokens
-    for name, lookahead in [("ngram", None), ("lookahead", "3,3,2"), (path, None)]:
+    drafters = [("ngram", None), ("lookahead", "3,3,2"), (path, None)]
+    if llm.quantization == "none":  # a self-draft quantizes a float target (under --tp: each rank its shard)
+        drafters.append(("self:int4", None))
+    for name, lookahead in drafters:
         with warnings.catch_warnings():  # the draft model is the target's own: not smaller, it warns
             warnings.simplefilter("ignore")
             session = Session(llm, make_speculator(llm, name, lookahead=lookahead))
         list(session.stream(llm.prompt_ids(PROMPT, raw=True), GREEDY, 12))
         out[name] = session.last.tokens
         out[name + " accepted"] = session.last.spec["accepted"] > 0
+    if heads:  # a tree of 4 nodes every round (auto may choose plain steps), on a prompt they guess in
+        session = Session(llm, make_speculator(llm, f"heads:{heads}", 4))
+        list(session.stream(llm.prompt_ids("hello there", raw=True), GREEDY, 30))
+        out["heads"], out["heads accepted"] = session.last.tokens, session.last.spec["accepted"] > 0
+        out["heads plain"] = llm.generate("hello there", SamplingParams(temperature=0.0), max_tokens=30,
+                                          raw=True).tokens
     # a tree pass whose second branch is kept: its K/V move to the slots after the pending token's
     # (ContiguousKV.keep_path), on every rank, and the next pass reads them there
     cache = llm.new_cache(64)
@@ -168,13 +180,14 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
     rank, one all-reduce per MoE layer. The engine's pool on each rank holds that rank's KV heads; its
     tokens equal the single-process engine's, as do a chat's answers turn by turn."""
     path = str(request.getfixturevalue(kind))
+    heads = str(request.getfixturevalue("heads_dir")) if kind == "tiny_llama_dir" else ""  # trained on it
     out = tmp_path / "rank0.pt"
-    r = python(RANK0, path, str(ranks), str(out), os.path.dirname(__file__), quantize)
+    r = python(RANK0, path, str(ranks), str(out), os.path.dirname(__file__), quantize, heads)
     assert r.returncode == 0, r.stderr
     got = torch.load(out)
     ref = LLM.load(path, device="cpu", dtype="float32", quantize=quantize, ctx=CTX)
     assert ref.quantization == ("none" if quantize == "none" else quantize)
-    want = run_workloads(ref, path)
+    want = run_workloads(ref, path, heads or None)
     assert got.pop("in step") and got.pop("followers ended")
     assert got.pop("refused") == "--tp: the ranks were stopped after an error on rank 0 (division by zero)"
     assert got.keys() == want.keys()
@@ -188,6 +201,10 @@ def test_ranks_match_one_process(kind, ranks, quantize, request, tmp_path):
     # MoE models' random answers leave the n-gram drafters nothing to take: as in one process)
     assert got["ngram"] == got["lookahead"] == got[path] == got["greedy"]
     assert got[path + " accepted"]
+    if heads:  # int4: the heads (trained on the float model) guess none of this answer, in one process too
+        assert got["heads"] == got["heads plain"] and (quantize != "none" or got["heads accepted"])
+    if quantize == "none":  # an int4 copy of a tiny random MoE model guesses none right, in one process too
+        assert got["self:int4"] == got["greedy"] and (ref.config.n_experts or got["self:int4 accepted"])
     assert ref.config.n_experts or got["ngram accepted"] and got["lookahead accepted"]
 
 
@@ -267,20 +284,46 @@ import sys, torch
 sys.path.insert(0, sys.argv[3])
 from brisk.core import LLM
 from test_tensor_parallel import logits_and_greedy
-torch.save(logits_and_greedy(LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=2, ctx=64)), sys.argv[2])
+torch.save(logits_and_greedy(LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=2, ctx=64,
+                                     quantize=sys.argv[4]), sys.argv[5] or None), sys.argv[2])
 """
 
 
-def logits_and_greedy(llm) -> dict:
-    """Logits, greedy tokens, and what the rank holds: its first layer's projections (kind, output
-    and input width) and its bytes of weights."""
+def logits_and_greedy(llm, heads: str | None = None) -> dict:
+    """Logits, greedy tokens, the layers' kinds, what the rank holds (its first layer's projections:
+    kind, output and input width; its bytes of weights), the table that embedding lookups read, and
+    greedy with draft `heads` (a tree of 3 nodes every round)."""
+    from brisk.core.generate import Session
+    from brisk.core.sampling import GREEDY
+    from brisk.core.spec.build import make_speculator
+
     first = llm.model.model.layers[0]
     layers = [first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.o_proj] + \
         ([first.mlp.up_proj, first.mlp.down_proj] if hasattr(first.mlp, "down_proj") else [])
-    return {"logits": llm.logits(IDS), "greedy": llm.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12,
-                                                              raw=True).tokens, "kinds": llm.quantization,
-            "layers": [(type(m).__name__, m.out_features, m.in_features) for m in layers],
-            "held": llm.load_info.param_bytes}
+    table = getattr(llm.model.model.embed_tokens, "head", None)
+    out = {"logits": llm.logits(IDS), "greedy": llm.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12,
+                                                             raw=True).tokens, "kinds": llm.quantization,
+           "layers": [(type(m).__name__, m.out_features, m.in_features) for m in layers],
+           "held": llm.load_info.param_bytes,
+           "table": None if table is None else (type(table).__name__, table.out_features)}
+    if heads:
+        session = Session(llm, make_speculator(llm, f"heads:{heads}", 3))
+        list(session.stream(llm.prompt_ids(PROMPT, raw=True), GREEDY, 12))
+        out["heads"], out["heads rounds"] = session.last.tokens, session.last.spec["rounds"]
+    return out
+
+
+def untrained_heads(cfg, folder) -> str:
+    """A heads folder for the model `cfg` describes as `brisk distill` starts them (zero weights: each
+    head reads out the hidden state as it is), over every 4th token: no training, the same format."""
+    from brisk.core.spec import heads_file
+    from brisk.core.spec.heads_net import DraftHeads
+
+    config = {"format": heads_file.FORMAT, "version": heads_file.VERSION, "kind": heads_file.KIND, "n_heads": 2,
+              "dims": {"hidden": cfg.dim}, "tree": {"nodes": [[0], [1], [0, 0]], "budget": 3},
+              "base_model": {"name": "test", "fingerprint": heads_file.fingerprint(cfg)}}
+    heads_file.save(folder, DraftHeads(2, cfg.dim), torch.arange(0, cfg.vocab_size, 4), config)
+    return str(folder)
 
 
 def test_moe_gguf_blocks_match_one_process(tmp_path):
@@ -310,7 +353,7 @@ def test_moe_gguf_blocks_match_one_process(tmp_path):
     shutil.copytree(hf, wide)
     model.save_pretrained(wide)
     path, out = str(convert(wide, tmp_path / "q8_0.gguf", "q8_0")), tmp_path / "rank0.pt"
-    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), timeout=300)
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), "auto", "", timeout=300)
     assert r.returncode == 0, r.stderr
     got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64))
     assert got["kinds"] == want["kinds"] == "q8_0"
@@ -352,7 +395,7 @@ def test_quantized_checkpoints_match_one_process(method, tiny_llama_dir, tmp_pat
     of input columns), so the ranks hold the single process's codes and the logits differ by the
     all-reduce's order only."""
     path, out = str(quantized_folder(tiny_llama_dir, tmp_path / method, method)), tmp_path / "rank0.pt"
-    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), timeout=300)
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), "auto", "", timeout=300)
     assert r.returncode == 0, r.stderr
     got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64))
     assert got["kinds"] == want["kinds"] != "none"
@@ -453,6 +496,40 @@ def test_quantized_refused_by_group(tiny_llama_dir, tmp_path):
                              "q/k/v/o and MLP projections are sharded")
 
 
+@pytest.mark.parametrize("quantize,table", [("int8", "Int8Linear"), ("int4", "Int4Linear")])
+def test_gguf_quantized_at_load_matches_one_process(quantize, table, smollm2_path, tmp_path):
+    """--quantize int8|int4 on a GGUF under --tp 2 (SmolLM2: Q4_1 layers, a Q8_0 tied head), each
+    layer as one process quantizes it: int8 through float, o/down widened whole and cut from the
+    whole rows' codes, the rest cut by rows; int4 carries the Q4_1 blocks over (cut at block
+    boundaries) and quantizes the Q8_0 head from float by groups of a row. So the ranks hold the
+    single process's codes, and lookups read the rank's part of the quantized head (exact, as for
+    the blocks). The kernels quantize activations to 16 bits per block of 32: a rank's part of a row-parallel
+    product sums the same block products in another order, and that rounding flips some codes of
+    the next layer's activations, so logits agree to the same order as the blocks' do (0.1 on
+    logits of spread ~9; 1e-5 where nothing is quantized), not bit for bit. Greedy is equal, and
+    so is greedy with draft heads (untrained: the format is what matters here), which run on rank 0
+    over the output rows gathered from the ranks, the pending token looked up in the split table
+    on every rank."""
+    from brisk.quant import native
+
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    path, out = str(smollm2_path), tmp_path / "rank0.pt"
+    ref = LLM.load(path, device="cpu", dtype="float32", ctx=64, quantize=quantize)
+    heads = untrained_heads(ref.config, tmp_path / "heads")
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), quantize, heads, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got, want = torch.load(out), logits_and_greedy(ref, heads)
+    assert got["kinds"] == want["kinds"] == quantize
+    vocab = want["table"][1]
+    assert want["table"] == (table, vocab) and got["table"] == (table, vocab // 2)
+    torch.testing.assert_close(got["logits"], want["logits"], atol=0.1, rtol=0)
+    assert torch.equal(got["logits"].argmax(-1), want["logits"].argmax(-1))
+    assert got["greedy"] == want["greedy"]
+    # heads on rank 0: the output rows gathered from the ranks, the pending token's lookup an all-reduce
+    assert got["heads"] == got["greedy"] == want["heads"] and got["heads rounds"] > 1
+
+
 def test_gguf_columns_refused_by_block(smollm2_path):
     """o/down split by input columns in whole blocks: a K-quant's 256 do not fit SmolLM2's 320 and
     256 columns of o_proj under --tp 2 (refused before any rank starts); its Q4_1's 32 do."""
@@ -471,6 +548,10 @@ def test_gguf_columns_refused_by_block(smollm2_path):
         tensor_parallel.check_load(ckpt, 2, "auto")
     assert str(e.value) == ("--tp 2: model.layers.3.self_attn.o_proj's Q4_K blocks of 256 columns do not split "
                             "over 2 ranks (320, 256 columns each)")
+    # quantized at load from float, as one process does (int8 always; int4 for rows of 576, no whole
+    # Q4_K blocks): widened whole, then cut by columns, so the blocks' boundaries do not matter
+    tensor_parallel.check_load(ckpt, 2, "int8")
+    tensor_parallel.check_load(ckpt, 2, "int4")
 
 
 def test_experts_refused_by_width(tiny_qwen3_moe_dir):
@@ -527,12 +608,12 @@ def in_process(*args, input=None):
     return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
 
 
-def test_generate_tp_2_prints_the_same(tiny_llama_dir, tmp_path):
-    """One prompt (with drafts, whose greedy output is plain greedy's: run_workloads checks both
-    under --tp), and a --batch file through the batching engine."""
+def test_generate_tp_2_prints_the_same(tiny_llama_dir, heads_dir, tmp_path):
+    """One prompt (with draft heads, whose greedy output is plain greedy's: run_workloads checks
+    every drafter under --tp), and a --batch file through the batching engine."""
     common = ["generate", str(tiny_llama_dir), "hello there", "-n", "16", "--temperature", "0", "--device", "cpu",
               "--dtype", "float32"]
-    one, two = in_process(*common), brisk(*common, "--tp", "2", "--draft", "lookahead", "--lookahead", "3,3,2")
+    one, two = in_process(*common), brisk(*common, "--tp", "2", "--draft", f"heads:{heads_dir}", "--draft-k", "4")
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert one.stdout and two.stdout == one.stdout
 
@@ -556,10 +637,11 @@ def test_generate_tp_2_on_the_default_model():
 
 
 def test_chat_tp_2_answers_the_same(tiny_llama_dir):
-    """Several turns on one kept cache, piped as lines."""
+    """Several turns on one kept cache, piped as lines; under --tp with an int8 self-draft (each
+    rank's quantized from its shard, drafting in its cache), the answers plain greedy gives."""
     turns = "".join(t + "\n" for t in CHAT_TURNS)
     common = ["chat", str(tiny_llama_dir), "--temperature", "0", "-n", "8", "--device", "cpu", "--dtype", "float32"]
-    one, two = in_process(*common, input=turns), brisk(*common, "--tp", "2", input=turns)
+    one, two = in_process(*common, input=turns), brisk(*common, "--tp", "2", "--draft", "self:int8", input=turns)
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert one.stdout.count("\n") >= len(CHAT_TURNS) and two.stdout == one.stdout
 
@@ -637,10 +719,7 @@ def test_serve_tp_2_answers_as_serve(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize("args,words", [
     (["generate", "--tp", "0", "hi"], "--tp must be a whole number"),
     (["generate", "--tp", "2", "-q", "nf4", "hi"], "--tp 2 with --quantize nf4"),
-    (["serve", "--tp", "2", "--draft", "self:int4"], "--tp 2 does not combine with --draft self:int4"),
-    (["generate", "--tp", "2", "--draft", "self:int8", "hi"], "--tp 2 does not combine with --draft self:int8"),
-    (["chat", "--tp", "2", "--draft", "heads:nowhere"], "--tp 2 does not combine with --draft heads:nowhere"),
-], ids=["zero", "nf4", "serve-self-draft", "self-draft", "chat-heads"])
+], ids=["zero", "nf4"])
 def test_refusals_name_the_flag(args, words):
     r = brisk(*args)
     assert r.returncode == 1 and "Traceback" not in r.stderr
@@ -649,12 +728,8 @@ def test_refusals_name_the_flag(args, words):
 
 
 def test_refused_before_any_rank_starts(tiny_llama_dir):
-    """More ranks than heads, an MLP that does not split, and a GGUF's blocks requantized at load
-    (the default model with -q int4) are refused before any rank starts."""
+    """More ranks than heads and an MLP that does not split are refused before any rank starts."""
     r = brisk("generate", str(tiny_llama_dir), "hi", "--tp", "5")
     assert r.returncode == 1 and r.stderr.strip() == "error: --tp 5: the model's 4 attention heads do not split over 5 ranks"
     r = brisk("generate", str(tiny_llama_dir), "hi", "--tp", "3")
     assert r.returncode == 1 and r.stderr.strip() == "error: --tp 3: the MLP's width 128 does not split over 3 ranks"
-    r = brisk("generate", "hi", "--tp", "2", "-q", "int4")
-    assert r.returncode == 1 and r.stderr.startswith("error: --tp 2 with --quantize int4: a GGUF's blocks")
-    assert len(r.stderr.strip().splitlines()) == 1

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..errors import BriskError, InvalidValue
-from .options import SELF_METHODS, DraftOptions, check_tp_drafter, parse_draft_options
+from .options import SELF_METHODS, DraftOptions, parse_draft_options
 from .speculator import Speculator
 
 
@@ -17,7 +17,6 @@ def make_speculator(llm, draft: str, k: str | int | None = "auto", lookahead: st
 def build_speculator(llm, opts: DraftOptions) -> Speculator:
     """The Speculator for options parse_draft_options checked; what needs the model is checked here."""
     draft, k = opts.draft, opts.k
-    check_tp_drafter(draft, getattr(llm.model, "ranks", 1))
     if draft == "lookahead":
         from .lookahead import LookaheadDrafter
 
@@ -45,8 +44,13 @@ def build_speculator(llm, opts: DraftOptions) -> Speculator:
             raise BriskError(f"--draft {draft}: {llm.name} is already quantized ({llm.quantization}), so a "
                              "quantized copy of it would not be faster; load it with --quantize none for a "
                              "self-draft, or use --draft ngram or a smaller model")
-        return Speculator(ModelDrafter(quantized_copy(llm.model, SELF_METHODS[draft], llm.ctx),
-                                       llm.ctx, llm.config.vocab_size, name=draft, share_cache=True), k)
+        if getattr(llm.model, "ranks", 1) > 1:
+            from .tp_drafts import self_draft
+
+            model = self_draft(llm.model, SELF_METHODS[draft])  # each rank's from its shard
+        else:
+            model = quantized_copy(llm.model, SELF_METHODS[draft], llm.ctx)
+        return Speculator(ModelDrafter(model, llm.ctx, llm.config.vocab_size, name=draft, share_cache=True), k)
     from ..llm import LLM
 
     other = LLM.load(draft, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."), ctx=llm.ctx)

@@ -43,14 +43,18 @@ class HeadsDrafter(Drafter):
         if heads.weight.shape[-1] != llm.config.dim:  # the fingerprint agreed: only a hand-made file gets here
             raise FileError(f"heads of width {heads.weight.shape[-1]}, not the model's {llm.config.dim}", self.path)
         self.config = config
-        self.model = model  # its embedding: the heads read the pending token too
         self.dtype = w.dtype
         self.heads = heads.to(device=w.device, dtype=w.dtype)
         self.vocab = vocab.to(w.device)
         # The model's own output-layer rows for the draft vocabulary, as per-row int8 on brisk's
         # kernels: drafting reads them every round, and in float32 they cost a small model a large
         # share of a decode step (the ranking moves only at near-ties).
-        rows = output_rows(model, vocab, torch.float32)
+        if getattr(model, "ranks", 1) > 1:  # under --tp the heads run on rank 0: rows gathered once
+            from .tp_drafts import embedder, head_rows
+
+            rows, self.embed = head_rows(model, self.vocab), embedder(model)
+        else:
+            rows, self.embed = output_rows(model, vocab, torch.float32), model.embed
         self.readout = Int8Linear.from_float(SimpleNamespace(weight=rows, bias=None)).to(w.device)
         self.softcap = llm.config.final_softcap
         self.nodes = [tuple(n) for n in config["tree"]["nodes"]]
@@ -92,7 +96,7 @@ class HeadsDrafter(Drafter):
         """[K, ..., n]: each head's logits over the draft vocabulary for hidden states h [..., dim]
         and the tokens that follow them (ids, shaped as h without its last dimension)."""
         ids = torch.as_tensor(tokens, device=h.device).reshape(-1)
-        e = self.model.embed(ids).reshape(h.shape)
+        e = self.embed(ids).reshape(h.shape)  # the heads read the pending token too
         logits = self.readout(self.heads(h.to(self.dtype), e.to(self.dtype))).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap

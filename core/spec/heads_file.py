@@ -44,10 +44,11 @@ def fingerprint(cfg) -> str:
 def check_base(config: dict, llm, path) -> None:
     """Refuse heads trained for another model, in one line naming both."""
     base = config.get("base_model", {})
-    if base.get("fingerprint") != fingerprint(llm.config):
+    mine = fingerprint(llm.checkpoint.config)  # the whole model's (under --tp, llm.config holds a rank's heads)
+    if base.get("fingerprint") != mine:
         raise BriskError(f"draft heads {path} were trained for {base.get('name', 'another model')} "
                          f"(fingerprint {base.get('fingerprint')}), not for {llm.name} "
-                         f"(fingerprint {fingerprint(llm.config)}): distill heads for it with "
+                         f"(fingerprint {mine}): distill heads for it with "
                          f"`brisk distill`")
 
 

@@ -45,13 +45,12 @@ class DraftOptions:
 
 
 def parse_draft_options(draft: str | None, draft_k: str | int | None = "auto",
-                        lookahead: str | None = None, tp: int = 1) -> DraftOptions | None:
-    """Check --draft, --draft-k and --lookahead together (None: no --draft), and with --tp N. A
+                        lookahead: str | None = None) -> DraftOptions | None:
+    """Check --draft, --draft-k and --lookahead together (None: no --draft). A
     heads:PATH that is no heads folder fails here too: its config is cheap to read, the model may
     not be."""
     if lookahead is not None and draft != "lookahead":
         raise BriskError("--lookahead needs --draft lookahead")
-    check_tp_drafter(draft, tp)
     if draft is None:
         if draft_k not in (None, "auto"):
             raise BriskError("--draft-k needs --draft")
@@ -73,15 +72,6 @@ def parse_draft_options(draft: str | None, draft_k: str | int | None = "auto",
     if draft != "ngram" and draft not in SELF_METHODS and not is_hub_id(draft):  # a draft model's file
         resolve_local(draft)
     return DraftOptions(draft, k)
-
-
-def check_tp_drafter(draft: str | None, tp: int) -> None:
-    """The drafters a tensor-parallel target takes: ngram, lookahead and a draft model (which runs
-    whole on rank 0). Heads read the target's output layer, and self:int8|int4 copy the target,
-    where each rank holds only its shard of either."""
-    if tp > 1 and draft is not None and (draft.startswith(HEADS) or draft in SELF_METHODS):
-        raise BriskError(f"--tp {tp} does not combine with --draft {draft} yet (ngram, lookahead or a draft "
-                         "model do)")
 
 
 def parse_k(value: str | int | None) -> int | str:
