@@ -80,7 +80,8 @@ def test_a_short_answer_holds_no_file_pages_and_only_the_rope_rows_it_read(smoll
     page = __import__("mmap").PAGESIZE
     assert m["rope_resident"] <= -(-m["rows"] * m["row_bytes"] // page) * page, m
     # Beyond the file: the tokenizer (49k tokens), the rope rows, the caches' written pages, the
-    # kernels' and torch's buffers, ~35 MiB here; the file's pages kept beside their packed copy
-    # would add the file again (94 MiB).
-    file = smollm2_path.stat().st_size
-    assert m["peak"] <= file + (64 << 20), (m["peak"] >> 20, file >> 20)
+    # kernels' and torch's buffers; the file's pages kept beside their packed copy would add the
+    # file again (94 MiB). Without the native kernels the first load repacks for torch's: not bound here.
+    if m["native"]:
+        file = smollm2_path.stat().st_size
+        assert m["peak"] <= file + (64 << 20), (m["peak"] >> 20, file >> 20)
