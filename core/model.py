@@ -69,14 +69,51 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None, max_len: int
     return inv.float()
 
 
-def rope_tables(inv_freq: torch.Tensor, max_len: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    t = torch.arange(max_len, dtype=torch.float32)
+def rope_tables(inv_freq: torch.Tensor, max_len: int, scale: float = 1.0,
+                start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [max_len - start, D] at positions start..max_len."""
+    t = torch.arange(start, max_len, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)  # rotate-half layout, as HF stores q/k
     # The first half of sin carries rotate-half's minus sign, so rope is roll + 2 mul + add.
     # scale: longrope's attention factor, which multiplies both tables.
     cos, sin = emb.cos(), torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
     return (cos, sin) if scale == 1.0 else (cos * scale, sin * scale)
+
+
+class RopeTables:
+    """A model's rope tables (cos, sin) [max_len, D] each, global then (Gemma) local. On the CPU they
+    live in anonymous memory and their rows are computed as positions reach them (ready): a short
+    answer reads a few rows of tables sized for the whole context (Gemma 3: 16 MiB at 4096).
+    Computed a stretch at a time or all at once, the rows are the same bits (tests/test_load_memory.py)."""
+
+    ROWS = 256  # rows computed at a time, as positions reach them
+
+    def __init__(self, sources: list[tuple[torch.Tensor, float]], max_len: int, device, dtype: torch.dtype):
+        device = torch.device(device)
+        self.sources, self.max_len = sources, max_len  # (inv_freq, scale) per table
+        if device.type != "cpu":  # read by kernels and captured graphs: all rows now
+            self.tables = [(c.to(device, dtype), s.to(device, dtype))
+                           for c, s in (rope_tables(inv, max_len, scale) for inv, scale in sources)]
+            self.rows = max_len
+            return
+        from .anonymous_memory import anonymous_bytes
+
+        width, size = sources[0][0].numel() * 2, torch.empty((), dtype=dtype).element_size()
+        self.tables = [tuple(anonymous_bytes(max_len * width * size).view(dtype).view(max_len, width)
+                             for _ in range(2)) for _ in sources]
+        self.rows = 0  # rows computed so far
+
+    def ready(self, end: int) -> None:
+        """Compute the rows below `end` not yet computed (a stretch of ROWS at least)."""
+        if end <= self.rows:
+            return
+        start, end = self.rows, min(self.max_len, -(-end // self.ROWS) * self.ROWS)
+        for (c, s), (inv, scale) in zip(self.tables, self.sources):
+            cos, sin = rope_tables(inv, end, scale, start)
+            c[start:end].copy_(cos)
+            s[start:end].copy_(sin)
+        self.rows = end  # after the rows are written: another thread that sees it reads them
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -245,17 +282,21 @@ class Transformer(nn.Module):
         if self.rope_factors is not None:
             inv = inv / self.rope_factors.float().cpu()
         scale = (cfg.rope_scaling or {}).get("attention_factor", 1.0)
-        tables = [rope_tables(inv, max_len, scale)]
+        sources = [(inv, scale)]
         if cfg.rope_local_theta is not None:
-            tables.append(rope_tables(rope_inv_freq(cfg.rotary_dim, cfg.rope_local_theta, None), max_len))
+            sources.append((rope_inv_freq(cfg.rotary_dim, cfg.rope_local_theta, None), 1.0))
         dtype = self.model.norm.weight.dtype  # norms stay float when the embedding is quantized
-        self.rope = [(c.to(device, dtype), s.to(device, dtype)) for c, s in tables]
+        self.rope_tables = RopeTables(sources, max_len, device, dtype)
+        self.rope = self.rope_tables.tables
         self.max_len = max_len
 
     def rope_at(self, positions: int | torch.Tensor, T: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The rope tables [T, D] at positions start.. (int) or at a tensor's positions."""
         if torch.is_tensor(positions):
+            if self.rope_tables.rows < self.max_len and positions.numel():
+                self.rope_tables.ready(int(positions.max()) + 1)
             return [(c.index_select(0, positions), s.index_select(0, positions)) for c, s in self.rope]
+        self.rope_tables.ready(positions + T)
         return [(c[positions:positions + T], s[positions:positions + T]) for c, s in self.rope]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

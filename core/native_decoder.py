@@ -37,6 +37,7 @@ class NativeDecoder:
                                 cfg.n_experts_used, cfg.norm_topk_prob, cfg.expert_ffn_dim, cfg.rotary_dim,
                                 cfg.routing == "topk_softmax", cfg.swiglu_limit, cfg.swiglu_alpha)
         self.rope = model.rope  # the tables the structs point into (setup_rope replaces the list)
+        self.rope_tables = model.rope_tables  # their rows are computed as positions reach them
         self.n_layers = cfg.n_layers
         self.layers = (native.Layer * cfg.n_layers)()
         self.keep: list = []
@@ -147,8 +148,10 @@ class NativeDecoder:
             cache, pos, table = self._paged(kv)
         else:
             return None
-        if int(pos.max()) >= self.positions:
+        end = int(pos.max()) + 1
+        if end > self.positions:
             return None  # past the rope tables: the torch blocks say so
+        self.rope_tables.ready(end)
         x = x.contiguous()
         rc = native.library().bk_decoder(self.arch, self.layers, self.n_layers, cache, B * T, pos.data_ptr(),
                                          table.data_ptr(), x.data_ptr(), native.level())
