@@ -50,12 +50,6 @@ BK_INLINE void rope(float *x, const float *cos, const float *sin, int D) {
     memcpy(x, t, sizeof(float) * D);
 }
 
-BK_INLINE float dot(const float *a, const float *b, int n) {
-    v16 acc = {0};
-    for (int k = 0; k < n; k += LANES) acc += load16(a + k) * load16(b + k);
-    return reduce16(acc);
-}
-
 /* ---- the cache's stored types (bk_cache.type): written converted, read back as float32 ---- */
 
 /* float -> IEEE half, rounded to nearest even (as numpy and torch convert): infinities and NaN kept,
@@ -138,40 +132,28 @@ BK_INLINE v16 load16_i8(const uint8_t *p) {
     return y;
 }
 
-/* 16 of a cache row's values at p as floats, read in place: the types attention reads without a
- * converted copy (float32, IEEE half, bfloat16; type a constant where it is inlined) */
-BK_INLINE v16 kv16(const uint8_t *p, int type) {
-    if (type == BK_KV_BF16) return load16_bf16(p);
-    if (type != BK_KV_F16) return load16((const float *)p);
+/* Values k..k+15 of a cache row stored as `type` at row, as floats (type a constant where it is
+ * inlined: attention reads every stored type in place, converting in registers). Q8_0: 16 values
+ * lie in one block of 32 (k a multiple of 16), its fp16 scale first. */
+BK_INLINE v16 kv16(const uint8_t *row, int k, int type) {
+    if (type == BK_KV_F32) return load16((const float *)row + k);
+    if (type == BK_KV_BF16) return load16_bf16(row + 2 * k);
+    if (type == BK_KV_Q8_0) {
+        const uint8_t *b = row + 34 * (k / 32);
+        return load16_i8(b + 2 + k % 32) * splat16(bk_fp16(b));
+    }
     v16 y;
 #if defined(__AVX512F__)
-    __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * k)));
     memcpy(&y, &w, sizeof y);
 #elif defined(__F16C__)
-    __m256 w[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+    __m256 w[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k))),
+                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k + 16)))};
     memcpy(&y, w, sizeof y);
 #else
-    for (int l = 0; l < LANES; l++) y[l] = bk_fp16(p + 2 * l);
+    for (int l = 0; l < LANES; l++) y[l] = bk_fp16(row + 2 * (k + l));
 #endif
     return y;
-}
-
-/* the bytes of one stored value read in place (kv16) */
-#define KV_BYTES(type) ((type) == BK_KV_F32 ? 4 : 2)
-
-/* D stored values of `type` at src -> D floats (D a multiple of 16) */
-static void kv_load(int type, const uint8_t *src, float *y, int D) {
-    if (type == BK_KV_F16) {
-        for (int i = 0; i < D; i += LANES) store16(y + i, kv16(src + 2 * i, BK_KV_F16));
-    } else if (type == BK_KV_BF16) {
-        for (int i = 0; i < D; i += LANES) store16(y + i, load16_bf16(src + 2 * i));
-    } else { /* Q8_0 */
-        for (int b = 0; b < D; b += 32, src += 34) {
-            v16 d = splat16(bk_fp16(src));
-            store16(y + b, load16_i8(src + 2) * d);
-            store16(y + b + LANES, load16_i8(src + 2 + LANES) * d);
-        }
-    }
 }
 
 /* A row's keys are attended in spans of ATT_SPAN positions, aligned to absolute positions (span s
@@ -196,7 +178,6 @@ typedef struct {
     const float *qkv;     /* [N, (H + 2 KV) D] */
     float *out;           /* [N, H D] */
     int group;            /* query heads a task attends together */
-    int64_t pass;         /* this layer's attention in this call, unique: what a thread's converted keys belong to */
     const att_task *tasks;
     int n_tasks;
     float *partial;       /* per task: g heads x (D outputs, max, sum of exponentials), for split rows */
@@ -204,13 +185,6 @@ typedef struct {
 
 static _Thread_local float *score_buf;
 static _Thread_local size_t score_cap;
-static _Thread_local float *wide_buf; /* a converted cache's keys and values as float32 (attend) */
-static _Thread_local size_t wide_cap;
-/* whose keys and values wide_buf holds: the next task on the same row, K/V head and span (the
- * query heads that share it, when they run in several tasks) reuses them */
-static _Thread_local int64_t wide_pass = -1;
-static _Thread_local int wide_row, wide_head, wide_lo;
-static int64_t passes; /* attention_job.pass, counted across calls */
 
 /* Chains of multiply-adds side by side (keys x heads in the scores, output vectors x heads in the
  * weighted sum), as many as the registers hold beside the operands: AVX-512 has 32 of 16 floats,
@@ -226,13 +200,14 @@ static int64_t passes; /* attention_job.pass, counted across calls */
 #define ATT_VECS(g) (ATT_ACC / (g) < 4 ? ATT_ACC / (g) : 4)
 
 /* s[e][i + u] = q[e] . key i + u, u < KEYS, e < G (constants where it is inlined: the sums stay in
- * registers), each summed as dot() sums it; the keys at kb + at[i] (bytes), stored as TYPE */
+ * registers), each summed over the head's vectors in order, then its lanes (reduce16); the keys at
+ * kb + at[i] (bytes), stored as TYPE */
 BK_INLINE void score_tile(const float *const *q, const uint8_t *kb, const int64_t *at, int i, int D, int G, int KEYS,
                           float *const *s, float scale, int TYPE) {
     v16 acc[ATT_ACC] = {{0}};
     for (int k = 0; k < D; k += LANES)
         for (int u = 0; u < KEYS; u++) {
-            v16 kv = kv16(kb + at[i + u] + KV_BYTES(TYPE) * k, TYPE);
+            v16 kv = kv16(kb + at[i + u], k, TYPE);
             for (int e = 0; e < G; e++) acc[u * G + e] += load16(q[e] + k) * kv;
         }
     for (int u = 0; u < KEYS; u++)
@@ -245,7 +220,7 @@ BK_INLINE void value_tile(const uint8_t *vb, const int64_t *at, int n, int k0, i
     v16 acc[ATT_ACC] = {{0}};
     for (int i = 0; i < n; i++)
         for (int u = 0; u < VECS; u++) {
-            v16 v = kv16(vb + at[i] + KV_BYTES(TYPE) * (k0 + u * LANES), TYPE);
+            v16 v = kv16(vb + at[i], k0 + u * LANES, TYPE);
             for (int e = 0; e < G; e++) acc[u * G + e] += splat16(s[e][i]) * v;
         }
     for (int u = 0; u < VECS; u++)
@@ -254,8 +229,9 @@ BK_INLINE void value_tile(const uint8_t *vb, const int64_t *at, int n, int k0, i
 
 /* the tiles for g heads (1 <= g <= ATT_CHAINS) and the three stored types: constants for the compiler,
  * case by case */
-#define BY_TYPE(call, ...) \
-    (ty == BK_KV_F16 ? call(__VA_ARGS__, BK_KV_F16) : ty == BK_KV_BF16 ? call(__VA_ARGS__, BK_KV_BF16) : call(__VA_ARGS__, BK_KV_F32))
+#define BY_TYPE(call, ...)                                                                                  \
+    (ty == BK_KV_F16 ? call(__VA_ARGS__, BK_KV_F16) : ty == BK_KV_BF16 ? call(__VA_ARGS__, BK_KV_BF16) :        \
+     ty == BK_KV_Q8_0 ? call(__VA_ARGS__, BK_KV_Q8_0) : call(__VA_ARGS__, BK_KV_F32))
 #define SCORE_CASE(G) case G: BY_TYPE(score_tile, q, kb, at, i, D, G, ATT_ACC / G, s, a->attn_scale); break;
 #define VALUE_CASE(G) case G: BY_TYPE(value_tile, vb, at, n, k0, G, ATT_VECS(G), s, inv, y); break;
 /* the ends: a key, an output vector at a time */
@@ -266,8 +242,8 @@ BK_INLINE void value_tile(const uint8_t *vb, const int64_t *at, int n, int k0, i
  * positions [lo, hi): softmax(q k / sqrt) v. A whole row's task writes the output; with sinks
  * (gpt-oss) the softmax's denominator also holds e^sink, a key whose value is zero, so the real
  * keys' weights sum below 1. A span of a split row writes its partial result instead (see
- * combine_spans). The heads of a group read each key and value once. Each score is summed as dot()
- * sums it and each output over the keys in order, however many run side by side: a head's bits do
+ * combine_spans). The heads of a group read each key and value once. Each score is summed as
+ * score_tile sums it and each output over the keys in order, however many run side by side: a head's bits do
  * not depend on its group. */
 static void attend(const attention_job *j, int t) {
     const bk_arch *a = j->a;
@@ -300,28 +276,7 @@ static void attend(const attention_job *j, int t) {
         at[i] = (int64_t)tab[blk] * c->block_stride + (int64_t)in * c->pos_stride; /* bytes */
         if (++in == c->block_size) in = 0, blk++;
     }
-    int ty = c->type; /* float32, half and bfloat16 are read in place (kv16) */
-    if (ty != BK_KV_F32 && ty != BK_KV_F16 && ty != BK_KV_BF16) {
-        /* the keys and values this task reads as float32, converted once per row, K/V head and span */
-        if (wide_pass != j->pass || wide_row != r || wide_head != kv_head || wide_lo != lo) {
-            if (wide_cap < (size_t)2 * n * D) {
-                free(wide_buf);
-                wide_buf = malloc(sizeof(float) * 2 * (size_t)n * D * 2);
-                wide_cap = wide_buf ? (size_t)2 * n * D * 2 : 0;
-                if (!wide_buf) {
-                    wide_pass = -1;
-                    return;
-                }
-            }
-            for (int i = 0; i < n; i++) {
-                kv_load(c->type, kb + at[i], wide_buf + (size_t)i * D, D);
-                kv_load(c->type, vb + at[i], wide_buf + (size_t)(n + i) * D, D);
-            }
-            wide_pass = j->pass, wide_row = r, wide_head = kv_head, wide_lo = lo;
-        }
-        for (int i = 0; i < n; i++) at[i] = (int64_t)i * D * (int64_t)sizeof(float);
-        kb = (const uint8_t *)wide_buf, vb = (const uint8_t *)(wide_buf + (size_t)n * D), ty = BK_KV_F32;
-    }
+    int ty = c->type; /* read in place, whatever the stored type (kv16) */
     int keys = ATT_ACC / g, i = 0;
     for (; i + keys <= n; i += keys)
         switch (g) {
@@ -330,7 +285,7 @@ static void attend(const attention_job *j, int t) {
             SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
 #endif
         }
-    for (; i < n; i++) /* one key at a time: the tile of one, summed as dot() sums it */
+    for (; i < n; i++) /* one key at a time: the tile of one, summed alike */
         switch (g) {
             SCORE_ONE(1) SCORE_ONE(2) SCORE_ONE(3) SCORE_ONE(4)
 #if ATT_CHAINS == 8
@@ -675,8 +630,7 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
                     tasks[n_tasks++] = (att_task){r, h0, s0, s1 < hi ? s1 : hi, whole};
                 }
         }
-        attention_job job = {a, L, c, l, pos, table, qkv, att, group,
-                             __atomic_add_fetch(&passes, 1, __ATOMIC_RELAXED), tasks, n_tasks, partial};
+        attention_job job = {a, L, c, l, pos, table, qkv, att, group, tasks, n_tasks, partial};
         if (keys_read < ATTENTION_SPLIT) attention_chunk(&job, 0, n_tasks); /* a sync point costs more than it saves */
         else bk_parallel(attention_chunk, &job, n_tasks, 1);
         for (int t = 0; t < n_tasks;) { /* the split rows' outputs */
