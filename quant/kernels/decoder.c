@@ -227,7 +227,7 @@ BK_INLINE void value_tile(const uint8_t *vb, const int64_t *at, int n, int k0, i
         for (int e = 0; e < G; e++) store16(y[e] + k0 + u * LANES, acc[u * G + e] * inv[e]);
 }
 
-/* the tiles for g heads (1 <= g <= ATT_CHAINS) and the three stored types: constants for the compiler,
+/* the tiles for g heads (1 <= g <= ATT_CHAINS) and the four stored types: constants for the compiler,
  * case by case */
 #define BY_TYPE(call, ...)                                                                                  \
     (ty == BK_KV_F16 ? call(__VA_ARGS__, BK_KV_F16) : ty == BK_KV_BF16 ? call(__VA_ARGS__, BK_KV_BF16) :        \
