@@ -72,9 +72,12 @@ BK_INLINE float reduce16(v16 a) {
 BK_INLINE v16 select16(vi16 m, v16 a, v16 b) { return (v16)(((vi16)a & m) | ((vi16)b & ~m)); }
 
 /* e^x in every lane, relative error ~2e-7 (Cody-Waite reduction to |r| <= ln2/2, Cephes' degree-6
- * polynomial, scaled by 2^n built in the exponent bits); 0 below -87.3, large but finite above 88.3. */
+ * polynomial, scaled by 2^n built in the exponent bits); 0 below -87, large but finite above 88.3.
+ * From -87 up the scaled product stays a normal float: below it (clamped to -87.34 before) it went
+ * subnormal, and each multiply making a subnormal costs x86 a microcode assist (~100 cycles), which
+ * a softmax over many far-below-max keys hit in every vector. */
 BK_INLINE v16 exp16(v16 x) {
-    const v16 hi = splat16(88.3762626647949f), lo = splat16(-87.3365447505531f);
+    const v16 hi = splat16(88.3762626647949f), lo = splat16(-87.0f);
     vi16 under = x < lo;
     x = select16(x > hi, hi, select16(under, lo, x));
     const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
