@@ -19,6 +19,9 @@
 
 #include "bk_decoder.h"
 #include "bk_vec.h"
+#if defined(__SSE2__)
+#include <xmmintrin.h> /* _mm_getcsr: attend's flush of subnormals */
+#endif
 
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
@@ -245,7 +248,7 @@ BK_INLINE void value_tile(const uint8_t *vb, const int64_t *at, int n, int k0, i
  * combine_spans). The heads of a group read each key and value once. Each score is summed as
  * score_tile sums it and each output over the keys in order, however many run side by side: a head's bits do
  * not depend on its group. */
-static void attend(const attention_job *j, int t) {
+static void attend_task(const attention_job *j, int t) {
     const bk_arch *a = j->a;
     const bk_cache *c = j->c;
     const att_task *task = j->tasks + t;
@@ -296,10 +299,15 @@ static void attend(const attention_job *j, int t) {
     float m[ATT_CHAINS], total[ATT_CHAINS];
     for (int e = 0; e < g; e++) {
         float *se = s[e], sink = sinks ? sinks[h0 + e] : 0;
-        m[e] = -INFINITY;
-        for (i = 0; i < n; i++) m[e] = se[i] > m[e] ? se[i] : m[e];
-        if (sinks) m[e] = sink > m[e] ? sink : m[e];
         for (i = n; i < n + LANES; i++) se[i] = -INFINITY; /* the last vector's spare lanes: e^-inf = 0 */
+        v16 mv = splat16(-INFINITY); /* lanes side by side: a scalar chain waited on each compare */
+        for (i = 0; i < n; i += LANES) {
+            v16 x = load16(se + i);
+            mv = select16(x > mv, x, mv);
+        }
+        m[e] = -INFINITY;
+        for (i = 0; i < LANES; i++) m[e] = mv[i] > m[e] ? mv[i] : m[e];
+        if (sinks) m[e] = sink > m[e] ? sink : m[e];
         v16 sum = {0};
         for (i = 0; i < n; i += LANES) {
             v16 x = exp16(load16(se + i) - m[e]);
@@ -327,6 +335,22 @@ static void attend(const attention_job *j, int t) {
         }
     if (!task->whole)
         for (int e = 0; e < g; e++) y[e][D] = m[e], y[e][D + 1] = total[e];
+}
+
+/* The weights of keys far below a row's best score, and their products with the values, are
+ * subnormal floats, and x86 takes a microcode assist (~100 cycles) for each subnormal operand or
+ * result: decode at depth went data-dependent, up to 2.5x slower. A task flushes them to zero
+ * (FTZ/DAZ, restored after): a term below 1e-38 is under the rounding of any sum holding the best
+ * key's weight of 1. */
+static void attend(const attention_job *j, int t) {
+#if defined(__SSE2__)
+    unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+    attend_task(j, t);
+    _mm_setcsr(csr);
+#else
+    attend_task(j, t);
+#endif
 }
 
 /* the tasks last to first: a prefill's later rows read more keys, and taken first they leave the
