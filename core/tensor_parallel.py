@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -162,18 +163,9 @@ def _spawn(rank: int, world: int, port: int, load_args: dict) -> subprocess.Pope
 
 
 def _shutdown(children: list) -> None:
-    """Rank 0's exit: tell the followers to stop, then make sure none is left."""
-    told = False
-    if _group is not None and dist.is_initialized():
-        def stop():
-            with contextlib.suppress(Exception):
-                dist.broadcast_object_list([("stop",)], src=0, group=_group.control)
-
-        # in a thread: after a pass cut short (Ctrl-C), the followers wait inside it, not for a step
-        sender = threading.Thread(target=stop, daemon=True)
-        sender.start()
-        sender.join(timeout=1)
-        told = not sender.is_alive()
+    """Rank 0's exit: tell the followers to stop, make sure none is left, then end the process
+    groups and the store (atexit runs this before the interpreter finalizes)."""
+    told = _group is not None and _group.control is not None and dist.is_initialized() and _tell_stop(_group.control)
     deadline = time.monotonic() + (3 if told else 0)  # not told: no need to wait
     for p in children:
         with contextlib.suppress(Exception):
@@ -183,6 +175,37 @@ def _shutdown(children: list) -> None:
             with contextlib.suppress(Exception):
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+    _release()
+
+
+def _tell_stop(control) -> bool:
+    """Send the stop (as broadcast_object_list does: its size, then its pickle), waiting up to 1 s
+    for it to go out: after a pass cut short the followers wait inside it, not for a step. Not from
+    a Python thread: one still inside the collective when the interpreter finalizes is ended there
+    by an unwind through torch's C++ frames, which aborts the process ("terminate called without
+    an active exception"). The group's own C++ worker holds the send; it ends once the followers do."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(("stop",))), dtype=torch.uint8)
+    try:
+        works = [dist.broadcast(torch.tensor([payload.numel()]), src=0, group=control, async_op=True),
+                 dist.broadcast(payload, src=0, group=control, async_op=True)]
+        deadline = time.monotonic() + 1
+        for work in works:
+            work.wait(timedelta(seconds=max(0.01, deadline - time.monotonic())))
+        return True
+    except Exception:  # timed out, or the followers are gone
+        return False
+
+
+def _release() -> None:
+    """End rank 0's process groups and, with them, the store it hosts, while the interpreter
+    still runs: left to its teardown, gloo's and the store's C++ threads are joined (or not)
+    in whatever order objects happen to be freed then. Their sends end with the followers, which
+    are gone by now, so the joins do not wait."""
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if _group is not None:
+        _group.control = None  # the last reference: the group (and the store under it) is freed here
 
 
 def first_line(e: BaseException) -> str:
@@ -539,9 +562,7 @@ def _stop_followers(group: Group, e: BaseException) -> None:
     """Rank 0 failed inside a pass: the followers wait in its collectives and would hang until
     the step timeout, so they are ended now, and later passes refused with the cause."""
     _broken.append(first_line(e))
-    _shutdown(group.children)
-    with contextlib.suppress(Exception):  # under torchrun: the followers' collectives then fail at once
-        dist.destroy_process_group()
+    _shutdown(group.children)  # under torchrun: its end of the groups makes the followers' collectives fail at once
 
 
 @contextlib.contextmanager

@@ -592,6 +592,55 @@ def test_a_killed_rank_ends_the_run(tiny_llama_dir):
         p.kill()
 
 
+EXIT = """
+import atexit, os, signal, sys, threading, torch
+from brisk.core import LLM
+
+def threads():
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+
+torch.set_num_threads(1)
+before = threads()
+# registered before the load: atexit runs last in, first out, so this runs after brisk's own handler
+atexit.register(lambda: print(repr((before, during, threads(), [t.name for t in threading.enumerate()])), flush=True))
+llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=2)
+llm.logits([3, 4, 5])
+during = threads()
+norm, plain = llm.model.model.norm, llm.model.model.norm.forward
+if sys.argv[2] == "error":
+    norm.forward = lambda x: 1 / 0
+    try:
+        llm.logits([3, 4, 5])
+    except ZeroDivisionError:
+        pass
+elif sys.argv[2] == "interrupt":
+    def interrupted(x):
+        norm.forward = plain
+        os.kill(os.getpid(), signal.SIGINT)
+        return plain(x)
+    norm.forward = interrupted
+    llm.logits([3, 4, 5])  # the KeyboardInterrupt ends the script
+"""
+
+
+@pytest.mark.parametrize("how", ["end", "error", "interrupt"])
+def test_rank_0_exits_cleanly(how, tiny_llama_dir):
+    """Rank 0's exit after a normal end, an error inside a pass (the followers were ended then) and
+    Ctrl-C: its process groups and the store it hosts are ended by brisk's exit handler, while the
+    interpreter still runs, so no thread of theirs (nor one of brisk's) is left for its teardown,
+    where a thread inside a collective aborted the process ("terminate called without an active
+    exception") or a join hung. The status is the script's: 0, or SIGINT's after Ctrl-C."""
+    if not os.path.exists("/proc/self/task"):
+        pytest.skip("no /proc here")
+    r = python(EXIT, str(tiny_llama_dir), how)
+    assert r.returncode == (-signal.SIGINT if how == "interrupt" else 0), r.stderr
+    assert "terminate called" not in r.stderr
+    before, during, after, python_threads = eval(r.stdout.strip().splitlines()[-1])
+    assert set(during) - set(before), "gloo's threads were expected to show while the ranks run"
+    assert set(after) <= set(before), f"left running at exit: {sorted(set(after) - set(before))}"
+    assert python_threads == ["MainThread"]
+
+
 def brisk(*args, input=None):
     return subprocess.run([sys.executable, "-c", "from brisk.cli.main import run; run()", *args], text=True,
                           capture_output=True, input=input, stdin=None if input is not None else subprocess.DEVNULL,
