@@ -499,6 +499,25 @@ def test_gguf_input(tiny_gguf_path, tmp_path):
     assert kl < 1e-3 and top1 > 0.9
 
 
+def bnb_misreads_blocks_across_rows(folder) -> float:
+    """How far bitsandbytes' own dequantize_4bit of the folder's 16-wide q_proj (each 64-value block
+    spans 4 rows) lands from the format by hand: code[nibble] * absmax[i // 64], high nibble first.
+    Relative to the largest weight. bitsandbytes 0.50's CPU path was seen 0.28 off on an Intel Xeon VM,
+    brisk exactly on the definition; where this test passed (AMD EPYC), bnb read them as brisk does."""
+    import bitsandbytes.functional as bf
+    from safetensors.torch import load_file
+
+    key = "model.layers.0.self_attn.q_proj.weight"
+    tensors = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items() if k.startswith(key)}
+    state = bf.QuantState.from_dict({k[len(key) + 1:]: v for k, v in tensors.items() if k != key}, torch.device("cpu"))
+    absmax = bf.dequantize_blockwise(state.absmax, state.state2) + state.offset if state.nested else state.absmax
+    b = tensors[key].flatten()
+    n = state.shape[0] * state.shape[1]
+    codes = torch.stack(((b >> 4) & 0xF, b & 0xF), 1).flatten().long()[:n]
+    by_hand = state.code[codes] * absmax.float().repeat_interleave(state.blocksize)[:n]
+    return float((bf.dequantize_4bit(tensors[key], state).float().flatten() - by_hand).abs().max() / by_hand.abs().max())
+
+
 @pytest.mark.parametrize("method", ["nf4", "int8"])
 def test_gguf_input_loads_in_transformers(method, tiny_gguf_path, tmp_path):
     """The whole folder (built config, tokenizer, bitsandbytes tensors) as transformers +
@@ -523,6 +542,9 @@ def test_gguf_input_loads_in_transformers(method, tiny_gguf_path, tmp_path):
                     raise
                 pytest.skip(f"bitsandbytes' CPU 4-bit kernel refuses this tiny model: {e}")
     assert type(hf.model.layers[0].mlp.down_proj).__name__ == {"nf4": "Linear4bit", "int8": "Linear8bitLt"}[method]
+    if method == "nf4" and (off := bnb_misreads_blocks_across_rows(out)) > 1e-4:
+        pytest.skip(f"the reference is off on this CPU: bitsandbytes' dequantize_4bit reads a 16-wide layer's "
+                    f"64-value blocks (which span rows) {off:.2g} of the largest weight away from the format's own definition")
     mine = LLM.load(str(out), device="cpu", dtype="float32").logits(ids)
     # transformers runs the 4-bit matmuls in the checkpoint's float16; its int8 path quantizes activations too
     assert (mine - theirs).abs().max() < {"nf4": 3e-3, "int8": 1.5e-2}[method] * theirs.abs().max()
