@@ -68,6 +68,24 @@ BK_INLINE float reduce16(v16 a) {
     return e0 + e1;
 }
 
+/* reduce16 of a[0..15] at once, lane u holding reduce16(a[u]) bit for bit: the same pairs added in
+ * the same order, with four vectors' halves side by side in each step (15 adds and 30 permutes
+ * for 16 sums, where one reduce16 alone takes ~10 operations) */
+BK_INLINE v16 reduce16x16(const v16 *a) {
+    v16 b[8], c[4], d[2];
+    for (int p = 0; p < 8; p++)
+        b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int p = 0; p < 4; p++)
+        c[p] = __builtin_shufflevector(b[2 * p], b[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(b[2 * p], b[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; p++)
+        d[p] = __builtin_shufflevector(c[2 * p], c[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(c[2 * p], c[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 /* m ? a : b, lane by lane (m: a comparison's all-ones or zero lanes) */
 BK_INLINE v16 select16(vi16 m, v16 a, v16 b) { return (v16)(((vi16)a & m) | ((vi16)b & ~m)); }
 
