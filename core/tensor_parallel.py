@@ -55,7 +55,7 @@ from .tp_split import check_blocks, head_rows, heads_of, parts, span
 from ..quant import gguf_blocks, gguf_types
 from ..quant.gguf_types import Q8_0
 from ..quant.gguf_linear import GGUFLinear
-from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
+from ..quant.linear import Int8Linear, QuantEmbedding, QuantLinear, quantize_int8, quantize_linear
 from ..quant.nf4 import BLOCKSIZE as NF4_BLOCK
 
 # Collectives inside a pass: a rank that hangs this long ends the run.
@@ -384,9 +384,10 @@ def shard(net: Transformer, group: Group, quantize: str = "none", cut: set[str] 
         table = quantize_linear(net.lm_head, quantize, GROUP, keep_codes=True)
         net.model.embed_tokens = QuantEmbedding(table, net.model.norm.weight.dtype, owner=True)
     emb = net.model.embed_tokens
-    tied_blocks = isinstance(emb, QuantEmbedding) and emb.head is net.lm_head and isinstance(emb.head, GGUFLinear)
+    # a table tied to a head kept quantized (a GGUF's blocks, a checkpoint's format)
+    tied_quantized = isinstance(emb, QuantEmbedding) and emb.head is net.lm_head
     _shard_head(net, rank, world)
-    if tied_blocks:  # lookups from the head's part of the vocabulary: no rank holds the whole table
+    if tied_quantized:  # lookups from the head's part of the vocabulary: no rank holds the whole table
         net.model.embed_tokens = VocabShardEmbedding(net.lm_head, rank, cfg.vocab_size, emb.dtype, owner=False)
     elif isinstance(emb, QuantEmbedding) and isinstance(emb.head, GGUFLinear) and emb.head is not net.lm_head:
         # an untied GGUF table, cut the same way
@@ -448,6 +449,8 @@ def _columns(layer: nn.Linear, lo: int, hi: int, keep_bias: bool, quantize: str)
 def _shard_head(net: Transformer, rank: int, world: int) -> None:
     """The output layer by vocabulary, in equal parts (the last padded with zero rows: an
     all-gather takes equal sizes), gathered and cut back to the vocabulary after each pass."""
+    if getattr(net.lm_head, "tp_cut", False):  # a checkpoint's quantized head, cut by tp_quantized
+        return
     vocab = net.cfg.vocab_size
     per = -(-vocab // world)
     lo, hi = min(rank * per, vocab), min((rank + 1) * per, vocab)
@@ -477,7 +480,7 @@ class VocabShardEmbedding(QuantEmbedding):
     outside it looks up zeros, and the all-reduce adds the one rank's row to the others' zeros, so
     every rank gets the exact row while holding 1/N of the table."""
 
-    def __init__(self, part: GGUFLinear, rank: int, vocab: int, dtype: torch.dtype, owner: bool):
+    def __init__(self, part: QuantLinear, rank: int, vocab: int, dtype: torch.dtype, owner: bool):
         super().__init__(part, dtype, owner)
         self.lo, self.num_embeddings = rank * part.out_features, vocab
 

@@ -4,10 +4,11 @@ cut from the checkpoint's own tensors before the layers are built, so the kernel
 alone and no rank holds a whole quantized layer past its cut.
 
 The parts are Megatron's (core/tensor_parallel.py): q/k/v and gate/up keep output channels, o and
-down a span of input columns. An output channel's codes, zero point and scale belong to it alone in
-every format, so a column-parallel part is any set of channels (AWQ and GPTQ pack zeros along the
-output channels: they are unpacked, selected and packed again). A span of input columns keeps
-whole quantization groups or it is refused, as the groups' scales are shared by their columns:
+down a span of input columns, and a quantized output layer its span of the vocabulary (channels).
+An output channel's codes, zero point and scale belong to it alone in every format, so a
+column-parallel part is any set of channels (AWQ and GPTQ pack zeros along the output channels:
+they are unpacked, selected and packed again). A span of input columns keeps whole quantization
+groups or it is refused, as the groups' scales are shared by their columns:
 - GPTQ: the groups g_idx names (act-order included: a rank's columns keep their g_idx, renumbered
   over the groups the rank holds, and an act-order layer whose groups straddle the cut is refused);
 - AWQ: groups of group_size consecutive columns;
@@ -27,7 +28,7 @@ import torch
 
 from .checkpoint import release_mapped_tensors, trim_heap
 from .errors import BriskError, FileError
-from .tp_split import Part, check_blocks, parts
+from .tp_split import Part, check_blocks, parts, span
 from ..quant import awq_format, bnb_format, gptq_format, mxfp4_format, packing
 from ..quant.errors import FormatError
 from ..quant.formats import find_format
@@ -49,7 +50,8 @@ def quantized_layers(tensors: dict) -> list[str]:
 
 def check(ckpt, world: int) -> None:
     """Refuse, before any rank starts, a quantized checkpoint whose layers do not split over
-    `world` ranks: a format not sharded, a quantized layer outside the decoder projections, or a
+    `world` ranks: a format not sharded, a quantized layer outside the decoder projections and the
+    output layer, a quantized output layer whose vocabulary does not split in equal parts, or a
     rank's part that cuts a group or block (named with the layer)."""
     try:
         fmt = find_format(ckpt.quant_config)
@@ -58,16 +60,26 @@ def check(ckpt, world: int) -> None:
     if fmt not in FORMATS:
         raise BriskError(f"--tp {world}: {ckpt.name} is stored as {ckpt.quant_config.get('quant_method', '?')}, "
                          "a format not sharded yet (float, GGUF blocks, GPTQ, AWQ, bitsandbytes and MXFP4 are)")
-    every = [parts(ckpt.config, r, world) for r in range(world)]
+    every = [_parts(ckpt.config, r, world) for r in range(world)]
     stored = set(quantized_layers(ckpt.tensors))
     outside = sorted(stored - every[0].keys())
     if outside:
         raise BriskError(f"--tp {world}: {outside[0]} is stored quantized ({FORMATS[fmt]}), and only the decoder "
-                         "layers' q/k/v/o and MLP projections are sharded")
+                         "layers' q/k/v/o and MLP projections and the output layer are sharded")
+    vocab = ckpt.config.vocab_size
+    if "lm_head" in stored and vocab % world:  # no padding of a quantized format's channels
+        raise BriskError(f"--tp {world}: lm_head is stored quantized ({FORMATS[fmt]}), and its vocabulary of {vocab} "
+                         f"does not split over {world} ranks in equal parts")
     for prefix in every[0]:  # in the model's order: the first layer that does not split is named
         if prefix in stored:
             with _unreadable(ckpt, prefix):
                 _check_layer(ckpt.tensors, prefix, ckpt.quant_config, [p[prefix] for p in every], world)
+
+
+def _parts(cfg, rank: int, world: int) -> dict[str, Part]:
+    """Every decoder projection's part, and the output layer's: its rank's span of the vocabulary
+    (output channels), as tensor_parallel cuts a float head when the parts are equal."""
+    return {**parts(cfg, rank, world), "lm_head": Part(torch.arange(*span(cfg.vocab_size, rank, world)))}
 
 
 @contextlib.contextmanager
@@ -134,7 +146,7 @@ def cut(ckpt, rank: int, world: int) -> set[str]:
     passed on every rank's parts). Returns the names of the layers cut: the model's shard leaves
     them as they are built."""
     t, qcfg = ckpt.tensors, ckpt.quant_config
-    mine = parts(ckpt.config, rank, world)
+    mine = _parts(ckpt.config, rank, world)
     done = set()
     for prefix in quantized_layers(t):
         whole = {k: v for k, v in t.items() if k.startswith(prefix + ".")}

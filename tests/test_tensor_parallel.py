@@ -361,11 +361,14 @@ def test_moe_gguf_blocks_match_one_process(tmp_path):
     assert got["greedy"] == want["greedy"]
 
 
-def quantized_folder(tiny_llama_dir, out, method: str):
-    """The tiny Llama stored as `method` by brisk's own writers (every decoder projection quantized):
-    GPTQ 4-bit in groups of 32 (act-order: g_idx a permutation of groups that keeps each rank's
-    half of o/down whole groups), AWQ in groups of 32, bitsandbytes NF4 double-quantized in blocks
-    of 32 (the model's o_proj is 64 wide: 32 columns a rank) and int8."""
+def quantized_folder(tiny_llama_dir, out, method: str, head: bool = False, tied: bool = False):
+    """The tiny Llama stored as `method` by brisk's own writers (every decoder projection quantized,
+    and the output layer with `head`; `tied`: config.json ties the embedding to that head, and the
+    float table is left out): GPTQ 4-bit in groups of 32 (act-order: g_idx a permutation of groups
+    that keeps each rank's half of o/down whole groups), AWQ in groups of 32, bitsandbytes NF4
+    double-quantized in blocks of 32 (the model's o_proj is 64 wide: 32 columns a rank) and int8."""
+    from safetensors.torch import load_file, save_file
+
     from quant_interop import write_quantized
 
     from brisk.quant import awq, awq_format, bnb_format, gptq_format
@@ -385,7 +388,16 @@ def quantized_folder(tiny_llama_dir, out, method: str):
                    "nf4": (lambda w: bnb_format.quantize_4bit(w, "nf4", 32, True),
                            bnb_format.quantization_config("nf4", compute_dtype="float32")),
                    "int8": (bnb_format.quantize_int8, bnb_format.quantization_config("int8"))}[method]
-    return write_quantized(tiny_llama_dir, out, layer, qcfg)
+    folder = write_quantized(tiny_llama_dir, out, layer, qcfg)
+    if head:
+        t = load_file(folder / "model.safetensors")
+        t.update({f"lm_head.{k}": v for k, v in layer(t.pop("lm_head.weight")).items()})
+        if tied:
+            del t["model.embed_tokens.weight"]
+            cfg = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+        save_file(t, folder / "model.safetensors")
+    return folder
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "nf4", "int8"])
@@ -409,6 +421,26 @@ def test_quantized_checkpoints_match_one_process(method, tiny_llama_dir, tmp_pat
                               (kind, dim, ffn)]
     assert got["held"] < want["held"]
     torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5, rtol=0)
+    assert got["greedy"] == want["greedy"]
+
+
+@pytest.mark.parametrize("method,tied", [("int8", False), ("nf4", True)])
+def test_quantized_head_matches_one_process(method, tied, tiny_llama_dir, tmp_path):
+    """A checkpoint whose output layer is stored quantized too: cut by vocabulary in the
+    checkpoint's tensors as the column-parallel layers are (150 rows a rank, with their codes and
+    scales), the logits gathered as a float head's are. Tied to the embedding (an NF4 head here),
+    lookups read the rank's part of the quantized head and an all-reduce adds them, as for a
+    GGUF's table: no rank holds the whole head. The tolerance is the quantized --tp tests' (the
+    int8 kernel quantizes the head's input, which the all-reduce's order can round otherwise)."""
+    path = str(quantized_folder(tiny_llama_dir, tmp_path / method, method, head=True, tied=tied))
+    out = tmp_path / "rank0.pt"
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), "auto", "", timeout=300)
+    assert r.returncode == 0, r.stderr
+    got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64))
+    kind = want["layers"][0][0]
+    assert got["table"] == ((kind, 150) if tied else None) and want["table"] == ((kind, 300) if tied else None)
+    assert got["held"] < want["held"]
+    torch.testing.assert_close(got["logits"], want["logits"], atol=5e-5, rtol=0)
     assert got["greedy"] == want["greedy"]
 
 
@@ -522,7 +554,10 @@ def test_cut_layers_leave_the_file(tmp_path):
 def test_quantized_refused_by_group(tiny_llama_dir, tmp_path):
     """Before any rank starts: o/down's input columns split by whole groups or blocks only (GPTQ
     groups of 64 and NF4 blocks of 64 against o_proj's 32 columns a rank; act-order groups that
-    straddle the halves), and a quantized layer outside the decoder projections, by name."""
+    straddle the halves), a quantized output layer whose vocabulary does not split in equal parts,
+    and a quantized layer outside the decoder projections and the head, by name."""
+    from dataclasses import replace
+
     from quant_interop import write_quantized
     from safetensors.torch import load_file, save_file
 
@@ -555,14 +590,20 @@ def test_quantized_refused_by_group(tiny_llama_dir, tmp_path):
                           bnb_format.quantization_config("nf4"))
     assert refusal(nf4) == f"--tp 2: {o}'s NF4 blocks of 64 weights do not split over 2 ranks (32, 32 columns each)"
 
-    int8 = write_quantized(tiny_llama_dir, tmp_path / "int8", bnb_format.quantize_int8,
-                           bnb_format.quantization_config("int8"))
-    tensor_parallel.check_load(load_checkpoint(str(int8)), 2, "auto")  # a row's scale: any split
+    int8 = quantized_folder(tiny_llama_dir, tmp_path / "int8", "int8", head=True)
+    ckpt = load_checkpoint(str(int8))
+    tensor_parallel.check_load(ckpt, 2, "auto")  # a row's scale: any split, the head's too
+    ckpt.config = replace(ckpt.config, vocab_size=301)
+    with pytest.raises(BriskError) as e:
+        tensor_parallel.check_load(ckpt, 2, "auto")
+    assert str(e.value) == ("--tp 2: lm_head is stored quantized (bitsandbytes), and its vocabulary of 301 does not "
+                            "split over 2 ranks in equal parts")
     t = load_file(int8 / "model.safetensors")
-    t.update({f"lm_head.{k}": v for k, v in bnb_format.quantize_int8(t.pop("lm_head.weight")).items()})
+    t.update({f"model.embed_tokens.{k}": v for k, v in
+              bnb_format.quantize_int8(t.pop("model.embed_tokens.weight")).items()})
     save_file(t, int8 / "model.safetensors")
-    assert refusal(int8) == ("--tp 2: lm_head is stored quantized (bitsandbytes), and only the decoder layers' "
-                             "q/k/v/o and MLP projections are sharded")
+    assert refusal(int8) == ("--tp 2: model.embed_tokens is stored quantized (bitsandbytes), and only the decoder "
+                             "layers' q/k/v/o and MLP projections and the output layer are sharded")
 
 
 @pytest.mark.parametrize("quantize,table", [("int8", "Int8Linear"), ("int4", "Int4Linear")])
