@@ -56,7 +56,7 @@ class LLM:
         follower, or torchrun's RANK > 0) this runs rank 0's passes and exits, never returning."""
         check_quantize(quantize)
         kv_types.check_kv_type(kv_type)
-        check_tp(tp, quantize)
+        check_tp(tp)
         t0 = time.perf_counter()
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)

@@ -42,13 +42,10 @@ def check_threads(n: int | None) -> None:
         raise InvalidValue("threads", n, "must be at least 1")
 
 
-def check_tp(tp: int, quantize: str = "auto") -> None:
-    """--tp N: a rank count, and (in this installment) float weights, quantized at load to int8/int4 or not."""
+def check_tp(tp: int) -> None:
+    """--tp N: a rank count."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InvalidValue("tp", tp, "must be a whole number of ranks, at least 1")
-    if tp > 1 and quantize == "nf4":
-        raise InvalidValue("tp", tp, "", template=f"{{option}} {tp} with --quantize nf4: NF4 weights are not "
-                           "sharded yet (float, int8 and int4 are)")
 
 
 def check_load_options(model: str | None, device: str = "auto", dtype: str = "auto", quantize: str = "auto",
@@ -59,6 +56,6 @@ def check_load_options(model: str | None, device: str = "auto", dtype: str = "au
     check_dtype(dtype)
     check_quantize(quantize)
     check_threads(threads)
-    check_tp(tp, quantize)
+    check_tp(tp)
     if model is None or not is_hub_id(model):
         resolve_local(model)

@@ -8,7 +8,7 @@ torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
   keep their kinds and the device passes still swap in their kernels per shard); the output
   head by vocabulary, its logits all-gathered. The embedding and norms are replicated. An MoE
   layer: each expert split as the MLP is, the router replicated, one all-reduce of the layer's
-  output. A GPTQ/AWQ/bitsandbytes checkpoint's layers are cut the same way earlier, in the
+  output. A GPTQ/AWQ/bitsandbytes/MXFP4 checkpoint's layers are cut the same way earlier, in the
   checkpoint's own tensors before they are built (core/tp_quantized.py), and left as they are here.
 - The sharded model reports its local head counts in its config, so every cache sized from it
   (LLM.new_cache, ContiguousKV.for_model, the batching engine's PagedKV) holds the rank's own KV heads.
@@ -51,11 +51,12 @@ from .checkpoint import kept_layer, release_file_pages, trim_heap
 from .errors import BriskError
 from .kv import ContiguousKV, PagedKV, PagedStep
 from .model import MLP, Router, Transformer
-from .tp_split import head_rows, heads_of, span
+from .tp_split import check_blocks, head_rows, heads_of, parts, span
 from ..quant import gguf_blocks, gguf_types
 from ..quant.gguf_types import Q8_0
 from ..quant.gguf_linear import GGUFLinear
-from ..quant.linear import Int8Linear, QuantEmbedding, quantize_int8, quantize_linear
+from ..quant.linear import Int8Linear, QuantEmbedding, QuantLinear, quantize_int8, quantize_linear
+from ..quant.nf4 import BLOCKSIZE as NF4_BLOCK
 
 # Collectives inside a pass: a rank that hangs this long ends the run.
 STEP_TIMEOUT = timedelta(seconds=300)
@@ -245,10 +246,13 @@ def check_shardable(cfg, world: int) -> None:
 def check_load(ckpt, world: int, quantize: str) -> None:
     """Refusals that need the checkpoint's header only, before any rank is started: the formats
     not sharded yet, a GGUF whose o/down blocks a rank's part of the columns would cut (where they
-    are cut as blocks: not when --quantize widens the layer first), and a GPTQ/AWQ/bitsandbytes
-    layer whose groups or blocks it would (tp_quantized.check)."""
+    are cut as blocks: not when --quantize widens the layer first), a GPTQ/AWQ/bitsandbytes/MXFP4
+    layer whose groups or blocks it would (tp_quantized.check), and with --quantize nf4 a layer
+    whose NF4 blocks it would."""
     cfg = ckpt.config
     check_shardable(cfg, world)
+    if quantize == "nf4":
+        _check_nf4_blocks(cfg, world)
     if ckpt.quant_config:
         from . import tp_quantized
 
@@ -256,7 +260,8 @@ def check_load(ckpt, world: int, quantize: str) -> None:
         return
     if not all(isinstance(m, GGUFLinear) for m in ckpt.modules.values()):
         raise BriskError(f"--tp {world}: {ckpt.name} loads quantized in a format not sharded yet (float weights, "
-                         "--quantize int8/int4, a GGUF's blocks on the CPU, GPTQ, AWQ and bitsandbytes are; "
+                         "--quantize int8/int4/nf4, a GGUF's blocks on the CPU, GPTQ, AWQ, bitsandbytes and "
+                         "MXFP4 are; "
                          "--quantize none loads a GGUF in float)")
     spans = {"o_proj": [(lo * cfg.head_dim, hi * cfg.head_dim) for lo, hi, _ in
                         (heads_of(cfg, r, world) for r in range(world))],
@@ -264,11 +269,20 @@ def check_load(ckpt, world: int, quantize: str) -> None:
              "expert down_proj": [span(cfg.expert_ffn_dim, r, world) for r in range(world)]}
     for name, m in ckpt.modules.items():
         kind = ("expert " if ".experts." in name else "") + name.rsplit(".", 1)[-1]
-        if kind in spans and not widened_before_cut(m, quantize):
+        if kind in spans and not widened_before_cut(m, quantize):  # a GGUF's rows are whole blocks
             block = gguf_types.BY_ID[m.qtype].block_weights
-            if any(lo % block or hi % block for lo, hi in spans[kind]):
-                raise BriskError(f"--tp {world}: {name}'s {m.type_name} blocks of {block} columns do not split over "
-                                 f"{world} ranks ({', '.join(str(hi - lo) for lo, hi in spans[kind])} columns each)")
+            check_blocks(name, m.type_name, block, block, spans[kind], world)
+
+
+def _check_nf4_blocks(cfg, world: int) -> None:
+    """--quantize nf4 quantizes each float shard after the cut (quantize_at_load); it holds the
+    single process's codes and block scales only where the whole layer's blocks of the row-major
+    weight are the shard's: rows of whole blocks (q/k/v and gate/up read the model's width) and
+    o/down's columns cut at block boundaries."""
+    every = [parts(cfg, r, world) for r in range(world)]
+    for prefix, p in every[0].items():
+        spans = [(q[prefix].lo, q[prefix].hi) for q in every] if p.rows is None else []
+        check_blocks(prefix, "NF4", NF4_BLOCK, spans[-1][1] if spans else cfg.dim, spans, world)
 
 
 def widened_before_cut(layer: GGUFLinear, quantize: str) -> bool:
@@ -327,9 +341,10 @@ def cut_checkpoint(ckpt, group: Group) -> set[str]:
 
 
 def shard(net: Transformer, group: Group, quantize: str = "none", cut: set[str] = frozenset()) -> None:
-    """Cut a loaded Transformer down to this rank's shard, in place. quantize int8|int4: each
-    float shard then quantized as the whole layer would be (whole groups of 32 columns, an int8
-    row's scale from the whole row), so the ranks hold the single-process model's codes. A GGUF's
+    """Cut a loaded Transformer down to this rank's shard, in place. quantize int8|int4|nf4: each
+    float shard then quantized as the whole layer would be (whole groups of 32 columns, NF4's whole
+    blocks: check_load; an int8 row's scale from the whole row), so the ranks hold the
+    single-process model's codes. A GGUF's
     kept blocks are cut as the file stores them (o/down by whole blocks of columns), then
     interleaved. `cut`: the layers cut_checkpoint already cut, left as they are."""
     cfg, rank, world = net.cfg, group.rank, group.world
@@ -369,9 +384,10 @@ def shard(net: Transformer, group: Group, quantize: str = "none", cut: set[str] 
         table = quantize_linear(net.lm_head, quantize, GROUP, keep_codes=True)
         net.model.embed_tokens = QuantEmbedding(table, net.model.norm.weight.dtype, owner=True)
     emb = net.model.embed_tokens
-    tied_blocks = isinstance(emb, QuantEmbedding) and emb.head is net.lm_head and isinstance(emb.head, GGUFLinear)
+    # a table tied to a head kept quantized (a GGUF's blocks, a checkpoint's format)
+    tied_quantized = isinstance(emb, QuantEmbedding) and emb.head is net.lm_head
     _shard_head(net, rank, world)
-    if tied_blocks:  # lookups from the head's part of the vocabulary: no rank holds the whole table
+    if tied_quantized:  # lookups from the head's part of the vocabulary: no rank holds the whole table
         net.model.embed_tokens = VocabShardEmbedding(net.lm_head, rank, cfg.vocab_size, emb.dtype, owner=False)
     elif isinstance(emb, QuantEmbedding) and isinstance(emb.head, GGUFLinear) and emb.head is not net.lm_head:
         # an untied GGUF table, cut the same way
@@ -433,6 +449,8 @@ def _columns(layer: nn.Linear, lo: int, hi: int, keep_bias: bool, quantize: str)
 def _shard_head(net: Transformer, rank: int, world: int) -> None:
     """The output layer by vocabulary, in equal parts (the last padded with zero rows: an
     all-gather takes equal sizes), gathered and cut back to the vocabulary after each pass."""
+    if getattr(net.lm_head, "tp_cut", False):  # a checkpoint's quantized head, cut by tp_quantized
+        return
     vocab = net.cfg.vocab_size
     per = -(-vocab // world)
     lo, hi = min(rank * per, vocab), min((rank + 1) * per, vocab)
@@ -462,7 +480,7 @@ class VocabShardEmbedding(QuantEmbedding):
     outside it looks up zeros, and the all-reduce adds the one rank's row to the others' zeros, so
     every rank gets the exact row while holding 1/N of the table."""
 
-    def __init__(self, part: GGUFLinear, rank: int, vocab: int, dtype: torch.dtype, owner: bool):
+    def __init__(self, part: QuantLinear, rank: int, vocab: int, dtype: torch.dtype, owner: bool):
         super().__init__(part, dtype, owner)
         self.lo, self.num_embeddings = rank * part.out_features, vocab
 

@@ -1,19 +1,21 @@
-"""Tensor parallelism (`--tp N`) over checkpoints stored quantized: GPTQ, AWQ and bitsandbytes
-(NF4/FP4 and int8). Each rank's part of every decoder projection is cut from the checkpoint's own
-tensors before the layers are built, so the kernels pack the shard alone and no rank holds a
-whole quantized layer past its cut.
+"""Tensor parallelism (`--tp N`) over checkpoints stored quantized: GPTQ, AWQ, bitsandbytes
+(NF4/FP4 and int8) and gpt-oss's MXFP4 experts. Each rank's part of every decoder projection is
+cut from the checkpoint's own tensors before the layers are built, so the kernels pack the shard
+alone and no rank holds a whole quantized layer past its cut.
 
 The parts are Megatron's (core/tensor_parallel.py): q/k/v and gate/up keep output channels, o and
-down a span of input columns. An output channel's codes, zero point and scale belong to it alone in
-every format, so a column-parallel part is any set of channels (AWQ and GPTQ pack zeros along the
-output channels: they are unpacked, selected and packed again). A span of input columns keeps
-whole quantization groups or it is refused, as the groups' scales are shared by their columns:
+down a span of input columns, and a quantized output layer its span of the vocabulary (channels).
+An output channel's codes, zero point and scale belong to it alone in every format, so a
+column-parallel part is any set of channels (AWQ and GPTQ pack zeros along the output channels:
+they are unpacked, selected and packed again). A span of input columns keeps whole quantization
+groups or it is refused, as the groups' scales are shared by their columns:
 - GPTQ: the groups g_idx names (act-order included: a rank's columns keep their g_idx, renumbered
   over the groups the rank holds, and an act-order layer whose groups straddle the cut is refused);
 - AWQ: groups of group_size consecutive columns;
 - NF4/FP4: blocks of blocksize along the row-major flattened weight, so a row must be whole
   blocks for any cut, and a span starts and ends on a block;
-- int8: a per-row scale, any span.
+- int8: a per-row scale, any span;
+- MXFP4 (the experts, as GGUF rows of 17-byte blocks: mxfp4_format): blocks of 32 columns.
 The checks run from the checkpoint's small tensors (g_idx, scales' shapes, quant_state) before any
 rank starts (`check`); each rank then rewrites its tensors in place (`cut`) and the format's loader
 reads them as a checkpoint of the shard's shapes.
@@ -26,20 +28,21 @@ import torch
 
 from .checkpoint import release_mapped_tensors, trim_heap
 from .errors import BriskError, FileError
-from .tp_split import Part, parts
-from ..quant import awq_format, bnb_format, gptq_format, packing
+from .tp_split import Part, check_blocks, parts, span
+from ..quant import awq_format, bnb_format, gptq_format, mxfp4_format, packing
 from ..quant.errors import FormatError
 from ..quant.formats import find_format
 
-FORMATS = {gptq_format: "GPTQ", awq_format: "AWQ", bnb_format: "bitsandbytes"}
+FORMATS = {gptq_format: "GPTQ", awq_format: "AWQ", bnb_format: "bitsandbytes", mxfp4_format: "MXFP4"}
 _NF4_STATES = tuple(f".weight.quant_state.bitsandbytes__{t}" for t in bnb_format.QUANT_TYPES)
 
 
 def quantized_layers(tensors: dict) -> list[str]:
-    """The prefixes of the layers a checkpoint stores quantized (GPTQ/AWQ, bitsandbytes 4- and 8-bit)."""
+    """The prefixes of the layers a checkpoint stores quantized (GPTQ/AWQ, bitsandbytes 4- and 8-bit,
+    MXFP4)."""
     names = []
     for key in tensors:
-        for end in (".qweight", ".SCB") + _NF4_STATES:
+        for end in (".qweight", ".SCB", mxfp4_format.SUFFIX) + _NF4_STATES:
             if key.endswith(end):
                 names.append(key[:-len(end)])
     return names
@@ -47,7 +50,8 @@ def quantized_layers(tensors: dict) -> list[str]:
 
 def check(ckpt, world: int) -> None:
     """Refuse, before any rank starts, a quantized checkpoint whose layers do not split over
-    `world` ranks: a format not sharded, a quantized layer outside the decoder projections, or a
+    `world` ranks: a format not sharded, a quantized layer outside the decoder projections and the
+    output layer, a quantized output layer whose vocabulary does not split in equal parts, or a
     rank's part that cuts a group or block (named with the layer)."""
     try:
         fmt = find_format(ckpt.quant_config)
@@ -55,17 +59,27 @@ def check(ckpt, world: int) -> None:
         fmt = None
     if fmt not in FORMATS:
         raise BriskError(f"--tp {world}: {ckpt.name} is stored as {ckpt.quant_config.get('quant_method', '?')}, "
-                         "a format not sharded yet (float, GGUF blocks, GPTQ, AWQ and bitsandbytes are)")
-    every = [parts(ckpt.config, r, world) for r in range(world)]
+                         "a format not sharded yet (float, GGUF blocks, GPTQ, AWQ, bitsandbytes and MXFP4 are)")
+    every = [_parts(ckpt.config, r, world) for r in range(world)]
     stored = set(quantized_layers(ckpt.tensors))
     outside = sorted(stored - every[0].keys())
     if outside:
         raise BriskError(f"--tp {world}: {outside[0]} is stored quantized ({FORMATS[fmt]}), and only the decoder "
-                         "layers' q/k/v/o and MLP projections are sharded")
+                         "layers' q/k/v/o and MLP projections and the output layer are sharded")
+    vocab = ckpt.config.vocab_size
+    if "lm_head" in stored and vocab % world:  # no padding of a quantized format's channels
+        raise BriskError(f"--tp {world}: lm_head is stored quantized ({FORMATS[fmt]}), and its vocabulary of {vocab} "
+                         f"does not split over {world} ranks in equal parts")
     for prefix in every[0]:  # in the model's order: the first layer that does not split is named
         if prefix in stored:
             with _unreadable(ckpt, prefix):
                 _check_layer(ckpt.tensors, prefix, ckpt.quant_config, [p[prefix] for p in every], world)
+
+
+def _parts(cfg, rank: int, world: int) -> dict[str, Part]:
+    """Every decoder projection's part, and the output layer's: its rank's span of the vocabulary
+    (output channels), as tensor_parallel cuts a float head when the parts are equal."""
+    return {**parts(cfg, rank, world), "lm_head": Part(torch.arange(*span(cfg.vocab_size, rank, world)))}
 
 
 @contextlib.contextmanager
@@ -104,10 +118,9 @@ def _check_layer(t: dict, prefix: str, qcfg: dict, ps: list[Part], world: int) -
                                  + f" ({columns} columns each)")
     if any(prefix + s in t for s in _NF4_STATES):
         s = _quant_state(t, prefix)  # unreadable: a KeyError here, reported as the load would
-        kind, block, (n, k) = s["quant_type"].upper(), int(s["blocksize"]), s["shape"]
-        if k % block or any(lo % block or hi % block for lo, hi in spans):
-            raise BriskError(f"--tp {world}: {prefix}'s {kind} blocks of {block} weights do not split over {world} "
-                             f"ranks ({'rows of ' + str(k) + ' weights' if k % block else columns + ' columns each'})")
+        check_blocks(prefix, s["quant_type"].upper(), int(s["blocksize"]), s["shape"][1], spans, world)
+    if prefix + mxfp4_format.SUFFIX in t:  # rows of whole blocks: only the columns' cut can split one
+        check_blocks(prefix, "MXFP4", 32, 32, spans, world)
 
 
 def _quant_state(t: dict, prefix: str) -> dict:
@@ -133,7 +146,7 @@ def cut(ckpt, rank: int, world: int) -> set[str]:
     passed on every rank's parts). Returns the names of the layers cut: the model's shard leaves
     them as they are built."""
     t, qcfg = ckpt.tensors, ckpt.quant_config
-    mine = parts(ckpt.config, rank, world)
+    mine = _parts(ckpt.config, rank, world)
     done = set()
     for prefix in quantized_layers(t):
         whole = {k: v for k, v in t.items() if k.startswith(prefix + ".")}
@@ -153,6 +166,10 @@ def cut(ckpt, rank: int, world: int) -> set[str]:
 def _cut_layer(t: dict, prefix: str, p: Part, qcfg: dict) -> None:
     if prefix + ".qweight" in t:
         (_cut_awq if awq_format.detect(qcfg) else _cut_gptq)(t, prefix, p, qcfg)
+    elif prefix + mxfp4_format.SUFFIX in t:  # GGUF rows [N, K / 32 * 17 bytes]: a span of whole blocks
+        rows, b = t[prefix + mxfp4_format.SUFFIX], mxfp4_format.BLOCK_BYTES
+        t[prefix + mxfp4_format.SUFFIX] = _own(rows[p.rows] if p.rows is not None else
+                                               rows[:, p.lo // 32 * b:p.hi // 32 * b])
     elif prefix + ".SCB" in t:
         w = t[prefix + ".weight"]
         t[prefix + ".weight"] = _own(w[p.rows] if p.rows is not None else w[:, p.lo:p.hi])

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import BriskError
+
 
 def span(n: int, rank: int, world: int) -> tuple[int, int]:
     """Rank's part of n items split evenly (n a multiple of world)."""
@@ -63,3 +65,14 @@ def parts(cfg, rank: int, world: int) -> dict[str, Part]:
             out.update({m + "gate_proj": Part(rows), m + "up_proj": Part(rows),
                         m + "down_proj": Part(None, lo, hi, rank == 0)})
     return out
+
+
+def check_blocks(prefix: str, kind: str, block: int, k: int, spans: list[tuple[int, int]], world: int) -> None:
+    """Refuse a layer stored in blocks of `block` consecutive weights of the row-major flattened
+    weight (NF4, MXFP4) whose rank's part would cut one: rows of k weights that are not whole
+    blocks (a block would straddle two rows, which any cut separates), or a span of input
+    columns not on block boundaries."""
+    if k % block or any(lo % block or hi % block for lo, hi in spans):
+        columns = ", ".join(str(hi - lo) for lo, hi in spans)
+        raise BriskError(f"--tp {world}: {prefix}'s {kind} blocks of {block} weights do not split over {world} "
+                         f"ranks ({f'rows of {k} weights' if k % block else columns + ' columns each'})")

@@ -30,6 +30,7 @@ _FP4_MAGNITUDES = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0)
 FP4_CODE = tuple(m / 12 for m in _FP4_MAGNITUDES) + tuple(-m / 12 for m in _FP4_MAGNITUDES)
 NESTED_BLOCKSIZE = 256  # double quantization's block, fixed in bitsandbytes
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+BLOCKSIZE = 64  # bitsandbytes' default, and --quantize nf4's (core/tensor_parallel.py cuts at its multiples)
 
 
 def codebook(quant_type: str) -> torch.Tensor:
@@ -230,7 +231,7 @@ class NF4Linear(QuantLinear):
         self._slab_rows = max(step, self.SLAB // K // step * step)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, quant_type: str = "nf4", blocksize: int = 64,
+    def from_float(cls, linear: nn.Linear, quant_type: str = "nf4", blocksize: int = BLOCKSIZE,
                    double_quant: bool = False) -> "NF4Linear":
         """Quantize a float layer (`--quantize nf4` at load). double_quant rounds the absmax through
         bnb's nested 8-bit code as a checkpoint with double quantization would (same numbers as

@@ -81,9 +81,10 @@ def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards
     common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=0, eos_token_id=1)
-    if kind == "llama":
-        cfg = tf.LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if kind in ("llama", "llama_hd32"):  # hd32: o_proj 128 wide (64 columns a rank under --tp 2)
+        cfg = tf.LlamaConfig(**common, **({"head_dim": 32} if kind.endswith("hd32") else {}),
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=16)
@@ -113,11 +114,13 @@ def write_hf_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, shards
                                           "short_factor": [1.0, 1.3, 2.1, 3.7][:rot // 2],
                                           "long_factor": [1.5, 2.9, 4.2, 8.5][:rot // 2]})
         model = tf.Phi3ForCausalLM(cfg)
-    elif kind in ("gpt_oss", "gpt_oss_hd32"):
+    elif kind in ("gpt_oss", "gpt_oss_hd32", "gpt_oss_ffn64"):
         # YaRN within a small pretrained context, 4 layers alternating sliding (window 8) and full
         # attention; large gate/up weights (below) so that SwiGLU's clamps at 7 bite. hd32: heads of
-        # 32, a whole Q8_0 block (the KV cache types' tests)
-        cfg = tf.GptOssConfig(**{**common, "num_hidden_layers": 4, "intermediate_size": 32},
+        # 32, a whole Q8_0 block (the KV cache types' tests); ffn64: experts 64 wide, a whole MXFP4
+        # block of down_proj's columns on each of 2 ranks (--tp)
+        ffn = 64 if kind.endswith("ffn64") else 32
+        cfg = tf.GptOssConfig(**{**common, "num_hidden_layers": 4, "intermediate_size": ffn},
                               head_dim=32 if kind.endswith("hd32") else 16,
                               num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -165,7 +168,7 @@ def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=5)
 
 
-def write_gpt_oss_mxfp4(folder: Path, seed: int = 0) -> tuple[Path, Path]:
+def write_gpt_oss_mxfp4(folder: Path, seed: int = 0, kind: str = "gpt_oss") -> tuple[Path, Path]:
     """A tiny gpt-oss as OpenAI released gpt-oss: experts in MXFP4 (`*_blocks`, `*_scales`, quantized
     here by gguf-py's reference quantizer), the rest float; and beside it the same model in float, its
     experts dequantized by transformers' own MXFP4 code (an independent reader of that layout).
@@ -175,7 +178,7 @@ def write_gpt_oss_mxfp4(folder: Path, seed: int = 0) -> tuple[Path, Path]:
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    float_dir = write_hf_checkpoint(folder / "float", "gpt_oss", seed=seed, tokens=296)
+    float_dir = write_hf_checkpoint(folder / "float", kind, seed=seed, tokens=296)
     tensors = load_file(str(float_dir / "model.safetensors"))
     mx = {}
     for name, w in tensors.items():

@@ -298,8 +298,8 @@ def logits_and_greedy(llm, heads: str | None = None) -> dict:
     from brisk.core.spec.build import make_speculator
 
     first = llm.model.model.layers[0]
-    layers = [first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.o_proj] + \
-        ([first.mlp.up_proj, first.mlp.down_proj] if hasattr(first.mlp, "down_proj") else [])
+    mlp = first.mlp if hasattr(first.mlp, "down_proj") else first.mlp.experts[0]  # an MoE layer: its first expert
+    layers = [first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.o_proj, mlp.up_proj, mlp.down_proj]
     table = getattr(llm.model.model.embed_tokens, "head", None)
     out = {"logits": llm.logits(IDS), "greedy": llm.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=12,
                                                              raw=True).tokens, "kinds": llm.quantization,
@@ -361,11 +361,14 @@ def test_moe_gguf_blocks_match_one_process(tmp_path):
     assert got["greedy"] == want["greedy"]
 
 
-def quantized_folder(tiny_llama_dir, out, method: str):
-    """The tiny Llama stored as `method` by brisk's own writers (every decoder projection quantized):
-    GPTQ 4-bit in groups of 32 (act-order: g_idx a permutation of groups that keeps each rank's
-    half of o/down whole groups), AWQ in groups of 32, bitsandbytes NF4 double-quantized in blocks
-    of 32 (the model's o_proj is 64 wide: 32 columns a rank) and int8."""
+def quantized_folder(tiny_llama_dir, out, method: str, head: bool = False, tied: bool = False):
+    """The tiny Llama stored as `method` by brisk's own writers (every decoder projection quantized,
+    and the output layer with `head`; `tied`: config.json ties the embedding to that head, and the
+    float table is left out): GPTQ 4-bit in groups of 32 (act-order: g_idx a permutation of groups
+    that keeps each rank's half of o/down whole groups), AWQ in groups of 32, bitsandbytes NF4
+    double-quantized in blocks of 32 (the model's o_proj is 64 wide: 32 columns a rank) and int8."""
+    from safetensors.torch import load_file, save_file
+
     from quant_interop import write_quantized
 
     from brisk.quant import awq, awq_format, bnb_format, gptq_format
@@ -385,7 +388,16 @@ def quantized_folder(tiny_llama_dir, out, method: str):
                    "nf4": (lambda w: bnb_format.quantize_4bit(w, "nf4", 32, True),
                            bnb_format.quantization_config("nf4", compute_dtype="float32")),
                    "int8": (bnb_format.quantize_int8, bnb_format.quantization_config("int8"))}[method]
-    return write_quantized(tiny_llama_dir, out, layer, qcfg)
+    folder = write_quantized(tiny_llama_dir, out, layer, qcfg)
+    if head:
+        t = load_file(folder / "model.safetensors")
+        t.update({f"lm_head.{k}": v for k, v in layer(t.pop("lm_head.weight")).items()})
+        if tied:
+            del t["model.embed_tokens.weight"]
+            cfg = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+        save_file(t, folder / "model.safetensors")
+    return folder
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "nf4", "int8"])
@@ -410,6 +422,95 @@ def test_quantized_checkpoints_match_one_process(method, tiny_llama_dir, tmp_pat
     assert got["held"] < want["held"]
     torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5, rtol=0)
     assert got["greedy"] == want["greedy"]
+
+
+@pytest.mark.parametrize("method,tied", [("int8", False), ("nf4", True)])
+def test_quantized_head_matches_one_process(method, tied, tiny_llama_dir, tmp_path):
+    """A checkpoint whose output layer is stored quantized too: cut by vocabulary in the
+    checkpoint's tensors as the column-parallel layers are (150 rows a rank, with their codes and
+    scales), the logits gathered as a float head's are. Tied to the embedding (an NF4 head here),
+    lookups read the rank's part of the quantized head and an all-reduce adds them, as for a
+    GGUF's table: no rank holds the whole head. The tolerance is the quantized --tp tests' (the
+    int8 kernel quantizes the head's input, which the all-reduce's order can round otherwise)."""
+    path = str(quantized_folder(tiny_llama_dir, tmp_path / method, method, head=True, tied=tied))
+    out = tmp_path / "rank0.pt"
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), "auto", "", timeout=300)
+    assert r.returncode == 0, r.stderr
+    got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64))
+    kind = want["layers"][0][0]
+    assert got["table"] == ((kind, 150) if tied else None) and want["table"] == ((kind, 300) if tied else None)
+    assert got["held"] < want["held"]
+    torch.testing.assert_close(got["logits"], want["logits"], atol=5e-5, rtol=0)
+    assert got["greedy"] == want["greedy"]
+
+
+def test_nf4_at_load_matches_one_process(tmp_path):
+    """-q nf4 under --tp 2: each rank quantizes its float shard as one process quantizes the whole
+    layer, in blocks of 64 of the row-major weight: q/k/v and gate/up rows of 64 weights, o/down
+    cut at block boundaries (heads of 32: o_proj 128 wide, 64 columns a rank), so the ranks hold
+    the single process's codes and block scales, and the logits differ by the all-reduce's order
+    only. (The tiny Llama's heads of 16 leave o_proj 32 columns a rank: refused by name,
+    test_refused_before_any_rank_starts.)"""
+    from conftest import write_hf_checkpoint
+
+    path, out = str(write_hf_checkpoint(tmp_path / "llama", "llama_hd32")), tmp_path / "rank0.pt"
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), "nf4", "", timeout=300)
+    assert r.returncode == 0, r.stderr
+    got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64,
+                                                            quantize="nf4"))
+    assert got["kinds"] == want["kinds"] == "nf4"
+    dim, hd, ffn = 64, 32, 128  # rank 0: query heads 0-1, KV head 0, MLP rows 0-63, o/down their columns
+    assert got["layers"] == [("NF4Linear", 2 * hd, dim), ("NF4Linear", hd, dim), ("NF4Linear", dim, 2 * hd),
+                             ("NF4Linear", ffn // 2, dim), ("NF4Linear", dim, ffn // 2)]
+    assert got["held"] < want["held"]
+    torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5, rtol=0)
+    assert got["greedy"] == want["greedy"]
+
+
+def mxfp4_gpt_oss(tmp_path, source: str, kind: str):
+    """A tiny gpt-oss with its experts in MXFP4: as released (a Hugging Face folder) or as llama.cpp
+    converts that folder (a GGUF)."""
+    from conftest import write_gpt_oss_mxfp4
+    from llama_cpp import convert
+
+    path, _ = write_gpt_oss_mxfp4(tmp_path, seed=4, kind=kind)
+    return str(path if source == "hf" else convert(path, tmp_path / "mxfp4.gguf", "f32"))
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_mxfp4_experts_match_one_process(source, tmp_path):
+    """gpt-oss's MXFP4 experts under --tp 2, split as the float MoE is: every expert's gate/up by
+    output rows, its down_proj by input columns in whole 32-weight blocks (experts 64 wide: one
+    block a rank), the router whole on every rank. A Hugging Face folder's experts are cut in the
+    checkpoint's tensors, a GGUF's as its kept blocks are; either way the ranks run the single
+    process's blocks, and the logits differ by the order of the all-reduce (and the next layer's
+    activation rounding on it) only, as a GGUF's Q8_0 experts' do."""
+    from brisk.quant import native
+
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    path, out = mxfp4_gpt_oss(tmp_path, source, "gpt_oss_ffn64"), tmp_path / "rank0.pt"
+    r = python(RANK0_LOGITS, path, str(out), os.path.dirname(__file__), "auto", "", timeout=300)
+    assert r.returncode == 0, r.stderr
+    got, want = torch.load(out), logits_and_greedy(LLM.load(path, device="cpu", dtype="float32", ctx=64))
+    assert got["kinds"] == want["kinds"] and "mxfp4" in want["kinds"]
+    dim, hd, ffn = 64, 16, 64  # rank 0: query heads 0-1, KV head 0, each expert's rows 0-31 and columns 0-31
+    assert [shape for _, *shape in got["layers"]] == [[2 * hd, dim], [hd, dim], [dim, 2 * hd], [ffn // 2, dim],
+                                                      [dim, ffn // 2]]
+    assert [kind for kind, *_ in got["layers"][3:]] == ["GGUFLinear"] * 2
+    assert got["held"] < want["held"]
+    torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=0)
+    assert got["greedy"] == want["greedy"]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_mxfp4_experts_refused_by_block(source, tmp_path):
+    """Experts 32 wide: down_proj's 16 columns a rank would cut an MXFP4 block, refused by name
+    before any rank starts (one line, naming --tp)."""
+    r = brisk("generate", mxfp4_gpt_oss(tmp_path, source, "gpt_oss"), "hi", "--tp", "2")
+    assert r.returncode == 1 and r.stderr.strip() == ("error: --tp 2: model.layers.0.mlp.experts.0.down_proj's MXFP4 "
+                                                      "blocks of 32 weights do not split over 2 ranks (16, 16 columns "
+                                                      "each)")
 
 
 def test_packed_channels_cut_by_words():
@@ -453,7 +554,10 @@ def test_cut_layers_leave_the_file(tmp_path):
 def test_quantized_refused_by_group(tiny_llama_dir, tmp_path):
     """Before any rank starts: o/down's input columns split by whole groups or blocks only (GPTQ
     groups of 64 and NF4 blocks of 64 against o_proj's 32 columns a rank; act-order groups that
-    straddle the halves), and a quantized layer outside the decoder projections, by name."""
+    straddle the halves), a quantized output layer whose vocabulary does not split in equal parts,
+    and a quantized layer outside the decoder projections and the head, by name."""
+    from dataclasses import replace
+
     from quant_interop import write_quantized
     from safetensors.torch import load_file, save_file
 
@@ -486,14 +590,20 @@ def test_quantized_refused_by_group(tiny_llama_dir, tmp_path):
                           bnb_format.quantization_config("nf4"))
     assert refusal(nf4) == f"--tp 2: {o}'s NF4 blocks of 64 weights do not split over 2 ranks (32, 32 columns each)"
 
-    int8 = write_quantized(tiny_llama_dir, tmp_path / "int8", bnb_format.quantize_int8,
-                           bnb_format.quantization_config("int8"))
-    tensor_parallel.check_load(load_checkpoint(str(int8)), 2, "auto")  # a row's scale: any split
+    int8 = quantized_folder(tiny_llama_dir, tmp_path / "int8", "int8", head=True)
+    ckpt = load_checkpoint(str(int8))
+    tensor_parallel.check_load(ckpt, 2, "auto")  # a row's scale: any split, the head's too
+    ckpt.config = replace(ckpt.config, vocab_size=301)
+    with pytest.raises(BriskError) as e:
+        tensor_parallel.check_load(ckpt, 2, "auto")
+    assert str(e.value) == ("--tp 2: lm_head is stored quantized (bitsandbytes), and its vocabulary of 301 does not "
+                            "split over 2 ranks in equal parts")
     t = load_file(int8 / "model.safetensors")
-    t.update({f"lm_head.{k}": v for k, v in bnb_format.quantize_int8(t.pop("lm_head.weight")).items()})
+    t.update({f"model.embed_tokens.{k}": v for k, v in
+              bnb_format.quantize_int8(t.pop("model.embed_tokens.weight")).items()})
     save_file(t, int8 / "model.safetensors")
-    assert refusal(int8) == ("--tp 2: lm_head is stored quantized (bitsandbytes), and only the decoder layers' "
-                             "q/k/v/o and MLP projections are sharded")
+    assert refusal(int8) == ("--tp 2: model.embed_tokens is stored quantized (bitsandbytes), and only the decoder "
+                             "layers' q/k/v/o and MLP projections and the output layer are sharded")
 
 
 @pytest.mark.parametrize("quantize,table", [("int8", "Int8Linear"), ("int4", "Int4Linear")])
@@ -546,7 +656,7 @@ def test_gguf_columns_refused_by_block(smollm2_path):
     ckpt.modules["model.layers.3.self_attn.o_proj"].qtype = gguf_types.Q4_K
     with pytest.raises(BriskError) as e:
         tensor_parallel.check_load(ckpt, 2, "auto")
-    assert str(e.value) == ("--tp 2: model.layers.3.self_attn.o_proj's Q4_K blocks of 256 columns do not split "
+    assert str(e.value) == ("--tp 2: model.layers.3.self_attn.o_proj's Q4_K blocks of 256 weights do not split "
                             "over 2 ranks (320, 256 columns each)")
     # quantized at load from float, as one process does (int8 always; int4 for rows of 576, no whole
     # Q4_K blocks): widened whole, then cut by columns, so the blocks' boundaries do not matter
@@ -767,8 +877,7 @@ def test_serve_tp_2_answers_as_serve(tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize("args,words", [
     (["generate", "--tp", "0", "hi"], "--tp must be a whole number"),
-    (["generate", "--tp", "2", "-q", "nf4", "hi"], "--tp 2 with --quantize nf4"),
-], ids=["zero", "nf4"])
+], ids=["zero"])
 def test_refusals_name_the_flag(args, words):
     r = brisk(*args)
     assert r.returncode == 1 and "Traceback" not in r.stderr
@@ -777,8 +886,13 @@ def test_refusals_name_the_flag(args, words):
 
 
 def test_refused_before_any_rank_starts(tiny_llama_dir):
-    """More ranks than heads and an MLP that does not split are refused before any rank starts."""
+    """More ranks than heads, an MLP that does not split and -q nf4 blocks that a rank's part would
+    cut are refused before any rank starts."""
     r = brisk("generate", str(tiny_llama_dir), "hi", "--tp", "5")
     assert r.returncode == 1 and r.stderr.strip() == "error: --tp 5: the model's 4 attention heads do not split over 5 ranks"
     r = brisk("generate", str(tiny_llama_dir), "hi", "--tp", "3")
     assert r.returncode == 1 and r.stderr.strip() == "error: --tp 3: the MLP's width 128 does not split over 3 ranks"
+    # -q nf4: blocks of 64 weights, and o_proj's 64 columns are 32 a rank
+    r = brisk("generate", str(tiny_llama_dir), "hi", "--tp", "2", "-q", "nf4")
+    assert r.returncode == 1 and r.stderr.strip() == ("error: --tp 2: model.layers.0.self_attn.o_proj's NF4 blocks "
+                                                      "of 64 weights do not split over 2 ranks (32, 32 columns each)")
