@@ -1,5 +1,6 @@
 """Tensor parallelism (`--tp N`, `LLM.load(..., tp=N)`): one model over N ranks of
-torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style.
+torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron-style; CPU ranks on one host add and
+gather the layers' outputs through shared memory (core/tp_shm.py).
 
 - q/k/v and gate/up are split by output columns (whole heads, as evenly as they go; KV heads
   split across ranks, or each rank keeps those its query heads read: heads_of); a GGUF's blocks
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import tp_shm
 from .checkpoint import kept_layer, release_file_pages, trim_heap
 from .errors import BriskError
 from .kv import ContiguousKV, PagedKV, PagedStep
@@ -70,6 +72,7 @@ class Group:
     world: int
     control: object  # the process group the steps are sent on (IDLE_TIMEOUT)
     children: list  # the follower processes rank 0 started (empty under torchrun)
+    shm: tp_shm.Segment | None = None  # the hot collectives' segment (CPU ranks on one host), else gloo
 
 
 _group: Group | None = None
@@ -122,10 +125,11 @@ def start(tp: int, load_args: dict) -> Group:
         else:
             dist.init_process_group(backend, rank=rank, world_size=tp, timeout=STEP_TIMEOUT, store=store)
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        shm = tp_shm.open_segment(rank, tp, STEP_TIMEOUT.total_seconds()) if backend == "gloo" else None
     except (RuntimeError, dist.DistError) as e:
         _shutdown(children)
         raise BriskError(f"--tp {tp}: the ranks could not connect ({first_line(e)})") from None
-    _group = Group(rank, tp, control, children)
+    _group = Group(rank, tp, control, children, shm)
     if rank == 0:  # under torchrun too: the followers wait for its stop
         atexit.register(_shutdown, children)
     return _group
@@ -488,21 +492,26 @@ class VocabShardEmbedding(QuantEmbedding):
         local = ids - self.lo
         mine = (local >= 0) & (local < self.head.out_features)
         out = self.head.rows(torch.where(mine, local, 0), self.dtype) * mine[..., None]
-        dist.all_reduce(out)
-        return out
+        return _all_reduce_output(self, None, out)
 
 
 def _all_reduce_output(module, inputs, out: torch.Tensor) -> torch.Tensor:
     out = out.contiguous()
-    dist.all_reduce(out)
+    if _group.shm is not None:
+        _group.shm.all_reduce(out)
+    else:
+        dist.all_reduce(out)
     return out
 
 
 def _gather_vocab(vocab: int, world: int):
     def hook(module, inputs, out: torch.Tensor) -> torch.Tensor:
         out = out.contiguous()
-        parts = [torch.empty_like(out) for _ in range(world)]
-        dist.all_gather(parts, out)
+        if _group.shm is not None:
+            parts = _group.shm.all_gather(out)
+        else:
+            parts = [torch.empty_like(out) for _ in range(world)]
+            dist.all_gather(parts, out)
         return torch.cat(parts, dim=-1)[..., :vocab]
     return hook
 

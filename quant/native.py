@@ -348,6 +348,8 @@ def library():
     lib.bk_pack_groups.argtypes, lib.bk_pack_groups.restype = [p, p, i64, i64, i, p, i, p], None
     lib.bk_pack_x8.argtypes, lib.bk_pack_x8.restype = [p, p, i64, i64, i], ctypes.c_int
     lib.bk_quantize_rows.argtypes, lib.bk_quantize_rows.restype = [i, p, p, i, ctypes.c_int64], i
+    lib.bk_shm_post.argtypes, lib.bk_shm_post.restype = [p, i64], None
+    lib.bk_shm_wait.argtypes, lib.bk_shm_wait.restype = [p, i, i64, i64, ctypes.c_double], i
     lib.bk_threads(settings.THREADS.get() or torch.get_num_threads())
     if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):
         warnings.warn("brisk's native kernels for this CPU (AVX2) were built with GCC, whose code for them runs "

@@ -111,6 +111,9 @@ BLAS_THREADS = _declare("BRISK_BLAS_THREADS", "int", 1, "at the first such produ
                         "OpenBLAS threads; more trade robustness on a busy machine for speed on an idle one")
 CUDA_GRAPHS = _declare("BRISK_CUDA_GRAPHS", "switch", True, "per call (each decoder set up)",
                        "0: CUDA decode steps run eagerly, not as CUDA-graph replays")
+TP_SHM = _declare("BRISK_TP_SHM", "switch", True, "when --tp's ranks start",
+                  "0: the all-reduces and all-gathers between --tp ranks on one host go over gloo, not a "
+                  "shared-memory segment (core/tp_shm.py)")
 CUDA_INT4 = _declare("BRISK_CUDA_INT4", "choice", "tinygemm", "at import",
                      "int4 layers' CUDA kernel: torch's tinygemm, or the Triton planes kernel that reads each "
                      "weight once for up to 64 rows (batched, speculative)", choices=("tinygemm", "planes"))

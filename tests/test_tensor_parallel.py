@@ -1,4 +1,5 @@
-"""Tensor parallelism (core/tensor_parallel.py) on the CPU over gloo: N ranks give the
+"""Tensor parallelism (core/tensor_parallel.py) on the CPU over gloo and shared memory (tp_shm: bit for
+bit the rank-order sums, no file left, gloo where it is off): N ranks give the
 single-process model's float32 logits and tokens, the batching engine's (paged cache), a chat's
 over several turns and speculative decoding's (chain and tree drafts, a draft model) too; a rank
 that dies, or rank 0 failing mid-pass, ends the run with one error and no process left; Ctrl-C
@@ -109,6 +110,7 @@ from brisk.core.errors import BriskError
 llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=2)
 llm.logits([3, 4, 5])
 child = tensor_parallel._group.children[0]
+assert tensor_parallel._group.shm is not None  # the collectives go through shared memory
 print(child.pid, flush=True)
 if sys.argv[2] == "kill-follower":
     child.send_signal(signal.SIGKILL)
@@ -687,6 +689,7 @@ def test_a_killed_rank_ends_the_run(tiny_llama_dir):
     pid, message = r.stdout.strip().splitlines()
     assert message == "--tp: rank 1 (killed by signal 9) ended, so the run stops"
     assert gone(int(pid))
+    assert not shm_files()
 
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(tiny_llama_dir), "hold"], stdout=subprocess.PIPE,
                          stdin=subprocess.PIPE, text=True, preexec_fn=default_sigint)
@@ -698,8 +701,70 @@ def test_a_killed_rank_ends_the_run(tiny_llama_dir):
         while not gone(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert gone(pid), "the follower outlived rank 0"
+        assert not shm_files(p.pid)
     finally:
         p.kill()
+
+
+def shm_files(pid: int | str = "") -> list[str]:
+    """The shared-memory segments a run (rank 0's pid, or any) left in /dev/shm (tp_shm removes
+    its file once every rank has mapped it)."""
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"brisk-tp-{pid}")] if os.path.isdir("/dev/shm") else []
+
+
+SHM_RANK = """
+import os, sys, torch, torch.distributed as dist
+from brisk.core import tp_shm
+rank, world, port = map(int, sys.argv[1:4])
+os.environ.pop("LOCAL_WORLD_SIZE", None)
+dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+seg = tp_shm.open_segment(rank, world, 60)
+assert seg is not None
+shapes = [(1, 576), (3, 7, 64), (2, tp_shm.SLOT // 4 + 100)]  # the last: two rounds of a slot
+for i, shape in enumerate(shapes * 2):  # twice: the banks reused
+    parts = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * i + r)) for r in range(world)]
+    want = parts[0].clone()
+    for p in parts[1:]:
+        want += p
+    got = parts[rank].clone()
+    seg.all_reduce(got)
+    assert torch.equal(got, want), (shape, (got - want).abs().max())
+    gathered = seg.all_gather(parts[rank])
+    assert all(torch.equal(g, p) for g, p in zip(gathered, parts)), shape
+half = torch.ones(5, dtype=torch.bfloat16) * (rank + 1)
+seg.all_reduce(half)
+assert torch.equal(half, torch.full((5,), world * (world + 1) / 2, dtype=torch.bfloat16))
+print("ok", os.path.exists("/dev/shm") and [f for f in os.listdir("/dev/shm") if f.startswith("brisk-tp-")] or [])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_memory_collectives(world):
+    """tp_shm's all-reduce is the sum of the ranks' parts in rank order, bit for bit (floats, bf16,
+    a tensor over several rounds of a slot, each bank reused), its all-gather every part in order;
+    no file is left in /dev/shm once every rank has mapped it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", SHM_RANK, str(r), str(world), str(port)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.startswith("ok"), err
+    assert [o for o, _ in outs if "brisk-tp-" in o] == []
+
+
+def test_gloo_without_shared_memory(tiny_llama_dir):
+    """BRISK_TP_SHM=0: the collectives go over gloo, to the same logits."""
+    script = ("import sys, torch; from brisk.core import LLM, tensor_parallel\n"
+              "llm = LLM.load(sys.argv[1], device='cpu', dtype='float32', tp=2)\n"
+              "print(tensor_parallel._group.shm is None, llm.logits([3, 4, 5]).tolist())")
+    runs = [python(script, str(tiny_llama_dir), env={**os.environ, "BRISK_TP_SHM": flag}) for flag in ("0", "1")]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
+    (off, logits_off), (on, logits_on) = [r.stdout.strip().split(" ", 1) for r in runs]
+    assert (off, on) == ("True", "False") and not shm_files()
+    torch.testing.assert_close(torch.tensor(eval(logits_off)), torch.tensor(eval(logits_on)), atol=1e-5, rtol=0)
 
 
 EXIT = """

@@ -21,10 +21,12 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bk_decoder.h"
 #include "bk_weight.h"
@@ -962,4 +964,37 @@ int bk_decoder(const bk_arch *a, const bk_layer *layers, int n_layers, const bk_
                                     !layers[l].router || !layers[l].experts))
             return -1;
     return KERNELS[clamp_level(level)].decoder(a, layers, n_layers, c, N, pos, table, x, clamp_level(level));
+}
+
+/* Tensor parallelism's same-host collectives (core/tp_shm.py): every rank has a sequence counter in
+ * a shared segment. A rank writes its part of collective `seq`, then publishes seq with a release
+ * store; a reader that sees seq through an acquire load also sees the part (C11 ordering, which the
+ * compiler maps to x86's plain moves and ARM's stlr/ldar). Counters only grow. */
+void bk_shm_post(int64_t *counter, int64_t seq) { __atomic_store_n(counter, seq, __ATOMIC_RELEASE); }
+
+/* Until each of n counters (stride bytes apart) holds at least seq: 1, or 0 after `seconds` (the
+ * caller checks that its peers live, then waits again). Spins briefly, then yields the core: two
+ * ranks on two cores must not keep a peer that still computes from running. */
+int bk_shm_wait(const char *counters, int n, int64_t stride, int64_t seq, double seconds) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long spin = 0;; spin++) {
+        int ready = 1;
+        for (int r = 0; r < n && ready; r++)
+            ready = __atomic_load_n((const int64_t *)(counters + r * stride), __ATOMIC_ACQUIRE) >= seq;
+        if (ready) return 1;
+        if (spin < 256) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#elif defined(__aarch64__)
+            __asm__ __volatile__("yield");
+#endif
+            continue;
+        }
+        sched_yield();
+        if (spin % 64 == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec) > seconds) return 0;
+        }
+    }
 }
