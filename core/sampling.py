@@ -68,20 +68,25 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
     Exposed on its own so speculative decoding can filter target and draft alike.
     """
-    logits = logits.float() / max(p.temperature, 1e-5)
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    # In place wherever the result is the same: over a 262k vocabulary each fresh copy is 1 MiB of
+    # heap, and a step that lands on untouched heap pages raises the process's peak memory.
+    x = logits.float() / max(p.temperature, 1e-5)  # always a new tensor: the caller's logits stay
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
+        x.masked_fill_(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    del x
     if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs.masked_fill_(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each token
+        before = sorted_p.cumsum(dim=-1).sub_(sorted_p)  # mass strictly before each token
         before[..., 0] = 0.0  # the most likely token always stays (a top_p under float32's least: 0)
-        sorted_p = sorted_p.masked_fill(before >= max(p.top_p, 1e-30), 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-    return probs / probs.sum(dim=-1, keepdim=True)
+        sorted_p.masked_fill_(before >= max(p.top_p, 1e-30), 0.0)
+        del before
+        probs.zero_().scatter_(-1, idx, sorted_p)
+        del sorted_p, idx
+    return probs.div_(probs.sum(dim=-1, keepdim=True))
 
 
 class Sampler:
