@@ -88,9 +88,11 @@ def test_a_short_answer_holds_no_file_pages_and_only_the_rope_rows_it_read(smoll
 
 
 def test_gemma3_peak_beyond_the_file_stays_bounded(gemma_path):
-    """Gemma 3's 262k-token vocabulary is most of what its process holds beyond the weights: the
-    tokenizer built from its vocabulary and merges apart (core/tokenizer.py) peaks 8 MiB lower than
-    Tokenizer.from_file's build did (2-core Xeon VM: 100 -> 92 MiB over the file, load and 8 tokens)."""
+    """Gemma 3's 262k-token vocabulary is most of what its process holds beyond the weights (2-core
+    Xeon VM: 92 MiB over the file after load and 8 tokens; 100 before the tokenizer was built from its
+    vocabulary and merges apart). The bound leaves room for another machine's libraries and allocator:
+    it catches tens of MiB more (a float copy of part of the 262k-row embedding, logits kept per
+    step), not a few."""
     for _ in range(2):  # the first run may build the header cache (the GGUF's vocabulary parsed): measure the next
         r = subprocess.run([sys.executable, "-c", _PROBE, str(gemma_path)], capture_output=True, text=True,
                            timeout=600)
@@ -99,4 +101,4 @@ def test_gemma3_peak_beyond_the_file_stays_bounded(gemma_path):
     assert m["file_rss"] <= 1 << 20, m
     if m["native"]:
         file = gemma_path.stat().st_size
-        assert m["peak"] <= file + (96 << 20), (m["peak"] >> 20, file >> 20)
+        assert m["peak"] <= file + (112 << 20), (m["peak"] >> 20, file >> 20)
