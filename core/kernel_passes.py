@@ -120,10 +120,16 @@ class JoinedMLP(MLP):
 class NativeBlocksTransformer(Transformer):
     """A Transformer whose blocks run in one native call where the pass allows (NativeDecoder)."""
 
+    def native_collectives(self):
+        """What a tensor-parallel shard's native blocks sum their outputs with (tp_shm.Segment),
+        None for a whole model, False where a shard's blocks cannot run natively."""
+        return None
+
     def blocks(self, x, start, kv, tree):
         rope, made = self.__dict__.get("_native_decoder", (None, None))
         if rope is not self.rope:  # described once per set of rope tables (setup_rope makes them)
-            made = NativeDecoder(self) if NativeDecoder.takes(self) else None
+            tp = self.native_collectives()
+            made = NativeDecoder(self, tp) if tp is not False and NativeDecoder.takes(self) else None
             self.__dict__["_native_decoder"] = self.rope, made
         y = None if made is None else made.run(x, start, kv, tree)
         if y is not None:

@@ -27,12 +27,21 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _ffn(model) -> int:
+    """The MLP's width as the weights have it (a tensor-parallel rank's part of cfg.ffn_dim)."""
+    mlp = model.model.layers[0].mlp
+    return model.cfg.ffn_dim if isinstance(mlp, MoE) else mlp.gate_proj.out_features
+
+
 class NativeDecoder:
     """The structs decoder.c reads for one model (and the tensors they point into, kept alive)."""
 
-    def __init__(self, model):
+    def __init__(self, model, tp=None):
+        """tp: a tensor-parallel rank's collectives (tp_shm.Segment), its model a shard (heads and
+        MLP width its own, cfg's heads already the rank's)."""
         cfg = model.cfg
-        self.arch = native.Arch(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.norm_eps,
+        self.tp = tp
+        self.arch = native.Arch(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, _ffn(model), cfg.norm_eps,
                                 cfg.attn_scale, cfg.qk_norm, cfg.sandwich_norm, native.Arch.ACTS[cfg.act],
                                 cfg.n_experts_used, cfg.norm_topk_prob, cfg.expert_ffn_dim, cfg.rotary_dim,
                                 cfg.routing == "topk_softmax", cfg.swiglu_limit, cfg.swiglu_alpha)
@@ -79,7 +88,7 @@ class NativeDecoder:
         """Whether every block of `model` can run natively: products on native kernels, float32
         rope tables on the CPU (need_rope: once setup_rope made them), shapes in whole vectors."""
         cfg = model.cfg
-        if not native.available() or any(n % 16 for n in (cfg.dim, cfg.head_dim, cfg.ffn_dim)) or cfg.head_dim > 512:
+        if not native.available() or any(n % 16 for n in (cfg.dim, cfg.head_dim, _ffn(model))) or cfg.head_dim > 512:
             return False
         if cfg.expert_ffn_dim % 16:
             return False
@@ -134,10 +143,10 @@ class NativeDecoder:
         if self.max_rows is not None and B * T > self.max_rows:
             return None
         if tree is not None:
-            if type(kv) is not ContiguousKV or not isinstance(start, int) or B != 1 or self._contiguous(kv) is None:
+            if not isinstance(kv, ContiguousKV) or not isinstance(start, int) or B != 1 or self._contiguous(kv) is None:
                 return None
             cache, pos, table = self._tree(kv, start, tree)
-        elif type(kv) is ContiguousKV and isinstance(start, int):
+        elif isinstance(kv, ContiguousKV) and isinstance(start, int):
             cache = self._contiguous(kv)
             if cache is None:
                 return None
@@ -154,7 +163,9 @@ class NativeDecoder:
         self.rope_tables.ready(end)
         x = x.contiguous()
         rc = native.library().bk_decoder(self.arch, self.layers, self.n_layers, cache, B * T, pos.data_ptr(),
-                                         table.data_ptr(), x.data_ptr(), native.level())
+                                         table.data_ptr(), x.data_ptr(), self.tp and self.tp.desc, native.level())
+        if rc in (native.TP.GONE, native.TP.TIMEOUT) and self.tp:
+            raise self.tp.failure(rc)
         if rc:
             raise RuntimeError(f"native decoder failed ({'out of memory' if rc == -2 else 'shapes'})")
         return x

@@ -52,7 +52,8 @@ from . import tp_shm
 from .checkpoint import kept_layer, release_file_pages, trim_heap
 from .errors import BriskError
 from .kv import ContiguousKV, PagedKV, PagedStep
-from .model import MLP, Router, Transformer
+from .kernel_passes import NativeBlocksTransformer
+from .model import MLP, MoE, Router, Transformer
 from .tp_split import check_blocks, head_rows, heads_of, parts, span
 from ..quant import gguf_blocks, gguf_types
 from ..quant.gguf_types import Q8_0
@@ -73,6 +74,21 @@ class Group:
     control: object  # the process group the steps are sent on (IDLE_TIMEOUT)
     children: list  # the follower processes rank 0 started (empty under torchrun)
     shm: tp_shm.Segment | None = None  # the hot collectives' segment (CPU ranks on one host), else gloo
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """t (contiguous) summed over the ranks, in place."""
+        if self.shm is not None:
+            self.shm.all_reduce(t)
+        else:
+            dist.all_reduce(t)
+
+    def gather_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's t (contiguous) side by side along the last dimension, in rank order."""
+        if self.shm is not None:
+            return self.shm.gather_columns(t)
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t)
+        return torch.cat(parts, dim=-1)
 
 
 _group: Group | None = None
@@ -414,7 +430,7 @@ def connect(net: ShardedTransformer) -> None:
         block.self_attn.o_proj.register_forward_hook(_all_reduce_output)
         # an MoE layer's output once, after its experts' partial outputs are weighted and added
         (block.mlp.down_proj if isinstance(block.mlp, MLP) else block.mlp).register_forward_hook(_all_reduce_output)
-    net.lm_head.register_forward_hook(_gather_vocab(net.cfg.vocab_size, net.__dict__["_tp"].world))
+    net.lm_head.register_forward_hook(_gather_vocab(net.cfg.vocab_size))
     _table_follows_head(net)
 
 
@@ -497,22 +513,13 @@ class VocabShardEmbedding(QuantEmbedding):
 
 def _all_reduce_output(module, inputs, out: torch.Tensor) -> torch.Tensor:
     out = out.contiguous()
-    if _group.shm is not None:
-        _group.shm.all_reduce(out)
-    else:
-        dist.all_reduce(out)
+    _group.all_reduce(out)
     return out
 
 
-def _gather_vocab(vocab: int, world: int):
+def _gather_vocab(vocab: int):
     def hook(module, inputs, out: torch.Tensor) -> torch.Tensor:
-        out = out.contiguous()
-        if _group.shm is not None:
-            parts = _group.shm.all_gather(out)
-        else:
-            parts = [torch.empty_like(out) for _ in range(world)]
-            dist.all_gather(parts, out)
-        return torch.cat(parts, dim=-1)[..., :vocab]
+        return _group.gather_columns(out.contiguous())[..., :vocab]
     return hook
 
 
@@ -522,7 +529,7 @@ def _gather_vocab(vocab: int, world: int):
 _cache_keys = itertools.count()
 
 
-class ShardedTransformer(Transformer):
+class ShardedTransformer(NativeBlocksTransformer):
     """A Transformer holding one rank's shard. On rank 0 each pass is first sent to the followers
     (which run it through Transformer.forward on their own caches); a rank that fails mid-pass
     ends the run with one error naming it."""
@@ -533,6 +540,15 @@ class ShardedTransformer(Transformer):
     @property
     def ranks(self) -> int:
         return self.__dict__["_tp"].world
+
+    def native_collectives(self):
+        # on one host a rank's blocks run natively, the all-reduces inside the call; MoE layers, a
+        # bias on o (rank 0's alone, added before the sum) and gloo stay with the torch blocks and
+        # their hooks: the same choice on every rank
+        shm = self.__dict__["_tp"].shm
+        if shm is None or self.cfg.o_bias or any(isinstance(b.mlp, MoE) for b in self.model.layers):
+            return False
+        return shm
 
     def forward(self, tokens, start, kv, tree=None, logit_rows=None, return_hidden=False):
         group: Group = self.__dict__["_tp"]

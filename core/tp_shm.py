@@ -13,10 +13,13 @@ gets the same bits. A tensor larger than a slot goes in rounds of a slot each.
 Rank 0 creates the file under /dev/shm and removes it once every rank has mapped it, so a crash
 leaves nothing behind. A wait checks every 0.1 s that the peers live (their pids), so a rank that
 died ends the pass with an error at once, and gives up after the step timeout as gloo does.
+The float32 all-reduce is native (bk_tp_all_reduce), and the native decoder runs it inside a pass
+(a CPU rank's blocks in one call, as a single process's): both count collectives in one counter.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import time
@@ -39,15 +42,28 @@ class Segment:
         self.lines = self.bytes[:world * LINE].view(torch.int64).view(world, LINE // 8)
         self.base = self.bytes.data_ptr()
         self.data = _header(world)
-        self.seq = 0
+        self._seq = ctypes.c_int64(0)  # the collectives so far, also counted by the native ones (desc)
         self.lib = native.library()
+        # the native decoder's all-reduces (bk_tp_all_reduce): the same rounds, banks and checks
+        self.desc = native.TP(self.base, ctypes.pointer(self._seq), rank, world, LINE, self.data, SLOT, CHECK, timeout)
+
+    @property
+    def seq(self) -> int:
+        return self._seq.value
 
     def pids(self) -> list[int]:
         return self.lines[:, 1].tolist()
 
+    def failure(self, rc: int) -> RuntimeError:
+        """The error for a native collective's failure code (native.TP.GONE or TIMEOUT)."""
+        gone = [r for r, pid in enumerate(self.pids()) if r != self.rank and not _alive(pid)]
+        if rc == native.TP.GONE and gone:  # worded for _peer_failure, as gloo's reset connection is
+            return RuntimeError(f"shared-memory collective: connection to rank {gone[0]} lost (it ended)")
+        return RuntimeError(f"shared-memory collective timed out after {self.timeout:.0f} s")
+
     def _round(self, part: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `part` (flat, at most a slot), as views of their slots."""
-        self.seq += 1
+        self._seq.value += 1
         bank = self.data + (self.seq % 2) * self.world * SLOT
         n = part.numel() * part.element_size()
         slots = [self.bytes[bank + r * SLOT:bank + r * SLOT + n].view(part.dtype) for r in range(self.world)]
@@ -55,11 +71,10 @@ class Segment:
         self.lib.bk_shm_post(self.base + self.rank * LINE, self.seq)
         deadline = time.monotonic() + self.timeout
         while not self.lib.bk_shm_wait(self.base, self.world, LINE, self.seq, CHECK):
-            gone = [r for r, pid in enumerate(self.pids()) if r != self.rank and not _alive(pid)]
-            if gone:  # worded for _peer_failure, as gloo's reset connection is
-                raise RuntimeError(f"shared-memory collective: connection to rank {gone[0]} lost (it ended)")
+            if any(r != self.rank and not _alive(pid) for r, pid in enumerate(self.pids())):
+                raise self.failure(native.TP.GONE)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"shared-memory collective timed out after {self.timeout:.0f} s")
+                raise self.failure(native.TP.TIMEOUT)
         return slots
 
     def _rounds(self, t: torch.Tensor):
@@ -69,7 +84,13 @@ class Segment:
             yield lo, self._round(flat[lo:lo + per])
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        """t (contiguous) summed over the ranks in place, slot 0 + slot 1 + ... in rank order."""
+        """t (contiguous) summed over the ranks in place, slot 0 + slot 1 + ... in rank order
+        (float32 by the native decoder's own all-reduce)."""
+        if t.dtype == torch.float32:
+            rc = self.lib.bk_tp_all_reduce(self.desc, t.data_ptr(), t.numel())
+            if rc:
+                raise self.failure(rc)
+            return
         flat = t.view(-1)
         for lo, slots in self._rounds(t):
             out = flat[lo:lo + slots[0].numel()]
@@ -77,14 +98,22 @@ class Segment:
             for s in slots[1:]:
                 out.add_(s)
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's t (the same shape on each), in rank order."""
-        parts = torch.empty((self.world, *t.shape), dtype=t.dtype)
-        flat = parts.view(self.world, -1)
+    def gather_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's t (contiguous, the same shape on each) side by side along the last
+        dimension, in rank order: [..., world n], each slot copied straight to its columns."""
+        n = t.shape[-1]
+        out = torch.empty((*t.shape[:-1], self.world * n), dtype=t.dtype)
+        cols = out.view(-1, self.world, n)  # [rows, rank, n]
         for lo, slots in self._rounds(t):
+            hi = lo + slots[0].numel()
             for r, s in enumerate(slots):
-                flat[r, lo:lo + s.numel()].copy_(s)
-        return list(parts)
+                at = lo
+                while at < hi:  # the round's run of t's elements, a row's piece at a time
+                    row, col = divmod(at, n)
+                    take = min(n - col, hi - at)
+                    cols[row, r, col:col + take].copy_(s[at - lo:at - lo + take])
+                    at += take
+        return out
 
 
 def _header(world: int) -> int:

@@ -316,6 +316,14 @@ class Cache(ctypes.Structure):
                 ("head_stride", ctypes.c_int64), ("type", ctypes.c_int)]
 
 
+class TP(ctypes.Structure):
+    """bk_tp: a tensor-parallel rank's same-host collectives (core/tp_shm.py's segment)."""
+    _fields_ = [("base", ctypes.c_void_p), ("seq", ctypes.POINTER(ctypes.c_int64)), ("rank", ctypes.c_int),
+                ("world", ctypes.c_int), ("line", ctypes.c_int64), ("data", ctypes.c_int64), ("slot", ctypes.c_int64),
+                ("check", ctypes.c_double), ("timeout", ctypes.c_double)]
+    GONE, TIMEOUT = -3, -4  # bk_tp_all_reduce's failures (BK_TP_GONE, BK_TP_TIMEOUT)
+
+
 @functools.cache
 def library():
     """The loaded library, or None (said once) where it cannot be built or loaded."""
@@ -330,7 +338,8 @@ def library():
     lib.bk_matmul.argtypes, lib.bk_matmul.restype = [ctypes.POINTER(Weight), i, p, p, i], i
     lib.bk_matmul_many.argtypes, lib.bk_matmul_many.restype = [ctypes.POINTER(Weight), i, i, p, p, i], i
     lib.bk_dequant_rows.argtypes, lib.bk_dequant_rows.restype = [ctypes.POINTER(Weight), p, i, p, i], i
-    lib.bk_decoder.argtypes = [ctypes.POINTER(Arch), ctypes.POINTER(Layer), i, ctypes.POINTER(Cache), i, p, p, p, i]
+    lib.bk_decoder.argtypes = [ctypes.POINTER(Arch), ctypes.POINTER(Layer), i, ctypes.POINTER(Cache), i, p, p, p,
+                               ctypes.POINTER(TP), i]
     lib.bk_decoder.restype = i
     lib.bk_int_dot.argtypes, lib.bk_int_dot.restype = [i], None
     lib.bk_int_dot(int(INT_DOT))
@@ -350,6 +359,7 @@ def library():
     lib.bk_quantize_rows.argtypes, lib.bk_quantize_rows.restype = [i, p, p, i, ctypes.c_int64], i
     lib.bk_shm_post.argtypes, lib.bk_shm_post.restype = [p, i64], None
     lib.bk_shm_wait.argtypes, lib.bk_shm_wait.restype = [p, i, i64, i64, ctypes.c_double], i
+    lib.bk_tp_all_reduce.argtypes, lib.bk_tp_all_reduce.restype = [ctypes.POINTER(TP), p, i64], i
     lib.bk_threads(settings.THREADS.get() or torch.get_num_threads())
     if lib.bk_cpu_level() == 1 and slow_avx2_build(Path(lib._name)):
         warnings.warn("brisk's native kernels for this CPU (AVX2) were built with GCC, whose code for them runs "

@@ -62,4 +62,20 @@ typedef struct {
     int type; /* BK_KV_*: the stored values' type */
 } bk_cache;
 
+/* Tensor parallelism on one host (core/tp_shm.py's segment): this rank's partial outputs of o and
+ * down summed over the ranks (bk_tp_all_reduce). The segment: world counters `line` bytes apart (a
+ * rank's collective count, then its pid), then at `data` two banks of world slots of `slot` bytes. */
+typedef struct {
+    char *base;
+    int64_t *seq; /* collectives so far: shared with the Python side, which runs the others */
+    int rank, world;
+    int64_t line, data, slot;
+    double check, timeout; /* seconds between checks that the peers live; the longest wait */
+} bk_tp;
+
+/* x[0 .. n) (float32) summed over the ranks in place, slot 0 + slot 1 + ... in rank order: 0, or
+ * BK_TP_GONE (a peer ended) or BK_TP_TIMEOUT */
+enum { BK_TP_GONE = -3, BK_TP_TIMEOUT = -4 };
+int bk_tp_all_reduce(const bk_tp *tp, float *x, int64_t n);
+
 #endif

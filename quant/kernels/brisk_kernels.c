@@ -24,6 +24,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -57,7 +58,7 @@ typedef void (*int_rows_fn)(const bk_weight *, int, int, int, const bk_xq *, flo
 typedef void (*quantize_x_fn)(const float *, int, int, int16_t *, float *, float *); /* both grids */
 typedef void (*quantize_x8_fn)(const float *, int, int, int8_t *, int8_t *, float *, int16_t *, int16_t *);
 typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,
-                          const int32_t *, float *, int);
+                          const int32_t *, float *, const bk_tp *, int);
 #define LEVEL_FUNCTIONS(S)                                                                                  \
     void bk_tile_rows_##S(const bk_weight *, int, int, int, const float *, float *, int64_t, float *);    \
     void bk_dequant_rows_##S(const bk_weight *, const int64_t *, int, float *);                           \
@@ -67,7 +68,7 @@ typedef int (*decoder_fn)(const bk_arch *, const bk_layer *, int, const bk_cache
     void bk_add_entries_##S(const bk_outlier *, int, int, int, const float *, const int32_t *, int64_t,    \
                             int64_t, float *, int64_t, int, int);                                          \
     int bk_decoder_##S(const bk_arch *, const bk_layer *, int, const bk_cache *, int, const int32_t *,    \
-                       const int32_t *, float *, int);                                                     \
+                       const int32_t *, float *, const bk_tp *, int);                                      \
     void bk_int_rows_##S(const bk_weight *, int, int, int, const bk_xq *, float *, int64_t, float *);      \
     void bk_quantize_x_##S(const float *, int, int, int16_t *, float *, float *);                         \
     void bk_quantize_x256_##S(const float *, int, int, int16_t *, float *, float *);                      \
@@ -952,18 +953,21 @@ int bk_quantize_rows(int type, const float *x, void *y, int nrows, int64_t k) {
     return 0;
 }
 
-/* Rows x [N, dim] through a model's blocks in place (decoder.c): 0, -1 for weights or shapes it does
- * not take, -2 out of memory. */
+/* Rows x [N, dim] through a model's blocks in place (decoder.c), tp a tensor-parallel rank's
+ * collectives or NULL: 0, -1 for weights or shapes it does not take, -2 out of memory, BK_TP_* */
 int bk_decoder(const bk_arch *a, const bk_layer *layers, int n_layers, const bk_cache *c, int N,
-               const int32_t *pos, const int32_t *table, float *x, int level) {
+               const int32_t *pos, const int32_t *table, float *x, const bk_tp *tp, int level) {
     if (N < 1 || a->dim % LANES_OK || a->head_dim % LANES_OK || a->ffn % LANES_OK || a->head_dim > 512 ||
         a->n_kv < 1 || a->n_heads % a->n_kv || a->rope_dim < 0 || a->rope_dim > a->head_dim || a->rope_dim % 2)
         return -1;
     for (int l = 0; l < n_layers; l++)
+        if (tp && (layers[l].n_experts || layers[l].o_bias)) /* rank 0 alone would hold o's bias */
+            return -1;
+    for (int l = 0; l < n_layers; l++)
         if (layers[l].n_experts && (a->expert_ffn % LANES_OK || a->n_used < 1 || a->n_used > layers[l].n_experts ||
                                     !layers[l].router || !layers[l].experts))
             return -1;
-    return KERNELS[clamp_level(level)].decoder(a, layers, n_layers, c, N, pos, table, x, clamp_level(level));
+    return KERNELS[clamp_level(level)].decoder(a, layers, n_layers, c, N, pos, table, x, tp, clamp_level(level));
 }
 
 /* Tensor parallelism's same-host collectives (core/tp_shm.py): every rank has a sequence counter in
@@ -997,4 +1001,45 @@ int bk_shm_wait(const char *counters, int n, int64_t stride, int64_t seq, double
             if ((double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec) > seconds) return 0;
         }
     }
+}
+
+/* Whether process pid runs: its /proc state is not Z or X (a peer that ended is a zombie until its
+ * parent collects it). */
+static int process_alive(int64_t pid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    FILE *f = fopen(path, "rb");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *end = strrchr(buf, ')');
+    return end && end[1] == ' ' && end[2] != 'Z' && end[2] != 'X';
+}
+
+/* bk_decoder.h; the rounds, banks and checks are tp_shm.Segment's, so the two interleave */
+int bk_tp_all_reduce(const bk_tp *tp, float *x, int64_t n) {
+    int64_t per = tp->slot / (int64_t)sizeof(float);
+    for (int64_t lo = 0; lo < n; lo += per) {
+        int64_t m = n - lo < per ? n - lo : per, seq = ++*tp->seq;
+        char *bank = tp->base + tp->data + (seq % 2) * tp->world * tp->slot;
+        memcpy(bank + tp->rank * tp->slot, x + lo, m * sizeof(float));
+        bk_shm_post((int64_t *)(tp->base + tp->rank * tp->line), seq);
+        struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        while (!bk_shm_wait(tp->base, tp->world, tp->line, seq, tp->check)) {
+            for (int r = 0; r < tp->world; r++)
+                if (r != tp->rank && !process_alive(*(const int64_t *)(tp->base + r * tp->line + 8))) return BK_TP_GONE;
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec) > tp->timeout)
+                return BK_TP_TIMEOUT;
+        }
+        float *y = x + lo;
+        memcpy(y, bank, m * sizeof(float));
+        for (int r = 1; r < tp->world; r++) {
+            const float *s = (const float *)(bank + r * tp->slot);
+            for (int64_t i = 0; i < m; i++) y[i] += s[i];
+        }
+    }
+    return 0;
 }

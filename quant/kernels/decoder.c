@@ -631,10 +631,12 @@ static void rows_pass(rows_job *j, int stage, int N) {
 
 /* Rows x [N, dim] (in place) through every layer: row r at position pos[r], its sequence's block
  * table at c->tables + table[r]. Every row's K/V are written before any row attends, so a row sees
- * the rows of this call that precede it in its sequence. Returns 0, -1 on a product's shape error,
- * -2 out of memory. */
+ * the rows of this call that precede it in its sequence. With tp (a rank of a tensor-parallel
+ * model: its heads and its part of the MLP's width in a and layers; no experts, no bias on o), the
+ * outputs of o and down are summed over the ranks as they are made.
+ * Returns 0, -1 on a product's shape error, -2 out of memory, BK_TP_* when a collective failed. */
 int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_layers, const bk_cache *c, int N,
-                               const int32_t *pos, const int32_t *table, float *x, int level) {
+                               const int32_t *pos, const int32_t *table, float *x, const bk_tp *tp, int level) {
     int dim = a->dim, D = a->head_dim, H = a->n_heads, KV = a->n_kv, F = a->ffn, W = (H + 2 * KV) * D;
     size_t floats = (size_t)N * (dim + W + H * D + dim + 2 * F + F);
     float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
@@ -687,6 +689,7 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
             t += row_tasks;
         }
         if ((rc = bk_matmul_many(&L->o, 1, N, att, o, level))) break;
+        if (tp && (rc = bk_tp_all_reduce(tp, o, (int64_t)N * dim))) break;
         rows_pass(&rj, ROWS_ATTN_OUT, N);
         if (L->n_experts) {
             if ((rc = moe(a, L, N, xn, o, level))) break;
@@ -695,8 +698,9 @@ int CAT(bk_decoder, BK_SUFFIX)(const bk_arch *a, const bk_layer *layers, int n_l
             rows_pass(&rj, ROWS_GATED, N);
             if ((rc = bk_matmul_many(&L->down, 1, N, act, o, level))) break;
         }
+        if (tp && (rc = bk_tp_all_reduce(tp, o, (int64_t)N * dim))) break;
         rows_pass(&rj, ROWS_FFN_OUT, N);
     }
     free(buf), free(tasks), free(partial);
-    return rc == -2 ? -2 : rc ? -1 : 0;
+    return rc == -2 || rc == BK_TP_GONE || rc == BK_TP_TIMEOUT ? rc : rc ? -1 : 0;
 }
