@@ -336,6 +336,26 @@ def test_save_and_reload(case, tmp_path):
         assert again.encode(text) == case.tok.encode(text)
 
 
+def test_bpe_built_apart_gives_from_files_ids(case, tmp_path):
+    """The vocabulary-and-merges build (used for large tokenizer.json files) against tokenizers' own
+    reading of the same file, on every model, whatever its size."""
+    import tokenizers
+
+    from brisk.core.tokenizer import _bpe_built_apart
+
+    case.tok.save(tmp_path)
+    apart = _bpe_built_apart(tmp_path / "tokenizer.json")
+    whole = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    if json.loads((tmp_path / "tokenizer.json").read_text())["model"]["type"] != "BPE":
+        assert apart is None
+        return
+    assert apart is not None and apart.get_vocab_size() == whole.get_vocab_size()
+    for text in TEXTS:
+        for special in (False, True):
+            assert apart.encode(text, add_special_tokens=special).ids == whole.encode(
+                text, add_special_tokens=special).ids, (text, special)
+
+
 def test_describe_difference(smol):
     tiny = _load("tinycoder").tok
     assert "vocabulary sizes" in smol.tok.describe_difference(tiny)
