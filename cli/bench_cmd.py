@@ -62,11 +62,11 @@ def bench(
         for dev, dt, quant in [(v, d, q) for v in _list(device) for d in _list(dtype) for q in _list(quantize)]:
             check_load_options(model or model_pos, dev, dt, quant, threads, tp)
         from ..core import benchmark
-        from ..core.device import cpu_threads, set_cpu_threads
+        from ..core.device import set_cpu_threads
 
         set_cpu_threads(threads)
         draft_options = c.check_draft(draft, draft_k, lookahead)
-        out = _Rows("json" if as_json else "csv" if as_csv else "table", cpu_threads(), tp)
+        out = _Rows("json" if as_json else "csv" if as_csv else "table", tp)
         pps, tgs, depths = _list(n_prompt, int), _list(n_gen, int), _list(n_depth, int)
         from ..core.load_options import check_kv_type
 
@@ -125,8 +125,8 @@ class _Rows:
 
     COLUMNS = ("model", "device", "dtype", "quant", "kv", "test", "tok/s", "ttft (s)", "model MB", "GB/s", "peak mem MB")
 
-    def __init__(self, form: str, threads: int, ranks: int = 1):
-        self.form, self.threads, self.ranks, self.rows = form, threads, ranks, []
+    def __init__(self, form: str, ranks: int = 1):
+        self.form, self.ranks, self.rows = form, ranks, []
 
     def add(self, rows) -> None:
         for r in rows:
@@ -145,7 +145,9 @@ class _Rows:
         if self.form == "table":
             peak = "peak mem MB" if first.device.startswith("cuda") else "peak RSS MB (process)"
             ranks = f" x {self.ranks} ranks (--tp: model MB, GB/s and memory are rank 0's)" if self.ranks > 1 else ""
-            print(f"brisk bench · {self.threads} threads{ranks}", flush=True)
+            from ..core.device import cpu_threads  # read after the load: --tp shares the cores out
+
+            print(f"brisk bench · {cpu_threads()} threads{ranks}", flush=True)
             print("| " + " | ".join(self.COLUMNS[:-1] + (peak,)) + " |")
             print("|" + "---|" * len(self.COLUMNS), flush=True)
         elif self.form == "csv":

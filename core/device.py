@@ -50,16 +50,26 @@ def cpu_has_fast_bf16() -> bool:
 
 # The CPU threads brisk computes with (--threads; default torch's, the physical cores).
 _threads = torch.get_num_threads()
+_chosen = False  # --threads given
 
 
 def set_cpu_threads(n: int | None) -> None:
     """--threads N: the threads brisk's kernels and torch use from now on (None: leave the default)."""
-    global _threads
+    global _threads, _chosen
     if n is None:
         return
     check_threads(n)
-    _threads = n
+    _threads, _chosen = n, True
     torch.set_num_threads(n)
+
+
+def share_cpu_threads(ranks: int) -> None:
+    """--tp: without --threads, the host's ranks share its physical cores (each keeps max(1, cores //
+    ranks)): every rank on every core spins for cores the others hold (bench/RESULTS.md)."""
+    global _threads
+    if not _chosen and ranks > 1:
+        _threads = max(1, _threads // ranks)
+        torch.set_num_threads(_threads)
 
 
 def cpu_threads() -> int:

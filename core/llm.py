@@ -1,6 +1,7 @@
 """LLM: a loaded model, its tokenizer and where it runs. The entry point of the Python API."""
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from torch import nn
 from . import progress
 from .checkpoint import Checkpoint, load_checkpoint
 from .config import DEFAULT_CTX
-from .device import cpu_threads, pick_device, pick_dtype, use_one_thread_pool
+from .device import cpu_threads, pick_device, pick_dtype, share_cpu_threads, use_one_thread_pool
 from .errors import BriskError, FileError, InvalidValue, PromptTooLong
 from .kernel_passes import apply_device_kernels
 from .load_options import QUANTIZE_CHOICES, check_quantize, check_tp  # noqa: F401  (QUANTIZE_CHOICES: also imported from here)
@@ -75,6 +76,8 @@ class LLM:
             from . import tensor_parallel
 
             tensor_parallel.check_load(ckpt, tp, quantize)
+            if dev.type == "cpu":  # the ranks on this host (torchrun's local ones) share its cores
+                share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", tp)))
             group = tensor_parallel.start(tp, dict(model=model, device=device, dtype=dtype, ctx=ctx,
                                                    quantize=quantize, kv_type=kv_type, tp=tp, threads=cpu_threads()))
             if dev.type == "cuda":

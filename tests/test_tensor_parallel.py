@@ -897,6 +897,26 @@ def test_bench_tp_2_batch(tiny_llama_dir):
     assert [row["test"] for row in rows] == ["tg8 x1", "tg8 x3"] and all(row["tok_s"] > 0 for row in rows)
 
 
+SHARED_THREADS = """
+import sys, torch
+torch.set_num_threads(4)  # the host's cores, as brisk counts them
+from brisk.core import LLM, device
+if sys.argv[2] != "-":
+    device.set_cpu_threads(int(sys.argv[2]))
+llm = LLM.load(sys.argv[1], device="cpu", dtype="float32", tp=2)
+print(device.cpu_threads())
+"""
+
+
+@pytest.mark.parametrize("threads,want", [("-", "2"), ("3", "3")])
+def test_ranks_share_the_cores_unless_told(threads, want, tiny_llama_dir):
+    """Without --threads the 2 ranks take half the cores each (each on every core, they contend for
+    them); --threads is per rank as given."""
+    r = python(SHARED_THREADS, str(tiny_llama_dir), threads)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == want
+
+
 def follower_pids(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
