@@ -63,30 +63,52 @@ def apply_penalties(logits: torch.Tensor, seen: Seen, p: SamplingParams) -> torc
     return apply_logit_bias(logits, p.logit_bias)
 
 
-def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution sampling draws from, after temperature and truncation (float32, [..., V]).
-
-    Exposed on its own so speculative decoding can filter target and draft alike.
-    """
-    # In place wherever the result is the same: over a 262k vocabulary each fresh copy is 1 MiB of
-    # heap, and a step that lands on untouched heap pages raises the process's peak memory.
+def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens a draw can pick from one position's logits [V] and their probabilities after
+    temperature and truncation (float32, summing to 1): (ids, probs) over the top_k tokens (those
+    tied with the k-th too), in id order, or (None, probs [V]) where top_k is off. Past top_k the
+    work is over those few: a whole-vocabulary sort and draw cost SmolLM2 (49k tokens) 6.5 ms a token
+    and Gemma 3 (262k) 32 ms (bench/RESULTS.md)."""
     x = logits.float() / max(p.temperature, 1e-5)  # always a new tensor: the caller's logits stay
-    if p.top_k and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
-        x.masked_fill_(x < kth, float("-inf"))
+    ids = None
+    k = p.top_k
+    if k and k < x.shape[-1]:
+        top = torch.topk(x, k + 1)  # one more: whether a token outside the k ties with the k-th
+        if top.values[k] < top.values[k - 1]:
+            ids = top.indices[:k].sort().values
+        else:  # every token tied with the k-th stays
+            ids = (x >= top.values[k - 1]).nonzero().squeeze(-1)
+        x = x[ids]
+    # in place wherever the result is the same: over a 262k vocabulary each fresh copy is 1 MiB of
+    # heap, and a step that lands on untouched heap pages raises the process's peak memory
     probs = torch.softmax(x, dim=-1)
     del x
     if p.min_p > 0:
-        probs.masked_fill_(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs.masked_fill_(probs < p.min_p * probs.amax(), 0.0)
     if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        sorted_p, order = probs.sort(descending=True, stable=True)
         before = sorted_p.cumsum(dim=-1).sub_(sorted_p)  # mass strictly before each token
-        before[..., 0] = 0.0  # the most likely token always stays (a top_p under float32's least: 0)
+        before[0] = 0.0  # the most likely token always stays (a top_p under float32's least: 0)
         sorted_p.masked_fill_(before >= max(p.top_p, 1e-30), 0.0)
         del before
-        probs.zero_().scatter_(-1, idx, sorted_p)
-        del sorted_p, idx
-    return probs.div_(probs.sum(dim=-1, keepdim=True))
+        probs.zero_().scatter_(-1, order, sorted_p)
+        del sorted_p, order
+    return ids, probs.div_(probs.sum())
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from, after temperature and truncation (float32, [..., V]):
+    candidates() of each row, as a whole vocabulary's. Speculative decoding filters target and
+    draft alike with it."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = torch.zeros(rows.shape, dtype=torch.float32, device=logits.device)
+    for row, dense in zip(rows, out):
+        ids, probs = candidates(row, p)
+        if ids is None:
+            dense.copy_(probs)
+        else:
+            dense[ids] = probs
+    return out.view(logits.shape)
 
 
 class Sampler:
@@ -104,5 +126,6 @@ class Sampler:
             logits = apply_penalties(logits, seen, self.params)
         if self.params.greedy:
             return int(logits.argmax())
-        probs = probabilities(logits, self.params).cpu()
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        ids, probs = candidates(logits, self.params)
+        pick = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+        return pick if ids is None else int(ids[pick])

@@ -56,6 +56,56 @@ def test_probabilities_truncation():
     assert torch.allclose(hot, torch.softmax(logits / 0.5, -1))
 
 
+def _dense_probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The rules over the whole vocabulary, as written: temperature, top-k (ties with the k-th kept),
+    softmax, min-p, top-p (the most likely token always kept), renormalized."""
+    x = logits.double() / max(p.temperature, 1e-5)
+    if p.top_k and p.top_k < x.numel():
+        x[x < torch.topk(x, p.top_k).values[-1]] = float("-inf")
+    probs = torch.softmax(x, -1)
+    if p.min_p > 0:
+        probs[probs < p.min_p * probs.max()] = 0
+    if p.top_p < 1:
+        sorted_p, order = probs.sort(descending=True, stable=True)
+        before = sorted_p.cumsum(-1) - sorted_p
+        before[0] = 0
+        sorted_p[before >= p.top_p] = 0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(40, 0.9, 0.1), (3, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.05),
+                                               (7, 0.5, 0.0), (5000, 0.95, 0.0)])
+def test_candidates_are_the_whole_vocabularys_rules(top_k, top_p, min_p):
+    """The top-k candidates (sampling's work over k tokens, not the vocabulary) against the rules
+    applied to the whole vocabulary: the same tokens kept, the same probabilities; ties with the k-th
+    token stay; a batch of rows is each row's; a draw picks only kept tokens, as often as their
+    probabilities say."""
+    from brisk.core.sampling import Sampler, candidates
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randn(3000, generator=gen) * (1 + trial % 4)
+        if trial % 5 == 0:  # ties at the k-th and beyond (rounded logits)
+            logits = (logits * 2).round() / 2
+        p = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+        want = _dense_probabilities(logits, p)
+        got = probabilities(logits, p)
+        assert torch.equal(got > 0, want > 0), trial
+        torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+        batch = probabilities(torch.stack([logits, logits.flip(0)]), p)
+        assert torch.equal(batch[0], got) and torch.equal(batch[1], probabilities(logits.flip(0), p))
+    ids, probs = candidates(logits, p)
+    assert (ids is None) == (not top_k or top_k >= logits.numel())
+    sampler, counts = Sampler(SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p, seed=1)), {}
+    for _ in range(3000):
+        t = sampler(logits)
+        counts[t] = counts.get(t, 0) + 1
+    assert all(want[t] > 0 for t in counts)
+    for t, n in counts.items():
+        assert abs(n / 3000 - want[t].item()) < 0.04, (t, n, want[t].item())
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1.0),
                                  dict(top_k=-3), dict(repetition_penalty=0), dict(presence_penalty=2.5),
                                  dict(frequency_penalty=-2.1), dict(logit_bias={1: 101}), dict(logit_bias={-1: 1}),
