@@ -96,6 +96,13 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
     return ids, probs.div_(probs.sum())
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a distribution over the vocabulary ([V], on the CPU), drawn among its nonzero
+    entries: torch.multinomial draws a random number for every entry it is given (13 ms over 262k)."""
+    ids = probs.nonzero().squeeze(-1)
+    return int(ids[torch.multinomial(probs[ids], 1, generator=generator)])
+
+
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from, after temperature and truncation (float32, [..., V]):
     candidates() of each row, as a whole vocabulary's. Speculative decoding filters target and
@@ -127,5 +134,6 @@ class Sampler:
         if self.params.greedy:
             return int(logits.argmax())
         ids, probs = candidates(logits, self.params)
-        pick = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
-        return pick if ids is None else int(ids[pick])
+        if ids is None:
+            return draw(probs.cpu(), self.generator)
+        return int(ids[torch.multinomial(probs.cpu(), 1, generator=self.generator)])

@@ -104,6 +104,16 @@ def test_candidates_are_the_whole_vocabularys_rules(top_k, top_p, min_p):
     assert all(want[t] > 0 for t in counts)
     for t, n in counts.items():
         assert abs(n / 3000 - want[t].item()) < 0.04, (t, n, want[t].item())
+    # draw() (speculative decoding's residuals, the whole-vocabulary rules): among the nonzero entries alike
+    from brisk.core.sampling import draw
+
+    gen, counts = torch.Generator().manual_seed(2), {}
+    for _ in range(3000):
+        t = draw(want.float(), gen)
+        counts[t] = counts.get(t, 0) + 1
+    assert all(want[t] > 0 for t in counts)
+    for t, n in counts.items():
+        assert abs(n / 3000 - want[t].item()) < 0.04, (t, n, want[t].item())
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1.0),

@@ -11,7 +11,7 @@ from ..cuda_graph import decode_step
 from ..errors import BriskError
 from ..generate import common_prefix, prefill
 from ..kv import ContiguousKV
-from ..sampling import apply_penalties, extend_seen, probabilities
+from ..sampling import apply_penalties, draw, extend_seen, probabilities
 from .drafter import Drafter
 
 
@@ -81,7 +81,7 @@ class ModelDrafter(Drafter):
                 tok = int(logits.argmax())
             else:
                 q = probabilities(logits, params)
-                tok = int(torch.multinomial(q.cpu(), 1, generator=gen))
+                tok = draw(q.cpu(), gen)
                 qs.append(q)
             out.append(tok)
             if len(out) == k:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, Seen, apply_penalties, extend_seen, probabilities
+from ..sampling import SamplingParams, Seen, apply_penalties, draw, extend_seen, probabilities
 
 
 def acceptance_probability(p_x: float, q_x: float) -> float:
@@ -46,8 +46,8 @@ def verify(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
             residual[x] = 0
         if residual.sum() <= 0:  # p == q up to rounding: rejection was a fluke of float error
             residual = p[i]
-        return i, int(torch.multinomial(residual, 1, generator=gen))
-    return k, int(torch.multinomial(p[k], 1, generator=gen))
+        return i, draw(residual, gen)
+    return k, draw(p[k], gen)
 
 
 def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], candidate: list[bool] | None,
@@ -96,6 +96,6 @@ def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], can
             if nxt is None:
                 if residual.sum() <= 0:  # rounding left no mass: what was rejected had it all
                     residual = p
-                return path, int(torch.multinomial(residual, 1, generator=gen))
+                return path, draw(residual, gen)
         path.append(nxt)
         node = nxt
