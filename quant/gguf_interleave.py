@@ -47,7 +47,7 @@ TYPES = tuple(t.id for t in gguf_types.INTERLEAVED)  # the types with an interle
 packable = gguf_types.interleavable
 
 
-NATIVE_LAYOUTS = (Q4_K, Q6_K, Q8_0)  # the kernels' bk_pack_x8 packs these directly
+NATIVE_LAYOUTS = (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1)  # the kernels' bk_pack_x8 packs these directly
 CHUNK = 4096  # rows packed at a time: the temporaries (a strided view's reshape copies) stay small
 
 

@@ -307,9 +307,10 @@ void bk_pack_groups(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t ro
     parallel_rows(pack_chunk, &j, (int)groups, 8);
 }
 
-/* Q4_K, Q6_K and Q8_0 written out by hand: Q6_K's and Q8_0's layouts move 6-bit codes and single
- * bytes, one program term each, which the generic packer runs slowly; Q4_K, the most common, goes
- * faster as whole 8-byte copies. The layouts are quant/gguf_interleave.py's
+/* Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 written out by hand: Q6_K's, Q8_0's and Q4_0/Q4_1's layouts move
+ * 6-bit codes, single bytes and nibbles, one program term each, which the generic packer runs
+ * slowly (the default model's Q4_1 at 0.2 GB/s: half its load); Q4_K, the most common, goes faster
+ * as whole 8-byte copies. The layouts are quant/gguf_interleave.py's
  * (_pack_q6_k, _small), the kernels' (q4k_x8.h, q8_x8.h). */
 BK_INLINE uint64_t bytes8(const uint8_t *p) {
     uint64_t v;
@@ -376,6 +377,32 @@ static void pack_q8_0_block(const uint8_t *const *in, uint8_t *restrict out) {
     for (int r = 0; r < 8; r++) memcpy(out + 256 + 2 * r, in[r], 2);
 }
 
+/* a Q4_0 / Q4_1 block's 8 rows (its `fields` fp16 fields, then 16 code bytes: weight i low nibble,
+ * i + 16 high) -> two vectors of 32 uint16 lanes, lane 8r + i of vector V holding weight 8c + i of
+ * rows r and 4 + r in nibbles c = 2V (low byte) and 2V + 1 (high byte), each row r's code below row
+ * 4 + r's; then the 8 rows' d (and m): gguf_interleave._q4_lanes' layout, the kernels' (q8_x8.h) */
+BK_INLINE void pack_q4_block(const uint8_t *const *in, uint8_t *restrict out, int fields) {
+    int head = 2 * fields;
+    for (int V = 0; V < 2; V++)
+        for (int r = 0; r < 4; r++) {
+            int sh = 4 * V;
+            uint64_t lo = (bytes8(in[r] + head) >> sh & NIBBLES) | (bytes8(in[4 + r] + head) >> sh & NIBBLES) << 4,
+                     hi = (bytes8(in[r] + head + 8) >> sh & NIBBLES) | (bytes8(in[4 + r] + head + 8) >> sh & NIBBLES) << 4;
+            uint8_t *o = out + V * 64 + r * 16;
+#if defined(__SSE2__)
+            _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi8(_mm_cvtsi64_si128((long long)lo),
+                                                             _mm_cvtsi64_si128((long long)hi)));
+#else
+            for (int i = 0; i < 8; i++) o[2 * i] = (uint8_t)(lo >> 8 * i), o[2 * i + 1] = (uint8_t)(hi >> 8 * i);
+#endif
+        }
+    for (int f = 0; f < fields; f++)
+        for (int r = 0; r < 8; r++) memcpy(out + 128 + 16 * f + 2 * r, in[r] + 2 * f, 2);
+}
+
+static void pack_q4_0_block(const uint8_t *const *in, uint8_t *restrict out) { pack_q4_block(in, out, 1); }
+static void pack_q4_1_block(const uint8_t *const *in, uint8_t *restrict out) { pack_q4_block(in, out, 2); }
+
 static void pack_x8_chunk(const void *p, int g0, int g1) {
     const pack_job *j = p;
     int64_t group_bytes = 8 * j->row_bytes;
@@ -387,13 +414,14 @@ static void pack_x8_chunk(const void *p, int g0, int g1) {
         }
 }
 
-/* groups of 8 rows of GGUF type qtype (12: Q4_K, 14: Q6_K, 8: Q8_0) from src into dst, interleaved;
- * -1 for another type (bk_pack_groups takes those) */
+/* groups of 8 rows of GGUF type qtype (12: Q4_K, 14: Q6_K, 8: Q8_0, 2: Q4_0, 3: Q4_1) from src into
+ * dst, interleaved; -1 for another type (bk_pack_groups takes those) */
 int bk_pack_x8(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t row_bytes, int qtype) {
-    int block_bytes = qtype == 12 ? 144 : qtype == 14 ? 210 : qtype == 8 ? 34 : 0;
+    int block_bytes = qtype == 12 ? 144 : qtype == 14 ? 210 : qtype == 8 ? 34 : qtype == 2 ? 18 : qtype == 3 ? 20 : 0;
     if (!block_bytes) return -1;
     pack_job j = {src, dst, row_bytes, block_bytes, (int)(row_bytes / block_bytes), NULL, 0, NULL,
-                  qtype == 12 ? pack_q4k_block : qtype == 14 ? pack_q6k_block : pack_q8_0_block};
+                  qtype == 12 ? pack_q4k_block : qtype == 14 ? pack_q6k_block : qtype == 8 ? pack_q8_0_block :
+                  qtype == 2 ? pack_q4_0_block : pack_q4_1_block};
     parallel_rows(pack_x8_chunk, &j, (int)groups, 8);
     return 0;
 }
