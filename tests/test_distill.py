@@ -179,7 +179,8 @@ def test_drafter_tree_holds_the_heads_top_choices(tiny, heads_dir):
 
     drafter.observe(None, None, hidden, [0])  # the loop's limits: at most 2 deep, at most 4 nodes
     small = drafter.propose_tree(ctx, 10, 2, 4, None, None, None)
-    assert small.tokens == [t for t, n in zip(tokens, nodes) if len(n) <= 2][:4]
+    shallow = [n for n in drafter.nodes if len(n) <= 2][:4]  # the tree's first 4 such nodes, wherever they sit
+    assert small.tokens == [int(ranked[len(n) - 1, n[-1]]) for n in shallow]
     assert all(-1 <= p < i for i, p in enumerate(small.parents))
 
     drafter.observe(None, None, hidden, [])  # nothing accepted: row 0 chose the pending token
