@@ -989,11 +989,9 @@ int bk_decoder(const bk_arch *a, const bk_layer *layers, int n_layers, const bk_
         a->n_kv < 1 || a->n_heads % a->n_kv || a->rope_dim < 0 || a->rope_dim > a->head_dim || a->rope_dim % 2)
         return -1;
     for (int l = 0; l < n_layers; l++)
-        if (tp && (layers[l].n_experts || layers[l].o_bias)) /* rank 0 alone would hold o's bias */
-            return -1;
-    for (int l = 0; l < n_layers; l++)
-        if (layers[l].n_experts && (a->expert_ffn % LANES_OK || a->n_used < 1 || a->n_used > layers[l].n_experts ||
-                                    !layers[l].router || !layers[l].experts))
+        if ((tp && (layers[l].n_experts || layers[l].o_bias)) || /* tp: rank 0 alone would hold o's bias */
+            (layers[l].n_experts && (a->expert_ffn % LANES_OK || a->n_used < 1 || a->n_used > layers[l].n_experts ||
+                                     !layers[l].router || !layers[l].experts)))
             return -1;
     return KERNELS[clamp_level(level)].decoder(a, layers, n_layers, c, N, pos, table, x, tp, clamp_level(level));
 }
