@@ -41,7 +41,7 @@ def kernels():
 
 
 @functools.cache
-def blocks(name: str, K: int, source: str) -> tuple[np.ndarray, np.ndarray]:
+def blocks(name: str, K: int, source: str, N: int = N) -> tuple[np.ndarray, np.ndarray]:
     """uint8 [N, row bytes] of type `name` and gguf's dequantization of them, float32 [N, K]. `source`:
     "quantized" (gguf.quants.quantize of random weights, None where the package cannot) or "random" (random
     bytes, fp16 fields overwritten with halves of either sign between 1e-3 and 0.25)."""
@@ -65,12 +65,12 @@ def blocks(name: str, K: int, source: str) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(raw), ref
 
 
-def weight(name: str, K: int, source: str = "random") -> tuple[native.NativeWeight, np.ndarray]:
+def weight(name: str, K: int, source: str = "random", N: int = N) -> tuple[native.NativeWeight, np.ndarray]:
     """name "Q2_K x8" ... "Q4_1 x8", "Q5_0 x8", "Q5_1 x8": rows interleaved by 8
     (gguf_interleave), as brisk loads those types (N = 37: four groups and a tail of 5 rows in the file's layout)."""
     x8 = name.endswith(" x8")
     name = name.removesuffix(" x8")
-    made = blocks(name, K, source)
+    made = blocks(name, K, source, N)
     if made is None:
         pytest.skip(f"the gguf package cannot quantize {name}")
     raw, ref = made
@@ -134,11 +134,25 @@ def test_k_quants_both_activation_grids(level, act_bits, name, K):
     _close_and_batch_invariant(name, K)
 
 
-def _close_and_batch_invariant(name, K):
-    w, ref = weight(name, K)
+@pytest.mark.parametrize("name", ["Q4_K x8", "Q5_K x8", "Q6_K x8", "Q2_K x8", "Q4_1 x8", "Q8_0 x8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_blocks_keep_each_rows_bits(level, name, threads):
+    """A prefill's product against a long K goes through the weight's rows 64 at a time and the
+    activations a few rows at a time (X8_PASS_ROWS, x8_act_rows: 16 rows at K = 2048): 77 rows (two
+    passes, then a tail in the file's layout) times 40 activation rows (three blocks). Each row is
+    still close, and alone gives the bits it gives in the batch."""
+    native.set_threads(threads)
+    try:
+        _close_and_batch_invariant(name, 2048, N=77, Ms=(40,))
+    finally:
+        native.set_threads(torch.get_num_threads())
+
+
+def _close_and_batch_invariant(name, K, N=N, Ms=(1, 3, 17)):
+    w, ref = weight(name, K, N=N)
     g = torch.Generator().manual_seed(K)
     wd = torch.from_numpy(ref).double()
-    for M in (1, 3, 17):
+    for M in Ms:
         x = torch.randn(M, K, generator=g)
         y = w.matmul(x)
         assert y.dtype == torch.float32 and y.shape == (M, N)

@@ -58,6 +58,24 @@
 #define X8_PREFETCH 4608 /* bytes ahead of the super-block being read (4 of them) */
 #endif
 
+/* A product of many activation rows (prefill) goes through its weight's groups X8_PASS_ROWS rows at a
+ * time and, for each such pass, through the activations x8_act_rows rows at a time: a block's codes
+ * (~X8_ACT_BYTES) stay in the core's first caches while the pass's groups read them, and the pass's
+ * weights in L2 while the blocks go by. Every group reading every activation row went to L3 for each
+ * group once the rows outgrew L2 (1-3 MiB at K = 2048-5632 and 512 rows). A row's sums keep their
+ * order: its bits do not depend on the blocks. */
+#ifndef X8_PASS_ROWS
+#define X8_PASS_ROWS 64
+#endif
+#ifndef X8_ACT_BYTES
+#define X8_ACT_BYTES (32 * 1024)
+#endif
+BK_INLINE int x8_act_rows(int M, int64_t row_bytes) {
+    int64_t mb = X8_ACT_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    mb = mb < 16 ? 16 : mb;
+    return mb < M ? (int)mb : M;
+}
+
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
 typedef uint8_t u8x32s __attribute__((vector_size(32)));
 

@@ -156,10 +156,13 @@ BK_INLINE void x8i16_rows(const bk_weight *w, int type, int n0, int n1, int M, c
                           v16 *acc) {
     int nb = w->K / QK, whole = w->N / X8_ROWS * X8_ROWS, bytes = x8i16_bytes(type);
     int64_t group_bytes = (int64_t)nb * bytes;
-    for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
+    int mb = x8_act_rows(M, 2 * (int64_t)w->K); /* 16-bit codes */
+    for (int gp = n0 / X8_ROWS * X8_ROWS; gp < n1 && gp < whole; gp += X8_PASS_ROWS)
+    for (int m_lo = 0; m_lo < M; m_lo += mb)
+    for (int g0 = gp, m_hi = m_lo + mb < M ? m_lo + mb : M; g0 < gp + X8_PASS_ROWS && g0 < n1 && g0 < whole; g0 += X8_ROWS) {
         const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
         v16 one[2] = {{0}, {0}}, *f = M == 1 ? one : acc;
-        for (int i = 0; i < 2 * M && M > 1; i++) acc[i] = (v16){0};
+        for (int i = 2 * m_lo; i < 2 * m_hi && M > 1; i++) acc[i] = (v16){0};
         for (int b = 0; b < nb; b++) {
             const uint8_t *g = grp + (int64_t)b * bytes;
             for (int o = 0; o < bytes; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
@@ -168,7 +171,7 @@ BK_INLINE void x8i16_rows(const bk_weight *w, int type, int n0, int n1, int M, c
             if (type == BK_Q8_0) q8x8_read(g, &blk);
             else if (type == BK_MXFP4) mxfp4x8_read(g, &blk);
             else q4x8_read(g, type, &blk, &m0, &m1);
-            for (int mi = 0; mi < M; mi++) {
+            for (int mi = m_lo; mi < m_hi; mi++) {
                 int64_t at = (int64_t)mi * nb + b;
                 q8x8_accumulate(&blk, x->q + at * QK, x->s[at], &f[2 * mi], &f[2 * mi + 1]);
                 if (X8_MIN(type)) { /* + m s sum(codes), at lane 4r' of row r' */
@@ -177,7 +180,7 @@ BK_INLINE void x8i16_rows(const bk_weight *w, int type, int n0, int n1, int M, c
                 }
             }
         }
-        for (int mi = 0; mi < M; mi++)
+        for (int mi = m_lo; mi < m_hi; mi++)
             for (int r = 0; r < X8_ROWS; r++)
                 if (g0 + r >= n0 && g0 + r < n1) y[(int64_t)mi * ldy + g0 + r] = sum4(f[2 * mi + r / 4], r % 4);
     }

@@ -20,10 +20,13 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
     int bytes = X8_ROWS * bk_block_bytes(type); /* a group's super-block: 8 rows' */
     int64_t group_bytes = (int64_t)ns * bytes;
     x8_codes codes[1]; /* (M > 1) a super-block's decoded codes, reused by every activation row */
-    for (int g0 = n0 / X8_ROWS * X8_ROWS; g0 < n1 && g0 < whole; g0 += X8_ROWS) {
+    int mb = x8_act_rows(M, w->K);
+    for (int gp = n0 / X8_ROWS * X8_ROWS; gp < n1 && gp < whole; gp += X8_PASS_ROWS)
+    for (int m_lo = 0; m_lo < M; m_lo += mb)
+    for (int g0 = gp, m_hi = m_lo + mb < M ? m_lo + mb : M; g0 < gp + X8_PASS_ROWS && g0 < n1 && g0 < whole; g0 += X8_ROWS) {
         const uint8_t *grp = w->data + (int64_t)(g0 / X8_ROWS) * group_bytes;
         v16 f1 = {0}, *f = M == 1 ? &f1 : acc;
-        for (int mi = 0; mi < M && M > 1; mi++) acc[mi] = (v16){0};
+        for (int mi = m_lo; mi < m_hi && M > 1; mi++) acc[mi] = (v16){0};
         for (int sb = 0; sb < ns; sb++) {
             const uint8_t *g = grp + (int64_t)sb * bytes;
             for (int o = 0; o < bytes; o += 64) __builtin_prefetch(g + X8_PREFETCH + o);
@@ -32,7 +35,7 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
                 q2x8_read(g + 512, &h);
                 if (M > 1) {
                     q2x8_decode(g, codes);
-                    for (int mi = 0; mi < M; mi++) {
+                    for (int mi = m_lo; mi < m_hi; mi++) {
                         int64_t at = (int64_t)mi * ns + sb;
                         f[mi] = q2x8_finish(x8_codes_dot(codes, x->q8 + at * 256, h.sc), &h, x->xs8 + at * 16,
                                             splat16(x->s8[at]), f[mi]);
@@ -46,7 +49,7 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
                 if (M > 1) {
                     if (type == BK_Q3_K) q3x8_decode(g, codes);
                     else q6x8_decode(g, codes);
-                    for (int mi = 0; mi < M; mi++) {
+                    for (int mi = m_lo; mi < m_hi; mi++) {
                         int64_t at = (int64_t)mi * ns + sb;
                         vi16 a = x8_codes_dot(codes, x->q8 + at * 256, h.sc);
                         f[mi] = type == BK_Q3_K ? q3x8_finish(a, &h, x->xs8 + at * 16, splat16(x->s8[at]), f[mi])
@@ -64,7 +67,7 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
                                           * from ~8 rows, and costs below that) */
                     if (q5) q5x8_decode(g, codes);
                     else q4x8_decode(g, codes);
-                    for (int mi = 0; mi < M; mi++) {
+                    for (int mi = m_lo; mi < m_hi; mi++) {
                         int64_t at = (int64_t)mi * ns + sb;
                         f[mi] = x8_finish(x8_codes_dot_k(codes, x->q8 + at * 256, &h), &h, x->xm8 + at * 16 + 8,
                                           splat16(x->s8[at]), f[mi]);
@@ -72,13 +75,13 @@ BK_INLINE void x8_rows(const bk_weight *w, int type, int n0, int n1, int M, cons
                 } else if (q5)
                     f[0] = q5x8_accumulate(g, &h, x->q8 + sb * 256, x->xm8 + sb * 16 + 8, splat16(x->s8[sb]), f[0]);
                 else
-                    for (int mi = 0; mi < M; mi++) { /* (Q4_K: up to 7 rows) */
+                    for (int mi = m_lo; mi < m_hi; mi++) { /* (Q4_K: up to 7 rows) */
                         int64_t at = (int64_t)mi * ns + sb;
                         f[mi] = x8_accumulate(g, &h, x->q8 + at * 256, x->xm8 + at * 16 + 8, splat16(x->s8[at]), f[mi]);
                     }
             }
         }
-        for (int mi = 0; mi < M; mi++)
+        for (int mi = m_lo; mi < m_hi; mi++)
             for (int r = 0; r < X8_ROWS; r++)
                 if (g0 + r >= n0 && g0 + r < n1) y[(int64_t)mi * ldy + g0 + r] = f[mi][2 * r] + f[mi][2 * r + 1];
     }
